@@ -1,0 +1,49 @@
+"""Exception hierarchy shared by the core and every plugin.
+
+Everything the framework raises on purpose derives from :class:`OmniPluginsError`,
+so callers can catch one type; each subclass says which layer failed.
+"""
+
+from __future__ import annotations
+
+
+class OmniPluginsError(Exception):
+    """Base class of every error raised on purpose by omni-plugins."""
+
+
+class ConfigError(OmniPluginsError, ValueError):
+    """A configuration is invalid. The message names file, stage and field when known."""
+
+
+class ConnectorNotFoundError(OmniPluginsError, LookupError):
+    """No connector is registered under the requested name."""
+
+
+class PluginLoadError(OmniPluginsError, ImportError):
+    """A plugin distribution failed to load (raised in strict mode or when chosen)."""
+
+
+class DuplicateConnectorError(OmniPluginsError):
+    """Two distributions register the same canonical connector name."""
+
+
+class ConnectorClosedError(OmniPluginsError, RuntimeError):
+    """A connector was used after ``close()``."""
+
+
+class ConnectorError(OmniPluginsError, RuntimeError):
+    """A backend operation failed (server down, transfer error, corrupt data).
+
+    Backends raise this (or a subclass) with a message naming the server and key.
+    """
+
+
+class WireFormatError(OmniPluginsError, ValueError):
+    """Bytes could not be decoded (or an object could not be encoded) by ``omni_plugins.wire``.
+
+    The only exception :func:`omni_plugins.wire.decode` raises on bad input.
+    """
+
+
+class BuilderError(ConfigError):
+    """A payload builder cannot be imported or has the wrong signature."""
