@@ -1,0 +1,59 @@
+"""omni-plugins: plugin-based connectors for multi-stage inference pipelines.
+
+This module only re-exports the public surface; see the submodules.
+"""
+
+from omni_plugins.config import (
+    ConnectorConfig,
+    PipelineConfig,
+    RankMapping,
+    StageConfig,
+    StageConnectorConfig,
+    load_pipeline_config,
+)
+from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+from omni_plugins.errors import (
+    BuilderError,
+    ConfigError,
+    ConnectorClosedError,
+    ConnectorError,
+    ConnectorNotFoundError,
+    DuplicateConnectorError,
+    OmniPluginsError,
+    PluginLoadError,
+    WireFormatError,
+)
+from omni_plugins.factory import available_connectors, create_connector, plugin_statuses
+from omni_plugins.hookspecs import hookimpl, hookspec
+from omni_plugins.settings import ConnectorSettings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BuilderError",
+    "Capabilities",
+    "ConfigError",
+    "Connector",
+    "ConnectorClosedError",
+    "ConnectorConfig",
+    "ConnectorError",
+    "ConnectorNotFoundError",
+    "ConnectorSettings",
+    "DuplicateConnectorError",
+    "GetResult",
+    "OmniPluginsError",
+    "PipelineConfig",
+    "PluginLoadError",
+    "PutResult",
+    "RankMapping",
+    "StageConfig",
+    "StageConnectorConfig",
+    "WireFormatError",
+    "__version__",
+    "available_connectors",
+    "create_connector",
+    "hookimpl",
+    "hookspec",
+    "load_pipeline_config",
+    "plugin_statuses",
+]

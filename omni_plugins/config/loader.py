@@ -1,0 +1,236 @@
+"""Load a pipeline YAML file into a validated :class:`PipelineConfig`.
+
+Errors name the file, the line, the stage and the field, e.g.::
+
+    pipeline.yaml:14: stages[1] (stage 1): rank_mapping: the larger TP size must be divisible ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from omni_plugins.config.interpolate import MissingVariableError, interpolate
+from omni_plugins.config.models import PipelineConfig
+from omni_plugins.errors import ConfigError, OmniPluginsError
+
+Loc = tuple[str | int, ...]
+
+#: keys of a peer (vllm-omni) stage's ``engine_args`` that map onto our StageConfig
+_PEER_ENGINE_KEYS = ("model_stage", "worker_type", "async_chunk", "custom_process_input_func", "custom_process_next_stage_input_func", "final_output")
+
+
+class _Doc:
+    """A parsed YAML document plus the line of every node, by path."""
+
+    def __init__(self, text: str, filename: str, env: Mapping[str, str] | None) -> None:
+        self.filename = filename
+        self.lines: dict[Loc, int] = {}
+        try:
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{filename}{line}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
+        self.data = self._build(node, (), env) if node is not None else None
+
+    def _build(self, node: yaml.Node, loc: Loc, env: Mapping[str, str] | None) -> Any:
+        self.lines[loc] = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            out: dict[Any, Any] = {}
+            for k_node, v_node in node.value:
+                key = yaml.SafeLoader(" ").construct_object(k_node) if not isinstance(k_node, yaml.ScalarNode) else self._scalar(k_node, loc, env)
+                if key in out:
+                    raise ConfigError(f"{self.where((*loc, key))}: duplicate key {key!r}")
+                out[key] = self._build(v_node, (*loc, key), env)
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [self._build(v, (*loc, i), env) for i, v in enumerate(node.value)]
+        return self._scalar(node, loc, env)
+
+    def _scalar(self, node: yaml.Node, loc: Loc, env: Mapping[str, str] | None) -> Any:
+        loader = yaml.SafeLoader("")
+        value = loader.construct_object(node)
+        if isinstance(value, str) and "$" in value:
+            try:
+                text = interpolate(value, env)
+            except MissingVariableError as exc:
+                raise ConfigError(f"{self.where(loc)}: environment variable ${{{exc.variable}}} is not set (use ${{{exc.variable}:-default}} for a default)") from None
+            # re-resolve the scalar's type after substitution (e.g. "${PORT}" -> 6379)
+            if getattr(node, "style", None) in (None, "") and text != value:
+                value = yaml.safe_load(text) if text.strip() else text
+            else:
+                value = text
+        return value
+
+    def line_of(self, loc: Loc) -> int | None:
+        while loc:
+            if loc in self.lines:
+                return self.lines[loc]
+            loc = loc[:-1]
+        return self.lines.get(())
+
+    def where(self, loc: Loc) -> str:
+        line = self.line_of(loc)
+        return f"{self.filename}{f':{line}' if line else ''}: {format_loc(loc, self.data)}"
+
+
+def format_loc(loc: Loc, data: Any) -> str:
+    """``stages[1] (stage 2).rank_mapping.from_tp`` from a pydantic/YAML location."""
+    parts: list[str] = []
+    node = data
+    for i, p in enumerate(loc):
+        if isinstance(p, int):
+            label = f"[{p}]"
+            if i > 0 and loc[i - 1] == "stages" and isinstance(node, list) and p < len(node) and isinstance(node[p], dict) and "stage_id" in node[p]:
+                label += f" (stage {node[p]['stage_id']})"
+            parts.append(label)
+        else:
+            parts.append(("." if parts else "") + str(p))
+        node = node[p] if isinstance(node, (dict, list)) and _has(node, p) else None
+    return "".join(parts) or "(top level)"
+
+
+def _has(node: dict[Any, Any] | list[Any], p: str | int) -> bool:
+    return (p in node) if isinstance(node, dict) else (isinstance(p, int) and 0 <= p < len(node))
+
+
+def _from_peer_layout(data: dict[str, Any]) -> dict[str, Any]:
+    """Accept vllm-omni style files: ``stage_args`` for ``stages``, ``runtime.connectors``, ``engine_args`` keys."""
+    data = dict(data)
+    if "stage_args" in data and "stages" not in data:
+        data["stages"] = data.pop("stage_args")
+    runtime = data.get("runtime")
+    if isinstance(runtime, dict) and "connectors" in runtime and "connectors" not in data:
+        runtime = dict(runtime)
+        data["connectors"] = runtime.pop("connectors")
+        if runtime:
+            data["runtime"] = runtime
+        else:
+            data.pop("runtime")
+    stages = data.get("stages")
+    if isinstance(stages, list):
+        lifted = []
+        for st in stages:
+            if isinstance(st, dict) and isinstance(st.get("engine_args"), dict):
+                st = dict(st)
+                engine = st.pop("engine_args")
+                for k in _PEER_ENGINE_KEYS:
+                    if k in engine and k not in st:
+                        st[k] = engine[k]
+            lifted.append(st)
+        data["stages"] = lifted
+    return data
+
+
+def load_pipeline_config(
+    path: str | Path, *, env: Mapping[str, str] | None = None, check_plugins: bool = True, check_builders: bool = True
+) -> PipelineConfig:
+    """Read, interpolate and validate a pipeline YAML file.
+
+    Phase 1 checks structure; phase 2 (``check_plugins``) validates each
+    connector instance's ``extra`` with its plugin's model and that the name is
+    known; phase 3 (``check_builders``) imports payload builders and checks
+    their signatures. Every error is a :class:`ConfigError` naming file, line,
+    stage and field.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from None
+    return parse_pipeline_config(text, filename=str(p), env=env, check_plugins=check_plugins, check_builders=check_builders)
+
+
+def parse_pipeline_config(
+    text: str, *, filename: str = "<string>", env: Mapping[str, str] | None = None, check_plugins: bool = True, check_builders: bool = True
+) -> PipelineConfig:
+    doc = _Doc(text, filename, env)
+    if not isinstance(doc.data, dict):
+        raise ConfigError(f"{filename}: the top level must be a mapping with 'connectors' and 'stages'")
+    data = _from_peer_layout(doc.data)
+    try:
+        config = PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, doc, data)) from None
+    errors: list[str] = []
+    if check_plugins:
+        errors += _check_plugins(config, doc)
+    if check_builders:
+        errors += _check_builders(config, doc, data)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return config
+
+
+def _format_errors(exc: ValidationError, doc: _Doc, data: Any) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(err.get("loc", ()))
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            msg = f"unknown field {loc[-1]!r}" + _field_hint(loc, data)
+        elif err.get("type") == "missing":
+            msg = f"required field {loc[-1]!r} is missing"
+        line = doc.line_of(loc)
+        lines.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(loc, data)}: {msg}")
+    return "\n".join(lines)
+
+
+def _field_hint(loc: Loc, data: Any) -> str:
+    import difflib
+
+    from omni_plugins.config.models import ConnectorConfig, PipelineConfig, RankMapping, StageConfig
+
+    model: Any = PipelineConfig
+    for p in loc[:-1]:
+        if model is PipelineConfig and p == "stages":
+            model = StageConfig
+        elif model is PipelineConfig and p == "connectors":
+            model = ConnectorConfig
+        elif p == "rank_mapping":
+            model = RankMapping
+    fields = list(getattr(model, "model_fields", {}))
+    close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f" (allowed: {', '.join(fields)})"
+
+
+def _check_plugins(config: PipelineConfig, doc: _Doc) -> list[str]:
+    from omni_plugins.factory import validate_connector_config
+
+    errors = []
+    users: dict[str, list[int]] = {}
+    for s in config.stages:
+        for instance in {*s.input_connectors.values(), *s.output_connectors.values()}:
+            users.setdefault(instance, []).append(s.stage_id)
+    for instance, conn in config.connectors.items():
+        loc: Loc = ("connectors", instance)
+        used = f" (used by stage {', '.join(map(str, sorted(users[instance])))})" if instance in users else ""
+        try:
+            validate_connector_config(conn.name, conn.extra, where=f"connectors.{instance}.extra")
+        except OmniPluginsError as exc:
+            line = doc.line_of((*loc, "extra")) if "extra" in str(exc) else doc.line_of((*loc, "name"))
+            errors.append(f"{doc.filename}{f':{line}' if line else ''}: connectors.{instance}{used}: {exc}")
+    return errors
+
+
+def _check_builders(config: PipelineConfig, doc: _Doc, data: Any) -> list[str]:
+    from omni_plugins.payload import load_builder
+
+    errors = []
+    for i, s in enumerate(config.stages):
+        for field in ("custom_process_next_stage_input_func",):
+            path = getattr(s, field)
+            if not path:
+                continue
+            try:
+                load_builder(path)
+            except OmniPluginsError as exc:
+                loc: Loc = ("stages", i, field)
+                line = doc.line_of(loc)
+                errors.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(loc, data)}: {exc}")
+    return errors

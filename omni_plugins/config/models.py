@@ -1,0 +1,204 @@
+"""Pydantic v2 models of connector, stage and pipeline configuration.
+
+Validation has two phases: these models check structure (names present,
+references resolve, edges agree, no cycles); then each connector's ``extra``
+is validated by the plugin's own model (:func:`validate_plugin_configs`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+_EDGE_RE = {"input": re.compile(r"^from_stage_(\d+)$"), "output": re.compile(r"^to_stage_(\d+)$")}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ConnectorConfig(_Strict):
+    """A named connector instance: which plugin (``name``) and its settings (``extra``)."""
+
+    name: str = Field(description="registered connector name, alias, 'dist:name' or 'pkg.mod:Class'")
+    extra: dict[str, Any] = Field(default_factory=dict, description="settings validated by the plugin's config model")
+
+    @field_validator("name")
+    @classmethod
+    def _name_not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("connector name must not be blank")
+        return v.strip()
+
+
+class RankMapping(_Strict):
+    """Tensor-parallel sizes on both ends of an edge."""
+
+    from_tp: PositiveInt = 1
+    to_tp: PositiveInt = 1
+
+    @model_validator(mode="after")
+    def _divisible(self) -> RankMapping:
+        big, small = max(self.from_tp, self.to_tp), min(self.from_tp, self.to_tp)
+        if big % small:
+            raise ValueError(f"the larger TP size must be divisible by the smaller: from_tp={self.from_tp}, to_tp={self.to_tp}")
+        return self
+
+    @property
+    def ratio(self) -> int:
+        return max(self.from_tp, self.to_tp) // min(self.from_tp, self.to_tp)
+
+
+class StageConnectorConfig(_Strict):
+    """What one stage's runtime needs: its connector, where it sends, how ranks map."""
+
+    name: str
+    extra: dict[str, Any] = Field(default_factory=dict)
+    to_stage: int | None = None
+    rank_mapping: RankMapping = Field(default_factory=RankMapping)
+
+    @field_validator("name")
+    @classmethod
+    def _name_not_blank(cls, v: str) -> str:
+        if not isinstance(v, str) or not v.strip():
+            raise ValueError("connector name must not be blank")
+        return v.strip()
+
+    @field_validator("to_stage", mode="before")
+    @classmethod
+    def _numeric_string(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if not v.strip().lstrip("-").isdigit():
+                raise ValueError(f"to_stage must be an int or a numeric string, got {v!r}")
+            return int(v)
+        return v
+
+
+class StageConfig(_Strict):
+    """One stage of a pipeline."""
+
+    stage_id: int = Field(ge=0)
+    worker_type: Literal["ar", "generation"] = "ar"
+    async_chunk: bool = False
+    final_output: bool = False
+    model_stage: str | None = None
+    custom_process_input_func: str | None = None
+    custom_process_next_stage_input_func: str | None = None
+    input_connectors: dict[str, str] = Field(default_factory=dict, description="{from_stage_N: connector instance}")
+    output_connectors: dict[str, str] = Field(default_factory=dict, description="{to_stage_N: connector instance}")
+    rank_mapping: RankMapping | None = None
+    tp_size: PositiveInt = 1
+    kv_transfer: bool = False
+    recv_timeout_s: float = Field(default=300.0, gt=0)
+    synthetic: dict[str, Any] | None = Field(default=None, description="synthetic model description used by 'omni-plugins run'")
+
+    @field_validator("input_connectors", "output_connectors")
+    @classmethod
+    def _edge_keys(cls, v: dict[str, str], info: Any) -> dict[str, str]:
+        kind = "input" if info.field_name == "input_connectors" else "output"
+        pattern = _EDGE_RE[kind]
+        for key, instance in v.items():
+            if not pattern.match(str(key)):
+                want = "from_stage_<N>" if kind == "input" else "to_stage_<N>"
+                raise ValueError(f"edge key {key!r} must look like {want!r}")
+            if not isinstance(instance, str) or not instance.strip():
+                raise ValueError(f"edge {key!r} must name a connector instance")
+        return v
+
+    def input_stages(self) -> dict[int, str]:
+        return {int(_EDGE_RE["input"].match(k).group(1)): v for k, v in self.input_connectors.items()}  # type: ignore[union-attr]
+
+    def output_stages(self) -> dict[int, str]:
+        return {int(_EDGE_RE["output"].match(k).group(1)): v for k, v in self.output_connectors.items()}  # type: ignore[union-attr]
+
+
+class PipelineConfig(_Strict):
+    """A whole pipeline: named connector instances and the stages they wire together."""
+
+    connectors: dict[str, ConnectorConfig] = Field(default_factory=dict)
+    stages: list[StageConfig] = Field(min_length=1)
+    default_connector: str | None = None
+
+    @model_validator(mode="after")
+    def _check_graph(self) -> PipelineConfig:
+        ids = [s.stage_id for s in self.stages]
+        dupes = sorted({i for i in ids if ids.count(i) > 1})
+        if dupes:
+            raise ValueError(f"duplicate stage_id {dupes}")
+        if self.default_connector is not None and self.default_connector not in self.connectors:
+            raise ValueError(f"default_connector {self.default_connector!r} is not defined under 'connectors' (defined: {sorted(self.connectors)})")
+        by_id = {s.stage_id: s for s in self.stages}
+        for s in self.stages:
+            for kind, edges in (("input_connectors", s.input_stages()), ("output_connectors", s.output_stages())):
+                for other, instance in edges.items():
+                    where = f"stage {s.stage_id}: {kind}.{'from' if kind.startswith('input') else 'to'}_stage_{other}"
+                    if instance not in self.connectors:
+                        raise ValueError(f"{where}: connector instance {instance!r} is not defined under 'connectors' (defined: {sorted(self.connectors)})")
+                    if other not in by_id:
+                        raise ValueError(f"{where}: stage {other} does not exist (stages: {sorted(by_id)})")
+                    if other == s.stage_id:
+                        raise ValueError(f"{where}: a stage cannot connect to itself")
+            for other, instance in s.output_stages().items():
+                peer = by_id[other].input_stages().get(s.stage_id)
+                if peer is not None and peer != instance:
+                    raise ValueError(
+                        f"stage {s.stage_id}: output_connectors.to_stage_{other} uses {instance!r} but stage {other}: "
+                        f"input_connectors.from_stage_{s.stage_id} uses {peer!r}; both ends of an edge must agree"
+                    )
+        self._check_acyclic()
+        return self
+
+    def edges(self) -> set[tuple[int, int]]:
+        out: set[tuple[int, int]] = set()
+        for s in self.stages:
+            out |= {(s.stage_id, t) for t in s.output_stages()}
+            out |= {(f, s.stage_id) for f in s.input_stages()}
+        return out
+
+    def _check_acyclic(self) -> None:
+        graph: dict[int, set[int]] = {s.stage_id: set() for s in self.stages}
+        for a, b in self.edges():
+            graph[a].add(b)
+        state: dict[int, int] = {}
+
+        def visit(n: int, path: list[int]) -> None:
+            state[n] = 1
+            for m in sorted(graph[n]):
+                if state.get(m) == 1:
+                    cycle = [*path[path.index(m) :], m] if m in path else [n, m]
+                    raise ValueError(f"stage graph has a cycle: {' -> '.join(map(str, cycle))}")
+                if m not in state:
+                    visit(m, [*path, m])
+            state[n] = 2
+
+        for n in sorted(graph):
+            if n not in state:
+                visit(n, [n])
+
+    def stage(self, stage_id: int) -> StageConfig:
+        for s in self.stages:
+            if s.stage_id == stage_id:
+                return s
+        raise KeyError(f"no stage {stage_id} (stages: {[s.stage_id for s in self.stages]})")
+
+    def stage_connector_config(self, stage_id: int) -> StageConnectorConfig | None:
+        """The connector config one stage's runtime needs (None: no connector, transfers are no-ops).
+
+        The stage's output edge decides the connector; a stage with only an input
+        edge uses that edge's connector; with neither, ``default_connector``
+        applies when other stages are wired, else None.
+        """
+        s = self.stage(stage_id)
+        outputs, inputs = s.output_stages(), s.input_stages()
+        if outputs:
+            to_stage, instance = min(outputs.items())
+        elif inputs:
+            to_stage, instance = stage_id + 1, min(inputs.items())[1]
+        elif self.default_connector is not None and len(self.stages) > 1:
+            to_stage, instance = stage_id + 1, self.default_connector
+        else:
+            return None
+        conn = self.connectors[instance]
+        return StageConnectorConfig(name=conn.name, extra=dict(conn.extra), to_stage=to_stage, rank_mapping=s.rank_mapping or RankMapping())

@@ -1,0 +1,104 @@
+"""The in-process reference connector (``memory``).
+
+Payloads are encoded with :mod:`omni_plugins.wire` on ``put`` and decoded to
+owned tensors on ``get``, exactly as a real backend would, so a pipeline that
+works here works over shared memory or Redis. Instances with the same
+``namespace`` in one process share one store; nothing crosses processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from omni_plugins import wire
+from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+from omni_plugins.settings import ConnectorSettings
+
+
+class MemoryConfig(ConnectorSettings):
+    """Config of the in-process reference connector."""
+
+    namespace: str = Field(default="default", min_length=1, description="instances with the same namespace share payloads")
+    max_bytes: int = Field(default=1 << 34, gt=0, description="refuse a put that would exceed this many stored bytes")
+
+
+class _Store:
+    """One namespace's payloads, guarded by a condition so ``get`` can block."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, bytes] = {}
+        self.nbytes = 0
+        self.cond = threading.Condition()
+
+
+class MemoryConnector(Connector):
+    """In-process connector: the reference implementation of the contract."""
+
+    capabilities = Capabilities(blocking_get=True, cross_process=False)
+    config_model = MemoryConfig
+    _stores: ClassVar[dict[str, _Store]] = {}
+    _stores_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, config: MemoryConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or MemoryConfig()
+        with self._stores_lock:
+            self._store = self._stores.setdefault(self.config.namespace, _Store())
+        self._owned: set[str] = set()
+
+    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
+        blob = wire.encode(data).to_bytes()
+        with self._store.cond:
+            old = self._store.items.get(key)
+            new_total = self._store.nbytes - (len(old) if old else 0) + len(blob)
+            if new_total > self.config.max_bytes:
+                return PutResult(False, len(blob), {"error": f"namespace {self.config.namespace!r} is full"})
+            self._store.items[key] = blob
+            self._store.nbytes = new_total
+            self._owned.add(key)
+            self._store.cond.notify_all()
+        return PutResult(True, len(blob), None)
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        with self._store.cond:
+            while key not in self._store.items:
+                if deadline is None:
+                    return None
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self.closed:
+                    return None
+                self._store.cond.wait(min(remaining, 0.5))
+            blob = self._store.items.pop(key)
+            self._store.nbytes -= len(blob)
+        return GetResult(wire.decode(blob, copy=True), len(blob))
+
+    def _cleanup(self, key: str) -> bool:
+        with self._store.cond:
+            blob = self._store.items.pop(key, None)
+            if blob is not None:
+                self._store.nbytes -= len(blob)
+            self._owned.discard(key)
+            return blob is not None
+
+    def _health(self) -> dict[str, Any]:
+        with self._store.cond:
+            return {"namespace": self.config.namespace, "keys": len(self._store.items), "bytes": self._store.nbytes}
+
+    def _close(self) -> None:
+        with self._store.cond:
+            for key in self._owned:
+                blob = self._store.items.pop(key, None)
+                if blob is not None:
+                    self._store.nbytes -= len(blob)
+            self._owned.clear()
+            self._store.cond.notify_all()
+
+    def keys(self) -> list[str]:
+        """Keys currently stored in this namespace (for leak checks)."""
+        with self._store.cond:
+            return sorted(self._store.items)

@@ -1,0 +1,214 @@
+"""The connector registry: what plugins registered, looked up by canonical name.
+
+Entries hold import strings, not classes, so registering a connector imports
+nothing heavy; the class and its config model are imported when chosen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from omni_plugins.errors import ConnectorNotFoundError, DuplicateConnectorError, PluginLoadError
+from omni_plugins.importing import import_string
+from omni_plugins.naming import KNOWN_BACKENDS, canonical, close_matches
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from omni_plugins.contract import Connector
+
+
+@dataclass(frozen=True)
+class ConnectorSpec:
+    """One registered connector: where its class and config model live, and who provided it."""
+
+    name: str
+    connector: str
+    config: str | None = None
+    aliases: tuple[str, ...] = ()
+    description: str = ""
+    plugin: str = ""
+    distribution: str | None = None
+    version: str | None = None
+
+    @property
+    def canonical_name(self) -> str:
+        return canonical(self.name)
+
+    def load_class(self) -> type[Connector]:
+        from omni_plugins.contract import Connector
+
+        try:
+            cls = import_string(self.connector)
+        except ImportError as exc:
+            raise PluginLoadError(
+                f"connector {self.name!r} (plugin {self.plugin!r}, {self.distribution or 'unknown distribution'}) "
+                f"cannot be imported from {self.connector!r}: {exc}"
+            ) from exc
+        if not (isinstance(cls, type) and issubclass(cls, Connector)):
+            raise PluginLoadError(f"{self.connector!r} (connector {self.name!r}) is not a subclass of omni_plugins.Connector")
+        return cls
+
+    def load_config_model(self) -> type[BaseModel]:
+        from pydantic import BaseModel
+
+        from omni_plugins.settings import ConnectorSettings
+
+        if self.config is None:
+            cls = self.load_class()
+            model = getattr(cls, "config_model", None)
+            return model if isinstance(model, type) and issubclass(model, BaseModel) else ConnectorSettings
+        try:
+            model = import_string(self.config)
+        except ImportError as exc:
+            raise PluginLoadError(f"config model of connector {self.name!r} cannot be imported from {self.config!r}: {exc}") from exc
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            raise PluginLoadError(f"{self.config!r} (config of connector {self.name!r}) is not a pydantic model")
+        return model
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "aliases": list(self.aliases),
+            "connector": self.connector,
+            "config": self.config,
+            "description": self.description,
+            "plugin": self.plugin,
+            "distribution": self.distribution,
+            "version": self.version,
+        }
+
+
+@dataclass
+class ConnectorRegistry:
+    """All registered connectors, keyed by canonical name and alias.
+
+    A name (or alias) registered by two distributions is kept under both;
+    looking it up raises :class:`DuplicateConnectorError` naming both, and
+    ``dist:name`` picks one.
+    """
+
+    _by_name: dict[str, list[ConnectorSpec]] = field(default_factory=dict)
+    #: canonical plugin/distribution name -> cause, for names whose plugin failed to load
+    failed_plugins: dict[str, BaseException] = field(default_factory=dict)
+    #: connector names a failed plugin is known to provide (from the same canonical plugin name)
+    _failed_hint: dict[str, str] = field(default_factory=dict)
+
+    def add(self, spec: ConnectorSpec) -> None:
+        for key in {spec.canonical_name, *(canonical(a) for a in spec.aliases)}:
+            bucket = self._by_name.setdefault(key, [])
+            if any(s.connector == spec.connector and s.distribution == spec.distribution for s in bucket):
+                continue  # the same plugin registering again (idempotent)
+            bucket.append(spec)
+
+    def remove_plugin(self, plugin: str) -> None:
+        for key in list(self._by_name):
+            self._by_name[key] = [s for s in self._by_name[key] if s.plugin != plugin]
+            if not self._by_name[key]:
+                del self._by_name[key]
+
+    def specs(self) -> list[ConnectorSpec]:
+        """Every registered connector once (aliases folded), sorted by name."""
+        seen: dict[tuple[str, str | None, str], ConnectorSpec] = {}
+        for bucket in self._by_name.values():
+            for s in bucket:
+                seen[(s.connector, s.distribution, s.name)] = s
+        return sorted(seen.values(), key=lambda s: (s.canonical_name, s.distribution or ""))
+
+    def names(self) -> list[str]:
+        return sorted({s.name for s in self.specs()})
+
+    def view(self) -> Mapping[str, tuple[ConnectorSpec, ...]]:
+        """Read-only view: canonical name or alias -> specs registered under it."""
+        return MappingProxyType({k: tuple(v) for k, v in self._by_name.items()})
+
+    def note_failed(self, plugin: str, exc: BaseException, provides: Iterable[str] = ()) -> None:
+        self.failed_plugins[canonical(plugin)] = exc
+        for name in provides:
+            self._failed_hint[canonical(name)] = canonical(plugin)
+
+    def resolve(self, name: str) -> ConnectorSpec:
+        """Find the spec for ``name``, ``dist:name`` or raise a helpful error."""
+        if not isinstance(name, str) or not name.strip():
+            raise ConnectorNotFoundError("connector name is empty")
+        dist_part, sep, bare = name.partition(":")
+        if sep:
+            matches = [s for s in self._by_name.get(canonical(bare), []) if canonical(s.distribution or "") == canonical(dist_part)]
+            if matches:
+                return matches[0]
+            raise self._not_found(name)
+        bucket = self._by_name.get(canonical(name), [])
+        if len({(s.distribution, s.connector) for s in bucket}) > 1:
+            who = ", ".join(f"{s.distribution} ({s.connector})" for s in bucket)
+            picks = " or ".join(f"'{s.distribution}:{canonical(name)}'" for s in bucket)
+            raise DuplicateConnectorError(f"connector name {name!r} is registered by more than one distribution: {who}; choose one with {picks}")
+        if bucket:
+            return bucket[0]
+        raise self._not_found(name)
+
+    def _not_found(self, name: str) -> ConnectorNotFoundError:
+        key = canonical(name.partition(":")[2] or name)
+        failed_plugin = self._failed_hint.get(key) or (key if key in self.failed_plugins else None)
+        if failed_plugin is not None and failed_plugin in self.failed_plugins:
+            cause = self.failed_plugins[failed_plugin]
+            err = ConnectorNotFoundError(f"connector {name!r} is unavailable: its plugin {failed_plugin!r} failed to load: {cause}")
+            err.__cause__ = cause
+            return err
+        available = self.names()
+        parts = [f"unknown connector {name!r}."]
+        hints = close_matches(key, list(self._by_name))
+        if hints:
+            parts.append(f"Did you mean {', '.join(repr(h) for h in hints)}?")
+        if key in KNOWN_BACKENDS:
+            parts.append(f"It is provided by a plugin that is not installed: pip install {KNOWN_BACKENDS[key]}")
+        else:
+            missing = sorted({d for k, d in KNOWN_BACKENDS.items() if k not in self._by_name and close_matches(key, [k])})
+            for dist in missing:
+                parts.append(f"A close match is provided by a plugin that is not installed: pip install {dist}")
+        parts.append(f"Available: {', '.join(available) if available else '(none)'}.")
+        parts.append("A 'package.module:Class' path loads an unregistered connector; 'omni-plugins list' shows plugins.")
+        return ConnectorNotFoundError(" ".join(parts))
+
+
+class RegistrationSink:
+    """What a plugin's ``omni_register_connectors`` hook receives: it stamps each spec with the plugin's identity."""
+
+    def __init__(self, registry: ConnectorRegistry, plugin: str, distribution: str | None, version: str | None) -> None:
+        self._registry = registry
+        self._plugin = plugin
+        self._distribution = distribution
+        self._version = version
+        self.registered: list[ConnectorSpec] = []
+
+    def register(
+        self,
+        name: str,
+        *,
+        connector: str,
+        config: str | None = None,
+        aliases: Iterable[str] = (),
+        description: str = "",
+    ) -> None:
+        """Register connector ``name`` implemented by import string ``connector`` ("pkg.mod:Class")."""
+        if not isinstance(name, str) or not name.strip() or ":" in name:
+            raise ValueError(f"plugin {self._plugin!r}: connector name {name!r} must be a non-empty string without ':'")
+        for what, path in (("connector", connector), ("config", config)):
+            if path is not None and (not isinstance(path, str) or ":" not in path):
+                raise ValueError(f"plugin {self._plugin!r}: {what} of {name!r} must be an import string 'pkg.mod:Name', got {path!r}")
+        if isinstance(aliases, str):
+            aliases = [aliases]
+        spec = ConnectorSpec(
+            name=name.strip(),
+            connector=connector,
+            config=config,
+            aliases=tuple(aliases),
+            description=description,
+            plugin=self._plugin,
+            distribution=self._distribution,
+            version=self._version,
+        )
+        self._registry.add(spec)
+        self.registered.append(spec)
