@@ -1,0 +1,31 @@
+"""Safe, zero-copy wire format for omni-plugins payloads.
+
+``encode(obj)`` returns an :class:`Encoded` that references tensor memory;
+``decode(buffer)`` rebuilds the payload with tensors as views over ``buffer``
+(or owned copies with ``copy=True``). The header is msgpack, never pickle, and
+the decoder treats every byte as untrusted: see ``docs/wire-format.md``.
+"""
+
+from omni_plugins.errors import WireFormatError
+from omni_plugins.wire._decode import decode
+from omni_plugins.wire._dtypes import ALLOWED_NUMPY_DTYPES, ALLOWED_TORCH_DTYPES
+from omni_plugins.wire._encode import OOB_BYTES_THRESHOLD, encode
+from omni_plugins.wire._encoded import Encoded
+from omni_plugins.wire._format import ALIGNMENT, DEFAULT_LIMITS, FORMAT_VERSION, MAGIC, PREFIX_SIZE, Limits, peek_nbytes
+
+__all__ = [
+    "ALIGNMENT",
+    "ALLOWED_NUMPY_DTYPES",
+    "ALLOWED_TORCH_DTYPES",
+    "DEFAULT_LIMITS",
+    "FORMAT_VERSION",
+    "MAGIC",
+    "OOB_BYTES_THRESHOLD",
+    "PREFIX_SIZE",
+    "Encoded",
+    "Limits",
+    "WireFormatError",
+    "decode",
+    "encode",
+    "peek_nbytes",
+]

@@ -1,0 +1,269 @@
+"""``decode``: validate untrusted bytes completely, then build views (or copies) over them.
+
+Order matters for safety: the prefix, the header size and checksum, and the whole
+buffer table (dtype allowlist, shape x itemsize == length, alignment, bounds, no
+overlap, total size) are checked before any tensor or array is created, so a lying
+header can never make the decoder allocate more than the buffer it was given.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import zlib
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from omni_plugins.errors import WireFormatError
+from omni_plugins.wire._dtypes import BY_CODE, DtypeSpec, Kind
+from omni_plugins.wire._format import (
+    ALIGNMENT,
+    DEFAULT_LIMITS,
+    EXT_REF,
+    EXT_TUPLE,
+    PREFIX,
+    PREFIX_SIZE,
+    Limits,
+    align,
+    check_prefix,
+)
+
+_ExtType = msgpack.ExtType
+_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
+
+# torch warns (once per process) when a tensor is built over read-only memory. The
+# decoder documents that such views must not be written, so the first read-only decode
+# consumes that one-time warning inside a catch_warnings block; later ones need nothing.
+_readonly_warning_consumed = False
+_readonly_lock = threading.Lock()
+
+
+class _Table:
+    """A validated buffer table: one row per out-of-band buffer, in reference order."""
+
+    __slots__ = ("nbytes", "offsets", "shapes", "specs")
+
+    def __init__(self) -> None:
+        self.specs: list[DtypeSpec] = []
+        self.offsets: list[int] = []
+        self.nbytes: list[int] = []
+        self.shapes: list[tuple[int, ...]] = []
+
+
+def _check_table(raw: Any, data_start: int, total: int, limits: Limits) -> _Table:
+    if type(raw) is not list:
+        raise WireFormatError("header buffer table is not a list")
+    if len(raw) > limits.max_items:
+        raise WireFormatError(f"buffer table has {len(raw)} entries > max_items={limits.max_items}")
+    table = _Table()
+    end = 0  # end of the previous buffer, relative to data_start
+    data_len = total - data_start
+    for i, row in enumerate(raw):
+        if type(row) is not list or len(row) != 4:
+            raise WireFormatError(f"buffer table entry {i} is not [code, offset, nbytes, shape]")
+        code, off, nbytes, shape = row
+        if type(code) is not int or type(off) is not int or type(nbytes) is not int or type(shape) is not list:
+            raise WireFormatError(f"buffer table entry {i} has fields of the wrong type")
+        spec = BY_CODE.get(code)
+        if spec is None:
+            raise WireFormatError(f"buffer {i}: dtype code {code} is not in the allowlist")
+        if len(shape) > limits.max_ndim:
+            raise WireFormatError(f"buffer {i}: {len(shape)} dimensions > max_ndim={limits.max_ndim}")
+        count = 1
+        for d in shape:
+            if type(d) is not int or d < 0:
+                raise WireFormatError(f"buffer {i}: shape {shape!r} has a dimension that is not a non-negative int")
+            count *= d
+        if spec.kind is Kind.BYTES and len(shape) != 1:
+            raise WireFormatError(f"buffer {i}: bytes entry must have a 1-d shape, got {shape!r}")
+        if count * spec.itemsize != nbytes:
+            raise WireFormatError(
+                f"buffer {i}: shape {shape!r} x itemsize {spec.itemsize} = {count * spec.itemsize} != declared length {nbytes}"
+            )
+        if off % ALIGNMENT:
+            raise WireFormatError(f"buffer {i}: offset {off} is not {ALIGNMENT}-byte aligned")
+        if off < end:
+            raise WireFormatError(f"buffer {i}: offset {off} overlaps the previous buffer (ends at {end})")
+        end = off + nbytes
+        if end > data_len:
+            raise WireFormatError(
+                f"buffer {i}: bytes [{off}, {end}) of the data section lie outside the message ({data_len} data bytes)"
+            )
+        table.specs.append(spec)
+        table.offsets.append(data_start + off)
+        table.nbytes.append(nbytes)
+        table.shapes.append(tuple(shape))
+    return table
+
+
+class _Builder:
+    """Turns the header tree into the payload: checks depth and items, resolves buffer refs."""
+
+    __slots__ = ("copy", "items", "limits", "mv", "next_ref", "table")
+
+    def __init__(self, mv: memoryview, table: _Table, copy: bool, limits: Limits) -> None:
+        self.mv = mv
+        self.table = table
+        self.copy = copy
+        self.limits = limits
+        self.items = len(table.specs)
+        self.next_ref = 0
+
+    def walk(self, node: Any, depth: int) -> Any:
+        t = type(node)
+        if t is dict or t is list:
+            return self._container(node, t, depth)
+        if t is _ExtType:
+            return self._ext(node)
+        if t in _LEAVES:
+            return node
+        raise WireFormatError(f"header holds an unsupported msgpack value of type {t.__name__}")
+
+    def _container(self, node: Any, t: type, depth: int) -> Any:
+        depth += 1
+        if depth > self.limits.max_depth:
+            raise WireFormatError(f"nesting depth exceeds max_depth={self.limits.max_depth}")
+        self.items += len(node)
+        if self.items > self.limits.max_items:
+            raise WireFormatError(f"more than max_items={self.limits.max_items} elements")
+        walk = self.walk
+        if t is dict:
+            for k, v in node.items():
+                if type(k) is not str:
+                    raise WireFormatError(f"dict key of type {type(k).__name__} (only str keys are allowed)")
+                tv = type(v)
+                if tv is dict or tv is list or tv is _ExtType:
+                    node[k] = walk(v, depth)
+                elif tv not in _LEAVES:
+                    raise WireFormatError(f"header holds an unsupported msgpack value of type {tv.__name__}")
+            return node
+        is_tuple = bool(node) and type(node[0]) is _ExtType and node[0].code == EXT_TUPLE
+        if is_tuple:
+            if node[0].data:
+                raise WireFormatError("tuple marker carries data")
+            node = node[1:]
+        for i, v in enumerate(node):
+            tv = type(v)
+            if tv is dict or tv is list or tv is _ExtType:
+                node[i] = walk(v, depth)
+            elif tv not in _LEAVES:
+                raise WireFormatError(f"header holds an unsupported msgpack value of type {tv.__name__}")
+        return tuple(node) if is_tuple else node
+
+    def _ext(self, node: Any) -> Any:
+        if node.code != EXT_REF:
+            if node.code == EXT_TUPLE:
+                raise WireFormatError("tuple marker outside the first position of an array")
+            raise WireFormatError(f"unknown msgpack extension type {node.code}")
+        if node.data:
+            raise WireFormatError("buffer reference carries data")
+        i = self.next_ref
+        if i >= len(self.table.specs):
+            raise WireFormatError(f"header references buffer {i} but the table has {len(self.table.specs)}")
+        self.next_ref = i + 1
+        return self._buffer(i)
+
+    def _buffer(self, i: int) -> Any:
+        table = self.table
+        spec = table.specs[i]
+        off = table.offsets[i]
+        nbytes = table.nbytes[i]
+        if spec.kind is Kind.BYTES:
+            return bytes(self.mv[off : off + nbytes])
+        shape = table.shapes[i]
+        arr = np.frombuffer(self.mv, dtype=spec.carrier, count=nbytes // spec.itemsize, offset=off).reshape(shape)
+        if spec.code in (1, 33) and nbytes and bool((arr.view(np.uint8) > 1).any()):
+            raise WireFormatError(f"buffer {i}: bool data holds bytes other than 0 and 1")
+        if self.copy:
+            arr = arr.copy()
+        if spec.kind is Kind.NUMPY:
+            return arr
+        tensor = torch.from_numpy(arr) if arr.flags.writeable else _from_readonly(arr)
+        if spec.needs_view:
+            assert spec.torch_dtype is not None
+            tensor = tensor.view(spec.torch_dtype)
+        return tensor
+
+
+def _from_readonly(arr: np.ndarray) -> torch.Tensor:
+    global _readonly_warning_consumed
+    if _readonly_warning_consumed:
+        return torch.from_numpy(arr)
+    with _readonly_lock, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        tensor = torch.from_numpy(arr)
+        _readonly_warning_consumed = True
+    return tensor
+
+
+def decode(buffer: Any, *, copy: bool = False, limits: Limits = DEFAULT_LIMITS) -> Any:
+    """Decode a message produced by :func:`encode` from any buffer-protocol object.
+
+    With ``copy=False`` tensors and arrays are views over ``buffer`` (zero copy): they
+    keep it alive, and must not be written when ``buffer`` is read-only (``bytes``).
+    With ``copy=True`` they own their memory. Large ``bytes`` values are always copied.
+    Bytes after the message's declared length are ignored. Raises only
+    :class:`WireFormatError`, whose message names the check that failed.
+    """
+    try:
+        return _decode(buffer, copy, limits)
+    except WireFormatError:
+        raise
+    except RecursionError:
+        raise WireFormatError("header nesting too deep") from None
+    except Exception as exc:  # safety net: the contract is "only WireFormatError on bad input"
+        raise WireFormatError(f"malformed message ({type(exc).__name__}: {exc})") from exc
+
+
+def _decode(buffer: Any, copy: bool, limits: Limits) -> Any:
+    try:
+        mv = memoryview(buffer)
+    except TypeError:
+        raise WireFormatError(f"cannot decode a {type(buffer).__name__}: not a buffer-protocol object") from None
+    if not mv.c_contiguous:
+        raise WireFormatError("buffer is not C-contiguous")
+    if mv.ndim != 1 or mv.format != "B":
+        try:
+            mv = mv.cast("B")
+        except TypeError:
+            raise WireFormatError("buffer is not C-contiguous") from None
+    size = mv.nbytes
+    if size < PREFIX_SIZE:
+        raise WireFormatError(f"truncated message: {size} bytes is shorter than the {PREFIX_SIZE}-byte prefix")
+    magic, version, flags, reserved, hlen, crc, total = PREFIX.unpack_from(mv)
+    check_prefix(magic, version, flags, reserved)
+    if hlen > limits.max_header_bytes:
+        raise WireFormatError(f"header length {hlen} exceeds max_header_bytes={limits.max_header_bytes}")
+    if total > size:
+        raise WireFormatError(f"truncated message: prefix declares {total} bytes but the buffer holds {size}")
+    data_start = align(PREFIX_SIZE + hlen)
+    if data_start > total:
+        raise WireFormatError(f"header length {hlen} does not fit in the declared message length {total}")
+    if total < size:
+        mv = mv[:total]
+    header = mv[PREFIX_SIZE : PREFIX_SIZE + hlen]
+    if zlib.crc32(header) != crc:
+        raise WireFormatError("header checksum mismatch (corrupted or truncated header)")
+    try:
+        doc = msgpack.unpackb(
+            header,
+            raw=False,
+            strict_map_key=True,
+            max_array_len=limits.max_items,
+            max_map_len=limits.max_items,
+            max_ext_len=0,
+        )
+    except Exception as exc:
+        raise WireFormatError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if type(doc) is not list or len(doc) != 2:
+        raise WireFormatError("header is not a [tree, table] pair")
+    tree, raw_table = doc
+    table = _check_table(raw_table, data_start, total, limits)
+    builder = _Builder(mv, table, copy, limits)
+    obj = builder.walk(tree, 0)
+    if builder.next_ref != len(table.specs):
+        raise WireFormatError(f"header references {builder.next_ref} buffers but the table has {len(table.specs)}")
+    return obj

@@ -1,0 +1,226 @@
+"""``encode``: walk a payload, keep references to its buffers, pack a msgpack header."""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+
+from omni_plugins.errors import WireFormatError
+from omni_plugins.wire._dtypes import BY_NUMPY, BY_TORCH, BYTES_SPEC, DtypeSpec
+from omni_plugins.wire._encoded import Encoded, Segment
+from omni_plugins.wire._format import (
+    DEFAULT_LIMITS,
+    EXT_REF,
+    EXT_TUPLE,
+    FORMAT_VERSION,
+    MAGIC,
+    PREFIX,
+    PREFIX_SIZE,
+    Limits,
+    align,
+)
+
+logger = logging.getLogger(__name__)
+
+REF = msgpack.ExtType(EXT_REF, b"")
+TUPLE = msgpack.ExtType(EXT_TUPLE, b"")
+
+#: ``bytes`` values at least this long travel as out-of-band buffers, not inside the header.
+OOB_BYTES_THRESHOLD = 4096
+
+_INT_MIN = -(1 << 63)
+_INT_MAX = (1 << 64) - 1
+_SCALARS = frozenset({str, float, bool, type(None)})
+
+
+class _Refused(Exception):
+    """Internal: an object cannot be encoded; ``path`` is filled in while unwinding."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.path: list[str] = []
+
+
+class _Entry:
+    """One buffer-table entry before offsets are assigned."""
+
+    __slots__ = ("nbytes", "shape", "source", "spec")
+
+    def __init__(self, spec: DtypeSpec, shape: list[int], nbytes: int, source: Any) -> None:
+        self.spec = spec
+        self.shape = shape
+        self.nbytes = nbytes
+        self.source = source
+
+
+class _Encoder:
+    """State of one ``encode`` call: the buffer table and the item budget."""
+
+    __slots__ = ("entries", "items", "limits")
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.entries: list[_Entry] = []
+        self.items = 0
+
+    def walk(self, obj: Any, depth: int) -> Any:
+        t = type(obj)
+        if t in _SCALARS:
+            return obj
+        if t is int:
+            if not _INT_MIN <= obj <= _INT_MAX:
+                raise _Refused(f"int {obj} does not fit in 64 bits")
+            return obj
+        if t is dict or t is list or t is tuple:
+            return self._container(obj, t, depth)
+        if t is bytes:
+            return self._bytes(obj)
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj)
+        if t is np.ndarray:
+            return self._ndarray(obj)
+        return self._other(obj, depth)
+
+    def _container(self, obj: Any, t: type, depth: int) -> Any:
+        depth += 1
+        if depth > self.limits.max_depth:
+            raise _Refused(f"nesting deeper than max_depth={self.limits.max_depth}")
+        self.items += len(obj)
+        if self.items > self.limits.max_items:
+            raise _Refused(f"more than max_items={self.limits.max_items} elements")
+        walk = self.walk
+        if t is dict:
+            out: dict[str, Any] = {}
+            for k, v in obj.items():
+                if type(k) is not str:
+                    raise _Refused(f"dict key {k!r} is a {type(k).__name__}; only str keys are supported")
+                try:
+                    out[k] = walk(v, depth)
+                except _Refused as exc:
+                    exc.path.append(f"[{k!r}]")
+                    raise
+            return out
+        items: list[Any] = [TUPLE] if t is tuple else []
+        for i, v in enumerate(obj):
+            try:
+                items.append(walk(v, depth))
+            except _Refused as exc:
+                exc.path.append(f"[{i}]")
+                raise
+        return items
+
+    def _bytes(self, obj: bytes) -> Any:
+        n = len(obj)
+        if n < OOB_BYTES_THRESHOLD:
+            return obj
+        self._add(_Entry(BYTES_SPEC, [n], n, obj))
+        return REF
+
+    def _add(self, entry: _Entry) -> None:
+        self.items += 1
+        if self.items > self.limits.max_items:
+            raise _Refused(f"more than max_items={self.limits.max_items} elements")
+        self.entries.append(entry)
+
+    def _tensor(self, t: torch.Tensor) -> Any:
+        if t.layout is not torch.strided:
+            raise _Refused(f"tensor layout {t.layout} is not supported (only dense/strided tensors; call .to_dense())")
+        spec = BY_TORCH.get(t.dtype)
+        if spec is None:
+            raise _Refused(f"tensor dtype {t.dtype} is not in the wire allowlist")
+        if t.ndim > self.limits.max_ndim:
+            raise _Refused(f"tensor has {t.ndim} dimensions > max_ndim={self.limits.max_ndim}")
+        if not t.is_cpu:
+            if t.is_meta:
+                raise _Refused("meta tensors have no data")
+            logger.debug("copying a %s tensor of %d bytes to host for encoding", t.device, t.nbytes)
+            t = t.cpu()
+        if t.requires_grad:
+            t = t.detach()
+        if type(t) is not torch.Tensor:
+            t = t.as_subclass(torch.Tensor)
+        if t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if spec.needs_view:
+            t = t.view(torch.int16 if spec.itemsize == 2 else torch.uint8)
+        self._add(_Entry(spec, list(t.shape), t.nbytes, t))
+        return REF
+
+    def _ndarray(self, a: np.ndarray) -> Any:
+        dt = a.dtype
+        if not dt.isnative:
+            dt = dt.newbyteorder("=")
+            a = a.astype(dt)
+        spec = BY_NUMPY.get(dt.str)
+        if spec is None:
+            raise _Refused(f"numpy dtype {a.dtype} is not in the wire allowlist (numeric arrays only)")
+        if a.ndim > self.limits.max_ndim:
+            raise _Refused(f"array has {a.ndim} dimensions > max_ndim={self.limits.max_ndim}")
+        if not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a)
+        self._add(_Entry(spec, list(a.shape), a.nbytes, a))
+        return REF
+
+    def _other(self, obj: Any, depth: int) -> Any:
+        # Subclasses of the builtin types travel as the builtin type (IntEnum -> int,
+        # OrderedDict -> dict, namedtuple -> tuple, np.float64 -> float).
+        scalar: type
+        for scalar in (bool, int, float, str, bytes):
+            if isinstance(obj, scalar):
+                return self.walk(scalar(obj), depth)
+        container: type
+        for container in (dict, list, tuple):
+            if isinstance(obj, container):
+                return self._container(obj, container, depth)
+        if isinstance(obj, np.ndarray):
+            raise _Refused(f"numpy array subclass {type(obj).__name__} is not supported; pass np.asarray(x)")
+        if isinstance(obj, np.generic):
+            raise _Refused(f"numpy scalar {type(obj).__name__} is not supported; use .item() or np.asarray(x)")
+        raise _Refused(f"objects of type {type(obj).__module__}.{type(obj).__qualname__} are not supported")
+
+
+def encode(obj: Any, *, limits: Limits = DEFAULT_LIMITS) -> Encoded:
+    """Encode a payload; tensors and arrays are referenced, not copied.
+
+    Accepts dict (str keys), list, tuple, str, bytes, int (64-bit), float, bool, None,
+    torch tensors and numeric numpy arrays of an allowed dtype. Non-contiguous tensors
+    are made contiguous and non-CPU tensors copied to host. Raises
+    :class:`WireFormatError` (naming the path, e.g. ``payload['a'][3]``) for anything else.
+    """
+    enc = _Encoder(limits)
+    try:
+        tree = enc.walk(obj, 0)
+    except _Refused as exc:
+        path = "payload" + "".join(reversed(exc.path))
+        raise WireFormatError(f"cannot encode {path}: {exc.message}") from None
+    table: list[list[Any]] = []
+    offsets: list[int] = []
+    rel = data_len = 0
+    for e in enc.entries:
+        table.append([e.spec.code, rel, e.nbytes, e.shape])
+        offsets.append(rel)
+        data_len = rel + e.nbytes
+        rel = align(data_len)
+    try:
+        header = msgpack.packb([tree, table], use_bin_type=True)
+    except (ValueError, OverflowError, UnicodeError) as exc:
+        raise WireFormatError(f"cannot encode payload header: {exc}") from None
+    hlen = len(header)
+    if hlen > limits.max_header_bytes:
+        raise WireFormatError(f"encoded header is {hlen} bytes > max_header_bytes={limits.max_header_bytes}")
+    data_start = align(PREFIX_SIZE + hlen)
+    total = data_start + data_len
+    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, hlen, zlib.crc32(header), total)
+    head = b"".join((prefix, header, bytes(data_start - PREFIX_SIZE - hlen)))
+    segments = [Segment(data_start + off, e.nbytes, e.source) for off, e in zip(offsets, enc.entries, strict=True)]
+    return Encoded(head, segments, total)

@@ -1,0 +1,110 @@
+"""``Encoded``: a message that references the caller's tensors instead of copying them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from omni_plugins.errors import WireFormatError
+
+_ZEROS = bytes(64)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One out-of-band buffer: where it goes in the message and what holds its bytes."""
+
+    offset: int  # absolute offset inside the message
+    nbytes: int
+    source: Any  # contiguous CPU torch.Tensor (carrier-typed), C-contiguous np.ndarray, or bytes
+
+    def view(self) -> memoryview:
+        """A flat uint8 memoryview over the source's memory (no copy)."""
+        src = self.source
+        if isinstance(src, torch.Tensor):
+            src = src.numpy()
+        if isinstance(src, np.ndarray):
+            return memoryview(src.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        return memoryview(src)
+
+
+class Encoded:
+    """An encoded payload: a small head (prefix + header) plus views of the tensors' memory.
+
+    Nothing is copied until :meth:`write_into` / :meth:`to_bytes`; the referenced tensors
+    must therefore not be modified before the bytes are written out.
+    """
+
+    __slots__ = ("_head", "_segments", "nbytes")
+
+    def __init__(self, head: bytes, segments: list[Segment], nbytes: int) -> None:
+        self._head = head
+        self._segments = segments
+        self.nbytes = nbytes
+
+    def __repr__(self) -> str:
+        return f"Encoded(nbytes={self.nbytes}, buffers={len(self._segments)})"
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    @property
+    def header_nbytes(self) -> int:
+        """Bytes before the first buffer (prefix, header and padding)."""
+        return len(self._head)
+
+    def buffers(self) -> list[memoryview]:
+        """Flat uint8 views whose concatenation equals :meth:`to_bytes` (for vectored writes).
+
+        Padding between buffers is included as views of a static zero block.
+        """
+        out = [memoryview(self._head)]
+        cursor = len(self._head)
+        zeros = memoryview(_ZEROS)
+        for seg in self._segments:
+            if seg.offset > cursor:
+                out.append(zeros[: seg.offset - cursor])
+            if seg.nbytes:
+                out.append(seg.view())
+            cursor = seg.offset + seg.nbytes
+        return out
+
+    def write_into(self, dest: Any) -> int:
+        """Copy the message into ``dest`` (any writable C-contiguous buffer) and return its length.
+
+        This is the single copy a backend pays to move a payload into memory it owns
+        (a shared-memory arena, a registered transfer buffer). Bytes after ``nbytes``
+        are left untouched.
+        """
+        try:
+            mv = memoryview(dest)
+        except TypeError as exc:
+            raise WireFormatError(f"write_into needs a writable buffer, got {type(dest).__name__}") from exc
+        if mv.readonly:
+            raise WireFormatError("write_into destination is read-only")
+        if not mv.c_contiguous:
+            raise WireFormatError("write_into destination is not C-contiguous")
+        if mv.format != "B" or mv.ndim != 1:
+            try:
+                mv = mv.cast("B")
+            except TypeError as exc:
+                raise WireFormatError(f"write_into destination is not C-contiguous: {exc}") from exc
+        if mv.nbytes < self.nbytes:
+            raise WireFormatError(f"write_into destination too small: {mv.nbytes} bytes < {self.nbytes} needed")
+        head = self._head
+        cursor = len(head)
+        mv[:cursor] = head
+        for seg in self._segments:
+            if seg.offset > cursor:
+                mv[cursor : seg.offset] = _ZEROS[: seg.offset - cursor]
+            if seg.nbytes:
+                mv[seg.offset : seg.offset + seg.nbytes] = seg.view()
+            cursor = seg.offset + seg.nbytes
+        return self.nbytes
+
+    def to_bytes(self) -> bytes:
+        """The whole message as one ``bytes`` object (one copy)."""
+        return b"".join(self.buffers())
