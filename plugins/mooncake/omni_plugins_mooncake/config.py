@@ -1,0 +1,133 @@
+"""Config models of the two Mooncake connectors (validated from a stage's ``extra`` mapping).
+
+Field names are this project's; the short names used by vllm-omni's Mooncake
+connector (``host``, ``master``, ``segment``, ``localbuf``, ``proto``,
+``rdma``) are accepted as aliases so its users can bring their configs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import AliasChoices, ByteSize, Field, field_validator
+
+from omni_plugins.settings import ConnectorSettings
+
+MiB = 1 << 20
+
+
+def parse_host_port(value: str, *, what: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` too) and check the port."""
+    host, sep, port = value.strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} must look like 'host:port', got {value!r}")
+    return host, int(port)
+
+
+class _Engine(ConnectorSettings):
+    """What every Mooncake engine needs: where it lives and how it moves bytes."""
+
+    local_hostname: str = Field(
+        default="127.0.0.1",
+        min_length=1,
+        validation_alias=AliasChoices("local_hostname", "host"),
+        description="address this process advertises to peers (also exported as MC_TCP_BIND_ADDRESS unless set)",
+    )
+    protocol: Literal["tcp", "rdma"] = Field(default="tcp", validation_alias=AliasChoices("protocol", "proto"))
+    device_name: str = Field(
+        default="",
+        validation_alias=AliasChoices("device_name", "rdma", "rdma_devices"),
+        description="RDMA device names, comma separated (e.g. 'mlx5_0,mlx5_1'); empty for tcp",
+    )
+
+    @field_validator("device_name")
+    @classmethod
+    def _normalise_devices(cls, value: str) -> str:
+        return ",".join(d.strip() for d in value.split(",") if d.strip())
+
+
+class MooncakeStoreConfig(_Engine):
+    """Config of ``mooncake-store``: a ``MooncakeDistributedStore`` client."""
+
+    master_address: str = Field(
+        default="127.0.0.1:50051",
+        validation_alias=AliasChoices("master_address", "master", "master_server_address"),
+        description="host:port of mooncake_master's RPC service",
+    )
+    metadata_server: str = Field(
+        default="P2PHANDSHAKE",
+        min_length=1,
+        description="'P2PHANDSHAKE' (no metadata service), or an http:// / etcd:// metadata server",
+    )
+    global_segment_size: ByteSize = Field(
+        default=ByteSize(1024 * MiB),
+        ge=0,
+        validation_alias=AliasChoices("global_segment_size", "segment"),
+        description="memory this client contributes to the store; payloads it puts live here",
+    )
+    local_buffer_size: ByteSize = Field(
+        default=ByteSize(16 * MiB),
+        gt=0,
+        validation_alias=AliasChoices("local_buffer_size", "localbuf"),
+        description="Mooncake's own transfer buffer (this connector moves data through its own registered buffers)",
+    )
+    max_idle_buffer_bytes: ByteSize = Field(
+        default=ByteSize(512 * MiB),
+        ge=0,
+        description="registered staging/receive memory kept for reuse between transfers",
+    )
+    connect_timeout: float = Field(default=3.0, gt=0, description="seconds to wait for the master to answer a TCP connect")
+    poll_interval: float = Field(default=0.002, gt=0, le=1.0, description="first delay between lookups while get() waits")
+
+    @field_validator("master_address")
+    @classmethod
+    def _check_master(cls, value: str) -> str:
+        parse_host_port(value, what="master_address")
+        return value.strip()
+
+
+class MooncakeTEConfig(_Engine):
+    """Config of ``mooncake-te``: a ``TransferEngine`` in P2PHANDSHAKE mode plus a small control channel.
+
+    Every instance can produce and consume. As a producer it stages payloads in
+    registered memory and answers lookups on ``listen_address``; as a consumer it
+    asks each of ``peers`` (producers' listen addresses) where a key is and reads
+    it with a one-sided transfer.
+    """
+
+    listen_address: str | None = Field(
+        default="127.0.0.1:0",
+        description="host:port of this instance's control channel (port 0 = any free port); null = consume only",
+    )
+    peers: list[str] = Field(default_factory=list, description="control addresses of the producers this instance reads from")
+    pool_size: ByteSize = Field(
+        default=ByteSize(2048 * MiB),
+        gt=0,
+        description="most bytes of payloads staged (put, not yet consumed) at once; a put beyond this fails",
+    )
+    max_idle_buffer_bytes: ByteSize = Field(
+        default=ByteSize(512 * MiB),
+        ge=0,
+        description="registered memory kept for reuse between transfers",
+    )
+    payload_ttl: float = Field(default=300.0, gt=0, description="seconds after which an unconsumed payload is reclaimed")
+    socket_timeout: float = Field(default=5.0, gt=0, description="timeout of every control-channel connect/send/receive")
+    poll_interval: float = Field(default=0.002, gt=0, le=1.0, description="first delay between lookups while get() waits")
+
+    @field_validator("listen_address")
+    @classmethod
+    def _check_listen(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        host, sep, port = value.strip().rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"listen_address must look like 'host:port' (port 0 = any), got {value!r}")
+        return value.strip()
+
+    @field_validator("peers")
+    @classmethod
+    def _check_peers(cls, value: list[str]) -> list[str]:
+        for peer in value:
+            parse_host_port(peer, what="each peer")
+        return [p.strip() for p in value]

@@ -1,0 +1,20 @@
+"""Mooncake's integer error codes, named for messages."""
+
+from __future__ import annotations
+
+OBJECT_NOT_FOUND = -704
+
+_NAMES = {
+    -1: "transfer failed",
+    -200: "segment not mounted / client not ready",
+    -600: "buffer too small",
+    -704: "object not found",
+    -706: "object has a lease (remove with force)",
+    -900: "RPC to the master failed (master down or restarting)",
+}
+
+
+def describe(code: int) -> str:
+    """``'code -704 (object not found)'``."""
+    name = _NAMES.get(code)
+    return f"code {code} ({name})" if name else f"code {code}"

@@ -1,0 +1,167 @@
+"""``mooncake-store``: payloads in a ``MooncakeDistributedStore``.
+
+``put`` encodes the payload straight into a registered slab and hands it to the
+store with ``upsert_from`` (``put`` would keep an old value); ``get`` reads with
+``get_into`` into another registered slab and decodes zero-copy over it, then
+force-removes the key (a plain ``remove`` inside the lease fails with -706).
+
+Data lives in the global segment of a client (the putter's, which this
+connector prefers) and disappears when that client closes: a producer must
+stay open until its payloads are consumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any
+
+from omni_plugins import wire
+from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+from omni_plugins.errors import ConnectorError
+
+from omni_plugins_mooncake._backoff import poll
+from omni_plugins_mooncake._env import prepare_environment
+from omni_plugins_mooncake._import import import_mooncake
+from omni_plugins_mooncake.config import MooncakeStoreConfig, parse_host_port
+from omni_plugins_mooncake.errors import OBJECT_NOT_FOUND, describe
+from omni_plugins_mooncake.memory import SlabPool
+
+logger = logging.getLogger(__name__)
+
+
+def check_master_reachable(address: str, timeout: float) -> None:
+    """Fail fast when nothing listens at the master's RPC port (``setup`` would block ~90 s)."""
+    host, port = parse_host_port(address, what="master_address")
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ConnectorError(
+            f"mooncake master at {address} is not reachable ({exc}); start it, e.g. "
+            f"mooncake_master --rpc_address={host} --rpc_port={port}"
+        ) from exc
+
+
+class MooncakeStoreConnector(Connector):
+    """Connector over a Mooncake distributed store (master + client segments)."""
+
+    capabilities = Capabilities(blocking_get=True, cross_process=True, cross_host=True, zero_copy_get=True, consume_on_get=True)
+    config_model = MooncakeStoreConfig
+
+    def __init__(self, config: MooncakeStoreConfig | None = None) -> None:
+        super().__init__()
+        self.config = cfg = config or MooncakeStoreConfig()
+        store_mod = import_mooncake("mooncake.store")
+        check_master_reachable(cfg.master_address, cfg.connect_timeout)
+        prepare_environment(cfg.local_hostname)
+        store = store_mod.MooncakeDistributedStore()
+        rc = store.setup(
+            cfg.local_hostname,
+            cfg.metadata_server,
+            int(cfg.global_segment_size),
+            int(cfg.local_buffer_size),
+            cfg.protocol,
+            cfg.device_name,
+            cfg.master_address,
+        )
+        if rc != 0:
+            raise ConnectorError(f"mooncake store setup against master {cfg.master_address} failed: {describe(rc)}")
+        self._store = store
+        self._replicate = store_mod.ReplicateConfig()
+        if int(cfg.global_segment_size) > 0:
+            # keep what this client puts in its own segment (the data is local until read)
+            self._replicate.preferred_segment = store.get_hostname()
+        self._pool = SlabPool(
+            store.register_buffer,
+            store.unregister_buffer,
+            name=f"mooncake-store client of {cfg.master_address}",
+            max_idle_bytes=int(cfg.max_idle_buffer_bytes),
+        )
+        self._stats_lock = threading.Lock()
+        self._stats = {"puts": 0, "gets": 0, "bytes_put": 0, "bytes_got": 0, "remove_failures": 0}
+
+    # -- contract ------------------------------------------------------------
+    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
+        encoded = wire.encode(data)
+        n = encoded.nbytes
+        slab = self._pool.acquire(n)
+        try:
+            encoded.write_into(slab.view(n))
+            rc = self._store.upsert_from(key, slab.address, n, self._replicate)
+        finally:
+            self._pool.release(slab)
+        if rc != 0:
+            raise ConnectorError(f"mooncake store (master {self.config.master_address}): put of key {key!r} ({n} bytes) failed: {describe(rc)}")
+        self._count(puts=1, bytes_put=n)
+        return PutResult(True, n, None)
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        return poll(lambda: self._try_get(key), timeout, self.config.poll_interval)
+
+    def _try_get(self, key: str) -> GetResult | None:
+        self._check_open()
+        size = self._store.get_size(key)
+        if size == OBJECT_NOT_FOUND:
+            return None
+        if size < 0:
+            raise ConnectorError(f"mooncake store (master {self.config.master_address}): lookup of key {key!r} failed: {describe(size)}")
+        slab = self._pool.acquire(size)
+        try:
+            got = self._store.get_into(key, slab.address, slab.size)
+        except BaseException:
+            self._pool.release(slab)
+            raise
+        if got < 0:
+            self._pool.release(slab)
+            if got == OBJECT_NOT_FOUND:  # consumed or cleaned up in between
+                return None
+            raise ConnectorError(f"mooncake store (master {self.config.master_address}): read of key {key!r} failed: {describe(got)}")
+        view = self._pool.lease(slab, got)  # the slab returns to the pool when the decoded tensors die
+        self._remove(key)
+        try:
+            data = wire.decode(view)
+        finally:
+            del view
+        self._count(gets=1, bytes_got=got)
+        return GetResult(data, got)
+
+    def _cleanup(self, key: str) -> bool:
+        rc = self._store.remove(key, True)
+        if rc == 0:
+            return True
+        if rc == OBJECT_NOT_FOUND:
+            return False
+        raise ConnectorError(f"mooncake store (master {self.config.master_address}): remove of key {key!r} failed: {describe(rc)}")
+
+    def _health(self) -> dict[str, Any]:
+        rc = self._store.health_check()
+        with self._stats_lock:
+            stats = dict(self._stats)
+        return {
+            "ok": rc == 0,
+            "master": self.config.master_address,
+            "segment": self._store.get_hostname(),
+            "store_status": {0: "healthy", 1: "not initialised", 2: "master unreachable"}.get(rc, f"code {rc}"),
+            "buffers": self._pool.stats(),
+            **stats,
+        }
+
+    def _close(self) -> None:
+        self._pool.close()
+        rc = self._store.close()
+        if rc != 0:
+            logger.warning("closing mooncake store client of master %s returned %s", self.config.master_address, describe(rc))
+
+    # -- helpers -------------------------------------------------------------
+    def _remove(self, key: str) -> None:
+        rc = self._store.remove(key, True)
+        if rc not in (0, OBJECT_NOT_FOUND):
+            self._count(remove_failures=1)
+            logger.warning("mooncake store (master %s): consumed key %r could not be removed: %s", self.config.master_address, key, describe(rc))
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                self._stats[name] += delta

@@ -1,0 +1,163 @@
+"""Launchers for tests and benchmarks: a loopback-only ``mooncake_master`` you can kill and restart.
+
+Example::
+
+    from omni_plugins_mooncake.testing import MooncakeMaster, loopback_environment
+
+    loopback_environment()
+    with MooncakeMaster() as master:
+        conn = create_connector("mooncake-store", {"master_address": master.address,
+                                                   "global_segment_size": "256MiB"})
+
+Every socket the master opens binds 127.0.0.1 (RPC and metrics; the HTTP
+metadata server stays off). The process is stopped by pid, never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_environment() -> None:
+    """Make Mooncake engines in this process (and children) use loopback and log only errors."""
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)
+    os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port free on ``host`` right now (another process may still take it: callers retry)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _answers(host: str, port: int, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class MooncakeMaster:
+    """A ``mooncake_master`` on free loopback ports; a context manager.
+
+    ``address`` is ``"127.0.0.1:<rpc_port>"`` (the connector's ``master_address``).
+    ``restart()`` brings it back on the same ports (with empty metadata, as a real
+    master restart does); ``stop()`` terminates it and waits.
+    """
+
+    def __init__(
+        self,
+        *,
+        lease_ttl_ms: int = 500,
+        extra_args: tuple[str, ...] = (),
+        binary: str | None = None,
+        start_timeout: float = 15.0,
+        log_dir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        found = binary or shutil.which("mooncake_master")
+        if not found:
+            raise RuntimeError("mooncake_master not found on PATH: pip install 'omni-plugins-mooncake[cpu]'")
+        self.binary = found
+        self.lease_ttl_ms = lease_ttl_ms
+        self.extra_args = tuple(extra_args)
+        self.start_timeout = start_timeout
+        self._log_dir = Path(log_dir) if log_dir is not None else Path(tempfile.gettempdir())
+        self.rpc_port = 0
+        self.metrics_port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.rpc_port}"
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def command(self) -> list[str]:
+        return [
+            self.binary,
+            f"--rpc_address={LOOPBACK}",
+            f"--rpc_port={self.rpc_port}",
+            f"--metrics_host={LOOPBACK}",
+            f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={self.lease_ttl_ms}",
+            "--enable_http_metadata_server=false",
+            "--enable_metric_reporting=false",
+            *self.extra_args,
+        ]
+
+    def start(self) -> MooncakeMaster:
+        """Start on fresh free ports (retried when a port was taken meanwhile)."""
+        last = ""
+        for _ in range(5):
+            self.rpc_port, self.metrics_port = free_port(), free_port()
+            try:
+                self._launch()
+                return self
+            except RuntimeError as exc:
+                last = str(exc)
+        raise RuntimeError(f"mooncake_master did not start: {last}")
+
+    def restart(self) -> MooncakeMaster:
+        """Stop and start again on the same ports (clients reconnect by themselves)."""
+        self.stop()
+        self._launch()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the master (a crash), without waiting for a clean shutdown."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def stop(self) -> None:
+        """Terminate by pid and wait (SIGKILL after 5 s)."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def _launch(self) -> None:
+        self.log_path = self._log_dir / f"mooncake_master-{os.getpid()}-{self.rpc_port}.log"
+        env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                code = self.proc.returncode
+                self.proc = None
+                raise RuntimeError(f"exited with code {code}; see {self.log_path}")
+            if _answers(LOOPBACK, self.rpc_port):
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"no answer on {self.address} within {self.start_timeout} s; see {self.log_path}")
+
+    def __enter__(self) -> MooncakeMaster:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+        if self.log_path is not None and exc is None:
+            self.log_path.unlink(missing_ok=True)

@@ -1,0 +1,62 @@
+"""Fixtures: real ``mooncake_master`` processes on loopback, and leak checks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+from omni_plugins_mooncake.testing import MooncakeMaster, loopback_environment
+
+loopback_environment()
+
+SEGMENT = "256MiB"
+
+
+def store_config(master: MooncakeMaster, **extra: object) -> dict[str, object]:
+    """A small loopback store config for tests."""
+    return {"master_address": master.address, "global_segment_size": SEGMENT, "local_buffer_size": "16MiB", **extra}
+
+
+def count_objects(master: MooncakeMaster) -> int:
+    """Objects the master still holds (removes them: call at the end of a test)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    probe = MooncakeDistributedStore()
+    assert probe.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master.address) == 0
+    try:
+        return int(probe.remove_all(True))
+    finally:
+        probe.close()
+
+
+def _assert_gone(pid: int | None) -> None:
+    if pid is not None and psutil.pid_exists(pid):
+        proc = psutil.Process(pid)
+        assert proc.status() == psutil.STATUS_ZOMBIE, f"mooncake_master pid {pid} still running"
+
+
+@pytest.fixture(scope="session")
+def master() -> Iterator[MooncakeMaster]:
+    """One master shared by the session's tests (tests that kill it use ``own_master``)."""
+    with MooncakeMaster() as m:
+        yield m
+        assert m.pid is not None, "a test stopped the shared master"
+        leftover = count_objects(m)
+        assert leftover == 0, f"{leftover} store objects left on the shared master"
+        pid = m.pid
+    _assert_gone(pid)
+
+
+@pytest.fixture
+def own_master() -> Iterator[MooncakeMaster]:
+    """A master this test may kill and restart."""
+    m = MooncakeMaster()
+    m.start()
+    pid = m.pid
+    try:
+        yield m
+    finally:
+        m.stop()
+        _assert_gone(pid)
