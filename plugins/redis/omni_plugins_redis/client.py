@@ -1,0 +1,340 @@
+"""Connections, per-server pools, cluster slot routing and retry with backoff.
+
+Every socket has a timeout (connect and I/O), so no call waits forever. A
+failed connection is dropped, never reused. :meth:`RedisClient.run` retries a
+step after connection failures, ``LOADING`` (a restarted server reading its
+AOF), ``MOVED``/``ASK``/``CLUSTERDOWN``/``TRYAGAIN`` (cluster changes) with
+exponential backoff, and turns the final failure into a
+:class:`~omni_plugins.errors.ConnectorError` naming the server and the key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from omni_plugins.errors import ConnectorError
+from omni_plugins_redis.config import RedisConfig
+from omni_plugins_redis.framing import Arg, ProtocolError, Reply, ReplyError, ReplyReader, pack, pack_many, send_buffers
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SLOTS = 16384
+_RETRYABLE_REPLIES = frozenset({"LOADING", "MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "READONLY"})
+_AUTH_REPLIES = frozenset({"WRONGPASS", "NOAUTH", "NOPERM"})
+
+
+class AuthError(ConnectorError):
+    """The server rejected our credentials or the ACL user lacks a permission (not retried)."""
+
+
+@dataclass(frozen=True)
+class Address:
+    """A TCP ``host:port`` or a unix socket ``path``."""
+
+    host: str = ""
+    port: int = 0
+    path: str = ""
+
+    def __str__(self) -> str:
+        return f"unix://{self.path}" if self.path else f"{self.host}:{self.port}"
+
+
+class Connection:
+    """One RESP2 socket to one server.
+
+    ``defer`` sends a command whose reply nobody waits for (e.g. deleting a
+    consumed payload): the reply is read and checked lazily before the next
+    reply, so the cleanup costs no extra round trip.
+    """
+
+    def __init__(self, address: Address, config: RedisConfig) -> None:
+        self.address = address
+        self._config = config
+        self._pending = 0
+        self.broken = False
+        self._sock = self._open()
+        self._reader = ReplyReader(self._sock)
+        try:
+            self._handshake()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> socket.socket:
+        cfg = self._config
+        sock: socket.socket
+        if self.address.path:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(cfg.connect_timeout)
+            try:
+                sock.connect(self.address.path)
+            except BaseException:
+                sock.close()
+                raise
+        else:
+            sock = socket.create_connection((self.address.host, self.address.port), timeout=cfg.connect_timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if cfg.tls:
+                context = ssl.create_default_context(cafile=str(cfg.tls_ca_file) if cfg.tls_ca_file else None)
+                context.check_hostname = cfg.tls_check_hostname
+                if cfg.tls_cert_file and cfg.tls_key_file:
+                    context.load_cert_chain(str(cfg.tls_cert_file), str(cfg.tls_key_file))
+                try:
+                    sock = context.wrap_socket(sock, server_hostname=self.address.host)
+                except BaseException:
+                    sock.close()
+                    raise
+        sock.settimeout(cfg.socket_timeout)
+        return sock
+
+    def _handshake(self) -> None:
+        cfg = self._config
+        commands: list[Sequence[Arg]] = []
+        if cfg.password is not None:
+            secret = cfg.password.get_secret_value()
+            commands.append(("AUTH", cfg.username, secret) if cfg.username else ("AUTH", secret))
+        elif cfg.username:
+            raise AuthError(f"Redis {self.address}: username {cfg.username!r} given without a password")
+        if cfg.db:
+            commands.append(("SELECT", cfg.db))
+        if not commands:
+            return
+        self.send_many(commands)
+        for reply in [self.read() for _ in commands]:
+            if isinstance(reply, ReplyError):
+                if reply.code in _AUTH_REPLIES:
+                    user = cfg.username or "default"
+                    raise AuthError(f"Redis {self.address} rejected user {user!r}: {reply} (check username/password)")
+                raise ConnectorError(f"Redis {self.address}: connection setup failed: {reply}")
+
+    # -- I/O ---------------------------------------------------------------
+    def send(self, *args: Arg) -> None:
+        send_buffers(self._sock, pack(*args))
+
+    def send_many(self, commands: Sequence[Sequence[Arg]]) -> None:
+        send_buffers(self._sock, pack_many(commands))
+
+    def defer(self, *args: Arg) -> None:
+        """Send a command and read its reply later (errors are logged, not raised)."""
+        self.send(*args)
+        self._pending += 1
+
+    def _drain(self) -> None:
+        while self._pending:
+            self._pending -= 1
+            reply = self._reader.read()
+            if isinstance(reply, ReplyError):
+                log.warning("Redis %s: deferred command failed: %s", self.address, reply)
+
+    def read(self, timeout: float | None = None) -> Reply:
+        """Read the next reply; ``timeout`` overrides the socket timeout for this read."""
+        self._drain()
+        if timeout is None:
+            return self._reader.read()
+        self._sock.settimeout(timeout)
+        try:
+            return self._reader.read()
+        finally:
+            self._sock.settimeout(self._config.socket_timeout)
+
+    def read_bulk_into(self, dest: memoryview) -> bool:
+        self._drain()
+        return self._reader.read_bulk_into(dest)
+
+    def call(self, *args: Arg) -> Reply:
+        """One command, one reply; raises :class:`ReplyError` on an error reply."""
+        self.send(*args)
+        reply = self.read()
+        if isinstance(reply, ReplyError):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        self.broken = True
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+
+class NodePool:
+    """At most ``size`` connections to one server; idle ones are reused."""
+
+    def __init__(self, address: Address, config: RedisConfig) -> None:
+        self.address = address
+        self._config = config
+        self._idle: list[Connection] = []
+        self._slots = threading.BoundedSemaphore(config.pool_size)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[Connection]:
+        if not self._slots.acquire(timeout=self._config.pool_timeout):
+            raise ConnectorError(
+                f"Redis {self.address}: all {self._config.pool_size} pooled connections busy for {self._config.pool_timeout}s"
+            )
+        try:
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            if conn is None:
+                conn = Connection(self.address, self._config)
+            try:
+                yield conn
+            except BaseException:
+                conn.close()  # state unknown (half-read reply?): never reuse
+                raise
+            with self._lock:
+                if self._closed or conn.broken:
+                    conn.close()
+                else:
+                    self._idle.append(conn)
+        finally:
+            self._slots.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+class RedisClient:
+    """Routes each step to the right server and retries it; one instance per connector."""
+
+    def __init__(self, config: RedisConfig) -> None:
+        self._config = config
+        self.label = config.server_label()
+        self._lock = threading.Lock()
+        self._pools: dict[Address, NodePool] = {}
+        self._slot_map: list[Address] | None = None
+        if config.unix_socket:
+            self._seeds = [Address(path=config.unix_socket)]
+        else:
+            self._seeds = [Address(host=h, port=p) for h, p in config.nodes()]
+
+    # -- routing -------------------------------------------------------------
+    def _pool(self, address: Address) -> NodePool:
+        with self._lock:
+            pool = self._pools.get(address)
+            if pool is None:
+                pool = self._pools[address] = NodePool(address, self._config)
+            return pool
+
+    def _address_for(self, slot: int) -> Address:
+        if not self._config.cluster:
+            return self._seeds[0]
+        slot_map = self._slot_map
+        if slot_map is None:
+            slot_map = self._refresh_slots()
+        return slot_map[slot]
+
+    def _refresh_slots(self) -> list[Address]:
+        """Ask the known nodes for ``CLUSTER SLOTS`` until one answers."""
+        errors: list[str] = []
+        candidates = list(dict.fromkeys([*self._seeds, *(self._slot_map or [])]))
+        for address in candidates:
+            try:
+                with self._pool(address).connection() as conn:
+                    reply = conn.call("CLUSTER", "SLOTS")
+            except (OSError, ReplyError, ConnectorError) as exc:
+                errors.append(f"{address}: {exc}")
+                continue
+            slot_map = _parse_cluster_slots(reply, address)
+            if slot_map is not None:
+                self._slot_map = slot_map
+                return slot_map
+            errors.append(f"{address}: incomplete slot coverage")
+        raise ConnectionError("no cluster node returned a full slot map (" + "; ".join(errors) + ")")
+
+    def nodes(self) -> list[Address]:
+        """Every server this client routes to (all masters in cluster mode)."""
+        if not self._config.cluster:
+            return list(self._seeds)
+        slot_map = self._slot_map or self._refresh_slots()
+        return list(dict.fromkeys(slot_map))
+
+    # -- execution -------------------------------------------------------------
+    def run(self, slot: int, step: Callable[[Connection], T], *, what: str, key: str, deadline: float | None = None) -> T:
+        """Run ``step`` on a connection to the server owning ``slot``, retrying transient failures.
+
+        ``step`` must be safe to run again after a failure (the callers keep
+        progress in a state object). ``deadline`` (monotonic) cuts retries short.
+        """
+        cfg = self._config
+        delay = cfg.retry_backoff
+        attempt = 0
+        while True:
+            address: Address | str = self.label
+            try:
+                address = self._address_for(slot)
+                with self._pool(address).connection() as conn:
+                    return step(conn)
+            except AuthError:
+                raise
+            except ReplyError as exc:
+                if exc.code in _AUTH_REPLIES:
+                    raise AuthError(f"{what} {key!r} on Redis {address}: {exc} (ACL user lacks a permission or key pattern)") from None
+                if exc.code not in _RETRYABLE_REPLIES:
+                    raise ConnectorError(f"{what} {key!r} on Redis {address}: {exc}") from None
+                failure: BaseException = exc
+            except ConnectorError:
+                raise
+            except OSError as exc:  # ConnectionError, socket.timeout, ssl errors, ProtocolError
+                failure = exc
+            if self._config.cluster:
+                self._slot_map = None
+            attempt += 1
+            now = time.monotonic()
+            if attempt > cfg.retry_attempts or (deadline is not None and now + delay > deadline):
+                raise ConnectorError(
+                    f"{what} {key!r} on Redis {address} failed after {attempt} attempt(s): {type(failure).__name__}: {failure}"
+                ) from None
+            log.debug("%s %r on Redis %s: %s; retry %d in %.2fs", what, key, address, failure, attempt, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, cfg.retry_backoff_max)
+
+    def run_on(self, address: Address, step: Callable[[Connection], T], *, what: str) -> T:
+        """Run ``step`` once on a given server (no retry); for health checks."""
+        try:
+            with self._pool(address).connection() as conn:
+                return step(conn)
+        except (OSError, ReplyError) as exc:
+            raise ConnectorError(f"{what} on Redis {address}: {type(exc).__name__}: {exc}") from None
+
+    def close(self) -> None:
+        with self._lock:
+            pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close()
+
+
+def _parse_cluster_slots(reply: Reply, asked: Address) -> list[Address] | None:
+    if not isinstance(reply, list):
+        return None
+    slot_map: list[Address | None] = [None] * SLOTS
+    for entry in reply:
+        if not isinstance(entry, list) or len(entry) < 3 or not isinstance(entry[2], list):
+            continue
+        start, end, master = entry[0], entry[1], entry[2]
+        if not isinstance(start, int) or not isinstance(end, int) or len(master) < 2:
+            continue
+        host = master[0].decode() if isinstance(master[0], bytes) else ""
+        port = master[1] if isinstance(master[1], int) else 0
+        address = Address(host=host or asked.host, port=port)
+        for slot in range(max(start, 0), min(end, SLOTS - 1) + 1):
+            slot_map[slot] = address
+    if any(a is None for a in slot_map):
+        return None
+    return [a for a in slot_map if a is not None]
+
+
+__all__ = ["Address", "AuthError", "Connection", "NodePool", "ProtocolError", "RedisClient"]

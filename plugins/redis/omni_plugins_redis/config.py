@@ -1,0 +1,188 @@
+"""Validated configuration of the Redis connector.
+
+A ``url`` (``redis://``, ``rediss://``, ``unix://``) is parsed into the
+individual fields at validation time, so the rest of the plugin only reads
+fields. The password never appears in ``repr``, in the stored ``url`` or in
+any error message.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+
+from omni_plugins.settings import ConnectorSettings
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+
+# Redis refuses values above 512 MB; parts stay far below that.
+MIN_CHUNK_BYTES = 64 * KIB
+MAX_CHUNK_BYTES = 256 * MIB
+
+_URL_SCHEMES = ("redis", "rediss", "unix")
+
+
+class RedisConfig(ConnectorSettings):
+    """Connection, namespace, chunking and retry settings for ``RedisConnector``."""
+
+    url: str | None = Field(None, description="redis://[user[:pass]@]host[:port][/db], rediss://..., unix:///path?db=N")
+    host: str = "127.0.0.1"
+    port: int = Field(6379, ge=1, le=65535)
+    db: int = Field(0, ge=0, le=1_000_000)
+    unix_socket: str | None = Field(None, description="path of the server's unix socket (instead of host/port)")
+    username: str | None = Field(None, description="ACL user (Redis 6+); None means 'default'")
+    password: SecretStr | None = None
+
+    tls: bool = False
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_check_hostname: bool = True
+
+    cluster: bool = Field(False, description="talk to a Redis Cluster; startup_nodes (or host:port) seed the slot map")
+    startup_nodes: list[str] = Field(default_factory=list, description="'host:port' entries of cluster nodes")
+
+    key_prefix: str = Field("omni:", max_length=200, description="namespace of every key this connector writes")
+    ttl_seconds: float = Field(300.0, ge=0, le=365 * 86400, description="expiry of unread payloads; 0 = never expire")
+    chunk_bytes: int = Field(4 * MIB, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="size of one stored part")
+    inline_bytes: int = Field(64 * KIB, ge=0, le=MAX_CHUNK_BYTES, description="payloads up to this size travel in the manifest itself")
+    read_window: int = Field(2, ge=1, le=64, description="part reads kept in flight on one connection")
+    max_payload_bytes: int = Field(64 * GIB, ge=1, description="largest payload a manifest may announce (manifests are untrusted)")
+
+    connect_timeout: float = Field(5.0, gt=0, le=3600)
+    socket_timeout: float = Field(30.0, gt=0, le=3600, description="bound on every socket read/write; nothing waits forever")
+    pool_size: int = Field(16, ge=1, le=1024, description="connections per server")
+    pool_timeout: float = Field(30.0, gt=0, le=3600, description="wait for a free pooled connection")
+    retry_attempts: int = Field(6, ge=0, le=1000, description="retries after a connection failure")
+    retry_backoff: float = Field(0.05, gt=0, le=60, description="first retry delay; doubles each attempt")
+    retry_backoff_max: float = Field(2.0, gt=0, le=600)
+    poll_interval_max: float = Field(0.05, gt=0, le=10, description="longest sleep of the polling fallback of get(timeout=)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse_url(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not data.get("url"):
+            return data
+        data = dict(data)
+        parsed = _parse_redis_url(str(data["url"]))
+        for name, value in parsed.items():
+            if name == "url":
+                continue
+            given = data.get(name)
+            if given is not None and name in data:
+                if isinstance(given, SecretStr):
+                    given = given.get_secret_value()
+                if given != value:
+                    raise ValueError(f"{name} is given both in url and as a field, with different values")
+            data[name] = value
+        data["url"] = parsed["url"]
+        return data
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _check_prefix(cls, value: str) -> str:
+        if "{" in value or "}" in value:
+            raise ValueError("key_prefix must not contain '{' or '}' (they delimit Redis Cluster hash tags)")
+        if any(ch.isspace() or not ch.isprintable() for ch in value):
+            raise ValueError("key_prefix must be printable and contain no whitespace")
+        return value
+
+    @field_validator("startup_nodes")
+    @classmethod
+    def _check_nodes(cls, value: list[str]) -> list[str]:
+        for node in value:
+            _split_host_port(node)
+        return value
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> RedisConfig:
+        if self.inline_bytes > self.chunk_bytes:
+            raise ValueError("inline_bytes must not exceed chunk_bytes")
+        if self.cluster and self.unix_socket:
+            raise ValueError("cluster mode needs TCP nodes, not a unix socket")
+        if self.cluster and self.db != 0:
+            raise ValueError("Redis Cluster only has db 0")
+        if self.unix_socket and self.tls:
+            raise ValueError("TLS over a unix socket is not supported")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        tls_files = {"tls_ca_file": self.tls_ca_file, "tls_cert_file": self.tls_cert_file, "tls_key_file": self.tls_key_file}
+        for name, path in tls_files.items():
+            if path is None:
+                continue
+            if not self.tls:
+                raise ValueError(f"{name} is set but tls is off (use rediss:// or tls: true)")
+            if not path.is_file():
+                raise ValueError(f"{name}: no such file {str(path)!r}")
+        return self
+
+    # -- derived values ----------------------------------------------------
+    def nodes(self) -> list[tuple[str, int]]:
+        """TCP (host, port) seeds: the startup nodes in cluster mode, else host:port."""
+        if self.cluster and self.startup_nodes:
+            return [_split_host_port(node) for node in self.startup_nodes]
+        return [(self.host, self.port)]
+
+    def server_label(self) -> str:
+        """Where the connector talks to, for logs and errors (never contains the password)."""
+        if self.unix_socket:
+            return f"unix://{self.unix_socket}?db={self.db}"
+        scheme = "rediss" if self.tls else "redis"
+        if self.cluster:
+            return f"{scheme}+cluster://" + ",".join(f"{h}:{p}" for h, p in self.nodes())
+        return f"{scheme}://{self.host}:{self.port}/{self.db}"
+
+
+def _split_host_port(node: str) -> tuple[str, int]:
+    host, sep, port = node.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"cluster node {node!r} is not 'host:port'")
+    return host.strip("[]"), int(port)
+
+
+def _parse_redis_url(url: str) -> dict[str, Any]:
+    """Split a Redis URL into config fields; the returned ``url`` has the password removed."""
+    parts = urlsplit(url)
+    if parts.scheme not in _URL_SCHEMES:
+        raise ValueError(f"url scheme must be one of {', '.join(s + '://' for s in _URL_SCHEMES)}, not {parts.scheme!r}")
+    out: dict[str, Any] = {}
+    if parts.username:
+        out["username"] = unquote(parts.username)
+    if parts.password is not None:
+        out["password"] = unquote(parts.password)
+    query = parse_qs(parts.query)
+    db_text: str | None = None
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError("unix:// url needs a socket path, e.g. unix:///run/redis.sock")
+        out["unix_socket"] = unquote(parts.path)
+        db_text = query.get("db", [None])[0]
+    else:
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"url has an invalid port: {exc}") from None
+        if parts.hostname:
+            out["host"] = parts.hostname
+        if port is not None:
+            out["port"] = port
+        path = parts.path.lstrip("/")
+        db_text = path or query.get("db", [None])[0]
+        if parts.scheme == "rediss":
+            out["tls"] = True
+    if db_text is not None:
+        if not db_text.isdigit():
+            raise ValueError(f"url database must be a number, not {db_text!r}")
+        out["db"] = int(db_text)
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc = f"{netloc}:{parts.port}"
+    if parts.username:
+        netloc = f"{parts.username}@{netloc}"
+    out["url"] = parts._replace(netloc=netloc).geturl()
+    return out

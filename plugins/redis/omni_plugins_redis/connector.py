@@ -1,0 +1,300 @@
+"""``RedisConnector``: payloads through Redis or Redis Cluster.
+
+Write path (:meth:`_put`): encode with ``omni_plugins.wire`` (zero copy), send
+large payloads as ``chunk_bytes`` parts in one pipelined burst of ``SET``s
+framed by hand (vectored ``sendmsg``, no Python copy), then commit with one
+``MULTI``: push the manifest, set its TTL and a commit marker. Only the
+manifest makes a payload visible, so a reader never sees half a payload.
+
+Read path (:meth:`_get`): claim the manifest atomically (``LMOVE``/``BLMOVE``
+into a private claim list, see :mod:`.waiting`), stream the parts straight
+into one preallocated buffer, delete claim and parts, and decode with
+``omni_plugins.wire`` over that buffer (``copy=False``): tensors own that
+memory, one copy in total.
+
+All keys of one payload share a hash tag (:mod:`.keys`), so in a cluster they
+live on one node and each step talks to one connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_plugins import wire
+from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+from omni_plugins.errors import ConnectorError
+from omni_plugins_redis import manifest as mf
+from omni_plugins_redis.client import Connection, RedisClient
+from omni_plugins_redis.config import RedisConfig
+from omni_plugins_redis.framing import Buffer, Pieces, ProtocolError, ReplyError
+from omni_plugins_redis.keys import PayloadKeys
+from omni_plugins_redis.waiting import Claimer
+
+log = logging.getLogger(__name__)
+
+# Parts outlive their manifest by this much, so a reader that claims a manifest
+# just before it expires still finds every part.
+PART_TTL_GRACE_MS = 60_000
+# A commit marker only has to outlive the writer's retries.
+MARKER_TTL_MS = 600_000
+
+
+@dataclass
+class _PutState:
+    """One put across retries."""
+
+    keys: PayloadKeys
+    manifest: mf.Manifest
+    element: Pieces
+    parts: list[Pieces]
+    attempts: int = 0
+
+
+@dataclass
+class _ReadState:
+    """One get's part reads across retries: where to resume."""
+
+    keys: PayloadKeys
+    manifest: mf.Manifest
+    buffer: bytearray
+    next_part: int = 0
+    views: list[memoryview] = field(default_factory=list)
+
+
+class RedisConnector(Connector):
+    """Redis / Redis Cluster connector (see module docstring for the protocol)."""
+
+    capabilities = Capabilities(blocking_get=True, cross_process=True, cross_host=True, zero_copy_get=False, consume_on_get=True)
+
+    def __init__(self, config: RedisConfig) -> None:
+        super().__init__()
+        self.config = config
+        self._client = RedisClient(config)
+        self._claimer = Claimer(self._client, config)
+        ttl_ms = round(config.ttl_seconds * 1000)
+        self._ttl_ms = ttl_ms
+        self._part_ttl_ms = ttl_ms + PART_TTL_GRACE_MS if ttl_ms else 0
+
+    # -- helpers -------------------------------------------------------------
+    def _keys(self, key: str) -> PayloadKeys:
+        try:
+            return PayloadKeys(self.config.key_prefix, key)
+        except ValueError as exc:
+            raise ConnectorError(f"Redis {self._client.label}: {exc}") from None
+
+    def _expiry(self, ttl_ms: int) -> tuple[Any, ...]:
+        return ("PX", ttl_ms) if ttl_ms else ()
+
+    # -- put -------------------------------------------------------------------
+    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
+        keys = self._keys(key)
+        encoded = wire.encode(data)
+        total = encoded.nbytes
+        put_id = mf.new_put_id()
+        buffers = encoded.buffers()
+        if total <= self.config.inline_bytes:
+            manifest = mf.for_inline(total, put_id)
+            element = Pieces([manifest.header(), *buffers])
+            parts: list[Pieces] = []
+        else:
+            manifest = mf.for_parts(total, self.config.chunk_bytes, put_id)
+            element = Pieces([manifest.header()])
+            parts = [Pieces(p) for p in _split(buffers, self.config.chunk_bytes)]
+        state = _PutState(keys=keys, manifest=manifest, element=element, parts=parts)
+        try:
+            self._client.run(keys.slot, lambda conn: self._put_step(conn, state), what="put", key=key)
+        except ConnectorError:
+            self._forget_parts(state)
+            raise
+        return PutResult(True, total, {"parts": manifest.nparts})
+
+    def _put_step(self, conn: Connection, state: _PutState) -> None:
+        keys, manifest = state.keys, state.manifest
+        marker = keys.marker(manifest.put_id)
+        state.attempts += 1
+        if state.attempts > 1 and conn.call("EXISTS", marker) == 1:
+            conn.defer("DEL", marker)  # the lost reply was a successful commit
+            return
+        if state.parts:
+            part_keys = keys.parts(manifest.put_id, manifest.nparts)
+            conn.send_many([("SET", k, p, *self._expiry(self._part_ttl_ms)) for k, p in zip(part_keys, state.parts, strict=True)])
+            failures = [r for r in (conn.read() for _ in part_keys) if isinstance(r, ReplyError)]
+            if failures:
+                raise failures[0]
+        commit: list[tuple[Any, ...]] = [("MULTI",), ("RPUSH", keys.manifest, state.element)]
+        if self._ttl_ms:
+            commit.append(("PEXPIRE", keys.manifest, self._ttl_ms))
+        commit += [("SET", marker, b"1", "PX", MARKER_TTL_MS), ("EXEC",)]
+        conn.send_many(commit)
+        replies = [conn.read() for _ in commit]
+        for reply in replies[:-1]:
+            if isinstance(reply, ReplyError):
+                raise reply
+        results = replies[-1]
+        if isinstance(results, ReplyError):
+            raise results
+        if not isinstance(results, list):
+            raise ReplyError("EXECABORT transaction discarded")
+        for reply in results:
+            if isinstance(reply, ReplyError):
+                raise reply
+        conn.defer("DEL", marker)
+
+    def _forget_parts(self, state: _PutState) -> None:
+        """Best effort: remove the parts of a put that failed (TTL catches the rest)."""
+        if not state.parts:
+            return
+        names = state.keys.parts(state.manifest.put_id, state.manifest.nparts)
+        try:
+            self._client.run(state.keys.slot, lambda conn: conn.call("UNLINK", *names), what="put cleanup", key=state.keys.key)
+        except ConnectorError as exc:
+            log.debug("could not remove parts of a failed put: %s", exc)
+
+    # -- get -------------------------------------------------------------------
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        keys = self._keys(key)
+        claim_key = keys.claim(mf.new_put_id())
+        raw = self._claimer.claim(keys, claim_key, timeout)
+        if raw is None:
+            return None
+        try:
+            manifest = mf.parse(raw, self.config.max_payload_bytes)
+        except mf.ManifestError as exc:
+            self._discard(keys, claim_key, [])
+            raise ConnectorError(f"get {key!r} on Redis {self._client.label}: corrupt manifest: {exc}") from None
+        if manifest.inline:
+            buffer = bytearray(memoryview(raw)[mf.HEADER_SIZE :])
+            self._discard(keys, claim_key, [])
+        else:
+            buffer = self._read_parts(keys, claim_key, manifest, raw)
+        return GetResult(wire.decode(buffer, copy=False), manifest.total)
+
+    def _read_parts(self, keys: PayloadKeys, claim_key: bytes, manifest: mf.Manifest, raw: bytes) -> bytearray:
+        buffer = bytearray(manifest.total)
+        whole = memoryview(buffer)
+        views, offset = [], 0
+        for size in manifest.part_sizes():
+            views.append(whole[offset : offset + size])
+            offset += size
+        state = _ReadState(keys=keys, manifest=manifest, buffer=buffer, views=views)
+        part_keys = keys.parts(manifest.put_id, manifest.nparts)
+        try:
+            self._client.run(keys.slot, lambda conn: self._read_step(conn, state, part_keys), what="get", key=keys.key)
+        except _PartUnusable as exc:
+            self._discard(keys, claim_key, part_keys)
+            raise ConnectorError(f"get {keys.key!r} on Redis {self._client.label}: {exc}") from None
+        except ConnectorError:
+            self._restore(keys, claim_key)
+            raise
+        self._discard(keys, claim_key, part_keys)
+        return buffer
+
+    def _read_step(self, conn: Connection, state: _ReadState, part_keys: list[bytes]) -> None:
+        """Read the remaining parts, keeping ``read_window`` GETs in flight."""
+        window = self.config.read_window
+        sent = state.next_part
+        total = len(part_keys)
+        while state.next_part < total:
+            batch = []
+            while sent < total and sent - state.next_part < window:
+                batch.append(("GET", part_keys[sent]))
+                sent += 1
+            if batch:
+                conn.send_many(batch)
+            try:
+                found = conn.read_bulk_into(state.views[state.next_part])
+            except ProtocolError as exc:
+                conn.close()
+                raise _PartUnusable(f"part {state.next_part} is corrupt: {exc}") from None
+            if not found:
+                raise _PartUnusable(f"part {state.next_part} is missing (expired or deleted)")
+            state.next_part += 1
+
+    def _discard(self, keys: PayloadKeys, claim_key: bytes, part_keys: list[bytes]) -> None:
+        """Delete a consumed payload's claim list and parts (reply read lazily: no round trip)."""
+
+        def step(conn: Connection) -> None:
+            conn.defer("UNLINK", claim_key, *part_keys)
+
+        try:
+            self._client.run(keys.slot, step, what="get cleanup", key=keys.key)
+        except ConnectorError as exc:
+            log.warning("%s (keys expire by TTL)", exc)
+
+    def _restore(self, keys: PayloadKeys, claim_key: bytes) -> None:
+        """Give a claimed payload back after reads failed for good, so nothing is lost."""
+        try:
+            self._client.run(
+                keys.slot, lambda conn: conn.call("LMOVE", claim_key, keys.manifest, "RIGHT", "LEFT"), what="get restore", key=keys.key
+            )
+        except ConnectorError as exc:
+            log.warning("%s; the payload stays in its claim list until it expires", exc)
+
+    # -- cleanup / health / close ------------------------------------------------
+    def _cleanup(self, key: str) -> bool:
+        keys = self._keys(key)
+
+        def step(conn: Connection) -> list[bytes]:
+            conn.send_many([("MULTI",), ("LRANGE", keys.manifest, 0, -1), ("DEL", keys.manifest), ("EXEC",)])
+            replies = [conn.read() for _ in range(4)]
+            results = replies[-1]
+            if isinstance(results, ReplyError):
+                raise results
+            if not isinstance(results, list) or not isinstance(results[0], list):
+                raise ReplyError("EXECABORT cleanup transaction discarded")
+            elements = [e for e in results[0] if isinstance(e, bytes)]
+            doomed: list[bytes] = []
+            for element in elements:
+                try:
+                    manifest = mf.parse(element, self.config.max_payload_bytes)
+                except mf.ManifestError:
+                    continue
+                doomed += keys.parts(manifest.put_id, manifest.nparts)
+            if doomed:
+                conn.call("UNLINK", *doomed)
+            return elements
+
+        return bool(self._client.run(keys.slot, step, what="cleanup", key=key))
+
+    def _health(self) -> dict[str, Any]:
+        status: dict[str, Any] = {"server": self._client.label, "cluster": self.config.cluster, "blocking_get": self._claimer.blocking}
+        try:
+            nodes = self._client.nodes()
+            started = time.perf_counter()
+            for slot_owner in nodes:
+                self._client.run_on(slot_owner, lambda conn: conn.call("PING"), what="health check")
+            status["nodes"] = len(nodes)
+            status["ping_ms"] = round((time.perf_counter() - started) * 1000 / max(len(nodes), 1), 3)
+        except ConnectorError as exc:
+            status.update(ok=False, error=str(exc))
+        return status
+
+    def _close(self) -> None:
+        self._client.close()
+
+
+class _PartUnusable(Exception):
+    """A part is missing or has the wrong size: the payload cannot be read (not retried)."""
+
+
+def _split(buffers: list[memoryview], chunk: int) -> list[list[Buffer]]:
+    """Cut a sequence of buffers into consecutive runs of ``chunk`` bytes (views, no copies)."""
+    parts: list[list[Buffer]] = []
+    current: list[Buffer] = []
+    room = chunk
+    for buf in buffers:
+        view = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+        while view.nbytes:
+            take = min(room, view.nbytes)
+            current.append(view[:take])
+            view = view[take:]
+            room -= take
+            if room == 0:
+                parts.append(current)
+                current, room = [], chunk
+    if current:
+        parts.append(current)
+    return parts

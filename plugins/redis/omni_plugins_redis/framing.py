@@ -1,0 +1,232 @@
+"""Hand-built RESP2 framing: vectored writes of big values and reads into caller memory.
+
+Why not redis-py's packer: hiredis's packer copies every memoryview into
+bytes first and spends most of a 64 MiB ``SET`` doing so (see
+``shared/docs/backends.md``). Here a command is a list of buffers: the small
+framing is joined into one ``bytes`` and each large value buffer is passed
+through untouched to ``sendmsg`` (one kernel copy, no Python copy).
+
+On the read side :class:`ReplyReader` parses ordinary replies from a small
+buffer, and :meth:`ReplyReader.read_bulk_into` streams a bulk string straight
+into a slice of the caller's preallocated payload buffer.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import Iterable, Sequence
+from typing import Union
+
+# Buffers at least this large are sent as their own iovec instead of being joined.
+_BIG = 32 * 1024
+_IOV_MAX = 1024
+_READ_CHUNK = 64 * 1024
+
+
+class ProtocolError(ConnectionError):
+    """The byte stream from the server is not valid RESP; the connection is unusable."""
+
+
+class ReplyError(Exception):
+    """An error reply (``-ERR ...``) from the server."""
+
+    @property
+    def code(self) -> str:
+        """The first word of the error, e.g. ``NOPERM``, ``MOVED``, ``WRONGPASS``."""
+        text = str(self)
+        return text.split(" ", 1)[0] if text else ""
+
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Pieces:
+    """One bulk argument made of several buffers (a part spanning encoder buffers)."""
+
+    __slots__ = ("buffers", "nbytes")
+
+    def __init__(self, buffers: Sequence[Buffer]) -> None:
+        self.buffers = [as_bytes_view(b) for b in buffers]
+        self.nbytes = sum(b.nbytes for b in self.buffers)
+
+
+Arg = bytes | str | int | float | memoryview | Pieces
+Reply = Union[None, int, bytes, str, ReplyError, list["Reply"]]  # noqa: UP007 (recursive alias)
+
+
+def as_bytes_view(buf: Buffer) -> memoryview:
+    view = buf if isinstance(buf, memoryview) else memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+def pack(*args: Arg) -> list[Buffer]:
+    """Frame one command; returns buffers whose concatenation is the RESP bytes."""
+    out: list[Buffer] = []
+    head = bytearray(b"*%d\r\n" % len(args))
+    for arg in args:
+        if isinstance(arg, Pieces):
+            head += b"$%d\r\n" % arg.nbytes
+            for buf in arg.buffers:
+                if buf.nbytes >= _BIG:
+                    out.append(bytes(head))
+                    head = bytearray()
+                    out.append(buf)
+                else:
+                    head += buf
+            head += b"\r\n"
+            continue
+        if isinstance(arg, memoryview):
+            view = as_bytes_view(arg)
+            head += b"$%d\r\n" % view.nbytes
+            if view.nbytes >= _BIG:
+                out.append(bytes(head))
+                out.append(view)
+                head = bytearray(b"\r\n")
+            else:
+                head += view
+                head += b"\r\n"
+            continue
+        if isinstance(arg, bytes):
+            data = arg
+        elif isinstance(arg, str):
+            data = arg.encode()
+        elif isinstance(arg, (int, float)):
+            data = repr(arg).encode()
+        else:
+            raise TypeError(f"cannot frame a {type(arg).__name__} as a Redis argument")
+        head += b"$%d\r\n" % len(data)
+        head += data
+        head += b"\r\n"
+    if head:
+        out.append(bytes(head))
+    return out
+
+
+def pack_many(commands: Iterable[Sequence[Arg]]) -> list[Buffer]:
+    """Frame a pipeline of commands into one buffer list."""
+    out: list[Buffer] = []
+    for command in commands:
+        out.extend(pack(*command))
+    return out
+
+
+def send_buffers(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
+    """Write all buffers; vectored (``sendmsg``) on plain sockets, ``sendall`` each under TLS."""
+    if isinstance(sock, ssl.SSLSocket):
+        for buf in buffers:
+            sock.sendall(buf)
+        return
+    views = [as_bytes_view(b) for b in buffers if len(b)]
+    start = 0
+    while start < len(views):
+        sent = sock.sendmsg(views[start : start + _IOV_MAX])
+        while sent:
+            size = views[start].nbytes
+            if sent >= size:
+                sent -= size
+                start += 1
+            else:
+                views[start] = views[start][sent:]
+                sent = 0
+
+
+class ReplyReader:
+    """Parses RESP2 replies from a socket, with a zero-extra-copy path for large bulk strings."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+        self._pos = 0
+        self._scratch = bytearray(_READ_CHUNK)
+
+    def _fill(self) -> None:
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+        n = self._sock.recv_into(self._scratch)
+        if n == 0:
+            raise ConnectionError("server closed the connection")
+        self._buf += memoryview(self._scratch)[:n]
+
+    def _line(self) -> bytes:
+        while True:
+            end = self._buf.find(b"\r\n", self._pos)
+            if end >= 0:
+                line = bytes(self._buf[self._pos : end])
+                self._pos = end + 2
+                if not line:
+                    raise ProtocolError("empty RESP line")
+                return line
+            self._fill()
+
+    def _exact(self, n: int) -> bytes:
+        while len(self._buf) - self._pos < n + 2:
+            self._fill()
+        data = bytes(self._buf[self._pos : self._pos + n])
+        if self._buf[self._pos + n : self._pos + n + 2] != b"\r\n":
+            raise ProtocolError("bulk string not terminated by CRLF")
+        self._pos += n + 2
+        return data
+
+    def read(self) -> Reply:
+        """Read one reply. Error replies are *returned* as :class:`ReplyError` (callers raise)."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest.decode("utf-8", "replace")
+        if kind == b"-":
+            return ReplyError(rest.decode("utf-8", "replace"))
+        if kind == b":":
+            return _int(rest)
+        if kind == b"$":
+            n = _int(rest)
+            return None if n < 0 else self._exact(n)
+        if kind == b"*":
+            n = _int(rest)
+            return None if n < 0 else [self.read() for _ in range(n)]
+        raise ProtocolError(f"unexpected RESP type byte {kind!r}")
+
+    def read_bulk_into(self, dest: memoryview) -> bool:
+        """Read a bulk-string reply of exactly ``len(dest)`` bytes into ``dest``.
+
+        Returns False for a nil reply. Raises :class:`ReplyError` for an error
+        reply and :class:`ProtocolError` when the size differs (the stream is
+        then out of step and the connection must be dropped).
+        """
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            raise ReplyError(rest.decode("utf-8", "replace"))
+        if kind != b"$":
+            raise ProtocolError(f"expected a bulk string, got type byte {kind!r}")
+        n = _int(rest)
+        if n < 0:
+            return False
+        if n != dest.nbytes:
+            raise ProtocolError(f"stored part is {n} bytes, manifest says {dest.nbytes}")
+        have = min(len(self._buf) - self._pos, n)
+        if have:
+            dest[:have] = self._buf[self._pos : self._pos + have]
+            self._pos += have
+        offset = have
+        while offset < n:
+            got = self._sock.recv_into(dest[offset:])
+            if got == 0:
+                raise ConnectionError("server closed the connection mid-value")
+            offset += got
+        while len(self._buf) - self._pos < 2:
+            self._fill()
+        if self._buf[self._pos : self._pos + 2] != b"\r\n":
+            raise ProtocolError("bulk string not terminated by CRLF")
+        self._pos += 2
+        return True
+
+
+def _int(text: bytes) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ProtocolError(f"bad RESP integer {text[:32]!r}") from None

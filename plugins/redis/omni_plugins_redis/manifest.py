@@ -1,0 +1,88 @@
+"""The manifest: the small element whose arrival makes a payload visible.
+
+Layout (little endian, 40-byte header)::
+
+    magic "ORM1" | flags u8 | 3 reserved | total u64 | chunk u32 | nparts u32 | put id (16 ascii hex)
+    [inline payload bytes when nparts == 0]
+
+Small payloads travel inline, so a put and a get are one round trip each.
+Large ones are split into ``nparts`` parts of ``chunk`` bytes (the last one
+shorter). Bytes read back from Redis are untrusted: :func:`parse` checks every
+field against the others and against a size cap before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+
+_HEADER = struct.Struct("<4sB3xQII16s")
+HEADER_SIZE = _HEADER.size
+MAGIC = b"ORM1"
+_HEX = frozenset(b"0123456789abcdef")
+MAX_CHUNK = 512 * 1024 * 1024
+
+
+class ManifestError(ValueError):
+    """A manifest read from Redis is malformed."""
+
+
+def new_put_id() -> str:
+    """A random id naming one put's parts and commit marker."""
+    return os.urandom(8).hex()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    total: int
+    chunk: int
+    nparts: int
+    put_id: str
+
+    @property
+    def inline(self) -> bool:
+        return self.nparts == 0
+
+    def part_sizes(self) -> list[int]:
+        full, rest = divmod(self.total, self.chunk)
+        sizes = [self.chunk] * full
+        if rest:
+            sizes.append(rest)
+        return sizes
+
+    def header(self) -> bytes:
+        return _HEADER.pack(MAGIC, 0, self.total, self.chunk, self.nparts, self.put_id.encode())
+
+
+def for_parts(total: int, chunk: int, put_id: str) -> Manifest:
+    return Manifest(total=total, chunk=chunk, nparts=-(-total // chunk), put_id=put_id)
+
+
+def for_inline(total: int, put_id: str) -> Manifest:
+    return Manifest(total=total, chunk=0, nparts=0, put_id=put_id)
+
+
+def parse(raw: bytes, max_total: int) -> Manifest:
+    """Validate and unpack a manifest; raises :class:`ManifestError`."""
+    if len(raw) < HEADER_SIZE:
+        raise ManifestError(f"manifest is {len(raw)} bytes, shorter than its {HEADER_SIZE}-byte header")
+    magic, flags, total, chunk, nparts, put_id = _HEADER.unpack_from(raw)
+    if magic != MAGIC:
+        raise ManifestError(f"bad manifest magic {magic!r}")
+    if flags != 0:
+        raise ManifestError(f"unknown manifest flags {flags:#x}")
+    if not set(put_id) <= _HEX:
+        raise ManifestError("manifest put id is not hex")
+    if total > max_total:
+        raise ManifestError(f"manifest announces {total} bytes, above max_payload_bytes={max_total}")
+    manifest = Manifest(total=total, chunk=chunk, nparts=nparts, put_id=put_id.decode())
+    if nparts == 0:
+        if chunk != 0 or len(raw) != HEADER_SIZE + total:
+            raise ManifestError("inline manifest length does not match its header")
+    else:
+        if len(raw) != HEADER_SIZE:
+            raise ManifestError("parted manifest carries trailing bytes")
+        if not 0 < chunk <= MAX_CHUNK or total == 0 or nparts != -(-total // chunk):
+            raise ManifestError(f"inconsistent manifest: total={total} chunk={chunk} nparts={nparts}")
+    return manifest

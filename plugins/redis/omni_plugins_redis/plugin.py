@@ -1,0 +1,22 @@
+"""Entry point (group ``omni_plugins``): registers the ``redis`` connector.
+
+Only import strings are registered; redis-py and torch are imported when the
+connector is created.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_plugins.hookspecs import hookimpl
+
+
+@hookimpl
+def omni_register_connectors(registry: Any) -> None:
+    registry.register(
+        "redis",
+        connector="omni_plugins_redis.connector:RedisConnector",
+        config="omni_plugins_redis.config:RedisConfig",
+        aliases=["RedisConnector", "RedisClusterConnector"],
+        description="Redis / Redis Cluster: cross-host payloads, chunked pipelined writes, blocking get via BLMOVE",
+    )

@@ -1,0 +1,372 @@
+"""Private Redis servers and clusters for tests, benchmarks and soak runs.
+
+Everything binds 127.0.0.1 (or a mode-0700 unix socket directory), lives in
+its own temporary directory, and is stopped by pid; an ``atexit`` hook stops
+whatever a crashed test left running. Example::
+
+    from omni_plugins_redis.testing import RedisServer, RedisCluster
+
+    with RedisServer(password="s3cret") as server:
+        conn = create_connector("redis", server.connector_config(key_prefix="t:"))
+
+    with RedisCluster(masters=3) as cluster:
+        conn = create_connector("redis", cluster.connector_config())
+
+Options: ``password`` (for the ``default`` user), ``acl_users`` (extra
+``user`` directives, e.g. ``["app on >pw ~t:* +get +set"]``), ``tls`` (TLS-only
+server; CA, server and client certificates are made with ``openssl``),
+``unix_socket`` (unix socket only), ``persistent`` (AOF with
+``appendfsync always``: survives :meth:`RedisServer.restart`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+
+REDIS_SERVER = os.environ.get("OMNI_REDIS_SERVER", "redis-server")
+REDIS_CLI = os.environ.get("OMNI_REDIS_CLI", "redis-cli")
+
+_live: set[RedisServer] = set()
+_live_lock = threading.Lock()
+
+
+def _stop_leftovers() -> None:
+    with _live_lock:
+        servers = list(_live)
+    for server in servers:
+        server.stop()
+
+
+atexit.register(_stop_leftovers)
+
+
+def free_port(*, also_plus: int | None = None) -> int:
+    """A TCP port on 127.0.0.1 that is free now (and ``port + also_plus`` too, for cluster bus ports)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if also_plus is None:
+            return port
+        if port + also_plus > 65535:
+            continue
+        with socket.socket() as s2:
+            try:
+                s2.bind(("127.0.0.1", port + also_plus))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair found")
+
+
+class TlsFiles:
+    """A throwaway CA plus server and client certificates for 127.0.0.1, made with ``openssl``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.ca = directory / "ca.crt"
+        self.server_cert, self.server_key = directory / "server.crt", directory / "server.key"
+        self.client_cert, self.client_key = directory / "client.crt", directory / "client.key"
+        self._make()
+
+    def _run(self, *args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=self.dir, check=True, capture_output=True, timeout=60)
+
+    def _make(self) -> None:
+        ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+        self._run("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=omni-test-ca")
+        ext = self.dir / "san.ext"
+        ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        for name in ("server", "client"):
+            self._run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+            self._run(
+                "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.crt", "-days", "2", "-extfile", "san.ext",
+            )  # fmt: skip
+        for key in self.dir.glob("*.key"):
+            key.chmod(0o600)
+
+
+class RedisServer:
+    """One private ``redis-server`` (context manager). ``url``/``connector_config()`` tell how to reach it."""
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        password: str | None = None,
+        acl_users: Sequence[str] = (),
+        tls: bool = False,
+        unix_socket: bool = False,
+        persistent: bool = False,
+        cluster: bool = False,
+        extra_args: Sequence[str] = (),
+        tls_files: TlsFiles | None = None,
+        start_timeout: float = 20.0,
+    ) -> None:
+        self.password = password
+        self.acl_users = list(acl_users)
+        self.tls = tls or tls_files is not None
+        self.unix_socket = unix_socket
+        self.persistent = persistent
+        self.cluster = cluster
+        self.extra_args = list(extra_args)
+        self.start_timeout = start_timeout
+        self.dir = Path(tempfile.mkdtemp(prefix="omni-redis-"))
+        self.dir.chmod(0o700)
+        self.tls_files = tls_files or (TlsFiles(self.dir) if tls else None)
+        self.port = port or free_port(also_plus=10000 if cluster else None)
+        self.socket_path = self.dir / "redis.sock" if unix_socket else None
+        self.process: subprocess.Popen[bytes] | None = None
+
+    # -- addresses ------------------------------------------------------------
+    @property
+    def host(self) -> str:
+        return "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        """How to reach the server (without credentials)."""
+        if self.socket_path is not None:
+            return f"unix://{self.socket_path}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}/0"
+
+    def connector_config(self, **overrides: Any) -> dict[str, Any]:
+        """A config dict for ``create_connector("redis", ...)`` reaching this server as ``default``."""
+        config: dict[str, Any] = {"url": self.url}
+        if self.password is not None:
+            config["password"] = self.password
+        if self.tls_files is not None:
+            config.update(
+                tls_ca_file=str(self.tls_files.ca),
+                tls_cert_file=str(self.tls_files.client_cert),
+                tls_key_file=str(self.tls_files.client_key),
+            )
+        config.update(overrides)
+        return config
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        """A redis-py client (default user) for inspecting the server from tests."""
+        params: dict[str, Any] = {"password": self.password, "socket_timeout": 10}
+        if self.socket_path is not None:
+            params["unix_socket_path"] = str(self.socket_path)
+        else:
+            params.update(host="127.0.0.1", port=self.port)
+        if self.tls_files is not None:
+            params.update(
+                ssl=True,
+                ssl_ca_certs=str(self.tls_files.ca),
+                ssl_certfile=str(self.tls_files.client_cert),
+                ssl_keyfile=str(self.tls_files.client_key),
+            )
+        params.update(kwargs)
+        return redis.Redis(**params)
+
+    # -- lifecycle --------------------------------------------------------------
+    def _args(self) -> list[str]:
+        args = [REDIS_SERVER, "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "", "--logfile", "redis.log"]
+        args += ["--protected-mode", "yes", "--daemonize", "no"]
+        if self.socket_path is not None:
+            args += ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        elif self.tls_files is not None:
+            t = self.tls_files
+            args += [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                str(t.server_cert),
+                "--tls-key-file",
+                str(t.server_key),
+            ]
+            args += ["--tls-ca-cert-file", str(t.ca), "--tls-auth-clients", "optional"]
+            if self.cluster:
+                args += ["--tls-cluster", "yes"]
+        else:
+            args += ["--port", str(self.port)]
+        if self.persistent:
+            args += ["--appendonly", "yes", "--appendfsync", "always"]
+        else:
+            args += ["--appendonly", "no"]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"]
+        if self.password is not None:
+            args += ["--requirepass", self.password]
+        for user in self.acl_users:
+            args += ["--user", *user.split()]
+        return args + self.extra_args
+
+    def start(self) -> RedisServer:
+        log_file = self.dir / "redis.log"
+        offset = log_file.stat().st_size if log_file.exists() else 0
+        self.process = subprocess.Popen(
+            self._args(), cwd=self.dir, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        with _live_lock:
+            _live.add(self)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                raise RuntimeError(f"redis-server exited with {self.process.returncode}: {err.strip()} {self._log_tail(offset)}")
+            if log_file.exists() and "Ready to accept connections" in log_file.read_text(errors="replace")[offset:]:
+                return self
+            time.sleep(0.02)
+        self.stop(remove=False)
+        raise RuntimeError(f"redis-server on port {self.port} not ready after {self.start_timeout}s: {self._log_tail(offset)}")
+
+    def _log_tail(self, offset: int = 0) -> str:
+        with contextlib.suppress(OSError):
+            return (self.dir / "redis.log").read_text(errors="replace")[offset:][-2000:]
+        return ""
+
+    def _terminate(self, sig: int = signal.SIGTERM) -> None:
+        proc = self.process
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(15)
+        if proc.stderr:
+            proc.stderr.close()
+
+    def restart(self, *, kill: bool = False, down_for: float = 0.0) -> None:
+        """Stop (SIGTERM, or SIGKILL with ``kill``) and start again on the same port and data dir."""
+        self._terminate(signal.SIGKILL if kill else signal.SIGTERM)
+        if down_for:
+            time.sleep(down_for)
+        self.start()
+
+    def stop(self, *, remove: bool = True) -> None:
+        """Stop the server by pid and (by default) delete its directory. Idempotent."""
+        self._terminate()
+        with _live_lock:
+            _live.discard(self)
+        if remove:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RedisCluster:
+    """A Redis Cluster of ``masters`` primaries (no replicas) built with ``redis-cli --cluster create``."""
+
+    def __init__(self, *, masters: int = 3, password: str | None = None, acl_users: Sequence[str] = (), persistent: bool = False) -> None:
+        if masters < 3:
+            raise ValueError("redis-cli --cluster create needs at least 3 masters")
+        self.password = password
+        self.nodes = [
+            RedisServer(
+                password=password,
+                acl_users=acl_users,
+                persistent=persistent,
+                cluster=True,
+                extra_args=["--masterauth", password] if password else [],
+            )
+            for _ in range(masters)
+        ]
+
+    @property
+    def startup_nodes(self) -> list[str]:
+        return [f"127.0.0.1:{n.port}" for n in self.nodes]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def connector_config(self, **overrides: Any) -> dict[str, Any]:
+        config: dict[str, Any] = {"cluster": True, "startup_nodes": self.startup_nodes}
+        if self.password is not None:
+            config["password"] = self.password
+        config.update(overrides)
+        return config
+
+    def clients(self) -> list[redis.Redis]:
+        return [n.client() for n in self.nodes]
+
+    def start(self) -> RedisCluster:
+        try:
+            for node in self.nodes:
+                node.start()
+            cmd = [REDIS_CLI, "--cluster", "create", *self.startup_nodes, "--cluster-replicas", "0", "--cluster-yes"]
+            env = dict(os.environ)
+            if self.password:
+                env["REDISCLI_AUTH"] = self.password
+            done = subprocess.run(cmd, capture_output=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+            if done.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout.decode(errors='replace')[-1500:]}")
+            self._wait_ok()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ok(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        clients = self.clients()
+        try:
+            while time.monotonic() < deadline:
+                infos = []
+                for client in clients:
+                    with contextlib.suppress(redis.RedisError):
+                        infos.append(client.execute_command("CLUSTER", "INFO"))
+                if len(infos) == len(clients) and all(b"cluster_state:ok" in _as_bytes(i) for i in infos):
+                    return
+                time.sleep(0.1)
+        finally:
+            for client in clients:
+                client.close()
+        raise RuntimeError("cluster did not reach cluster_state:ok")
+
+    def restart(self, *, kill: bool = False) -> None:
+        for node in self.nodes:
+            node.restart(kill=kill)
+        self._wait_ok()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _as_bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def count_keys(clients: Sequence[redis.Redis], pattern: str) -> list[bytes]:
+    """All keys matching ``pattern`` across the given servers (for leak assertions)."""
+    found: list[bytes] = []
+    for client in clients:
+        found.extend(client.scan_iter(match=pattern, count=1000))
+    return found

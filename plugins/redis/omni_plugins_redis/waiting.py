@@ -1,0 +1,145 @@
+"""Claiming a payload's manifest, waiting for it without client-side polling when allowed.
+
+A reader *claims* a payload by moving its manifest element atomically from
+the manifest list to a claim list private to this ``get`` (``LMOVE``; with a
+timeout ``BLMOVE``, which blocks inside the server until a writer's ``RPUSH``
+arrives: no polling loop). Exactly one reader wins. Because the element is
+moved rather than popped, a reply lost when a server restarts mid-command is
+recovered on the retry by looking into the claim list.
+
+When the ACL user may not run ``BLMOVE`` the claimer falls back to polling
+``LMOVE`` with exponential backoff, and says so once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from omni_plugins_redis.client import AuthError, Connection, RedisClient
+from omni_plugins_redis.config import RedisConfig
+from omni_plugins_redis.framing import Reply, ReplyError
+from omni_plugins_redis.keys import PayloadKeys
+
+log = logging.getLogger(__name__)
+
+# A claim list outlives a crashed reader by at most this long.
+CLAIM_TTL_MS = 600_000
+_MIN_BLOCK = 0.001
+
+
+class Claimer:
+    """Moves manifests into claim lists; shared by all ``get`` calls of one connector."""
+
+    def __init__(self, client: RedisClient, config: RedisConfig) -> None:
+        self._client = client
+        self._config = config
+        self._blocking = True
+        self._warn_lock = threading.Lock()
+
+    @property
+    def blocking(self) -> bool:
+        """False once the server refused ``BLMOVE`` (then ``get(timeout=)`` polls)."""
+        return self._blocking
+
+    def claim(self, keys: PayloadKeys, claim_key: bytes, timeout: float | None) -> bytes | None:
+        """Return the claimed manifest element, or None if none arrived in time."""
+        deadline = None if not timeout or timeout <= 0 else time.monotonic() + timeout
+        state = _ClaimState()
+        if deadline is None or not self._blocking:
+            return self._poll(keys, claim_key, deadline, state)
+        try:
+            return self._client.run(
+                keys.slot,
+                lambda conn: self._blocking_step(conn, keys, claim_key, deadline, state),
+                what="get",
+                key=keys.key,
+                deadline=deadline,
+            )
+        except AuthError as exc:
+            if "blmove" not in str(exc).lower():
+                raise
+            self._fall_back(exc)
+            return self._poll(keys, claim_key, deadline, state)
+
+    def _fall_back(self, exc: Exception) -> None:
+        with self._warn_lock:
+            if self._blocking:
+                self._blocking = False
+                log.warning(
+                    "Redis %s refuses BLMOVE (%s); get(timeout=) now polls with backoff. "
+                    "Grant '+blmove' to the ACL user to wait inside the server instead.",
+                    self._client.label,
+                    exc,
+                )
+
+    def _recover(self, conn: Connection, claim_key: bytes, state: _ClaimState) -> bytes | None:
+        """After a failed attempt: did the lost reply carry our manifest?"""
+        if not state.sent:
+            return None
+        element = conn.call("LINDEX", claim_key, 0)
+        return element if isinstance(element, bytes) else None
+
+    def _blocking_step(self, conn: Connection, keys: PayloadKeys, claim_key: bytes, deadline: float, state: _ClaimState) -> bytes | None:
+        found = self._recover(conn, claim_key, state)
+        if found is not None:
+            return found
+        remaining = deadline - time.monotonic()
+        if remaining < _MIN_BLOCK:
+            return self._move_once(conn, keys, claim_key, state)
+        state.sent = True
+        conn.send_many(
+            [
+                ("BLMOVE", keys.manifest, claim_key, "LEFT", "RIGHT", f"{remaining:.3f}"),
+                ("PEXPIRE", claim_key, CLAIM_TTL_MS),
+            ]
+        )
+        moved = conn.read(timeout=remaining + self._config.socket_timeout)
+        expire = conn.read()
+        state.sent = False
+        return _element(moved, expire)
+
+    def _move_once(self, conn: Connection, keys: PayloadKeys, claim_key: bytes, state: _ClaimState) -> bytes | None:
+        found = self._recover(conn, claim_key, state)
+        if found is not None:
+            return found
+        state.sent = True
+        conn.send_many([("LMOVE", keys.manifest, claim_key, "LEFT", "RIGHT"), ("PEXPIRE", claim_key, CLAIM_TTL_MS)])
+        moved = conn.read()
+        expire = conn.read()
+        state.sent = False
+        return _element(moved, expire)
+
+    def _poll(self, keys: PayloadKeys, claim_key: bytes, deadline: float | None, state: _ClaimState) -> bytes | None:
+        delay = 0.001
+        while True:
+            found = self._client.run(
+                keys.slot, lambda conn: self._move_once(conn, keys, claim_key, state), what="get", key=keys.key, deadline=deadline
+            )
+            if found is not None or deadline is None:
+                return found
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, self._config.poll_interval_max)
+
+
+class _ClaimState:
+    """Progress of one claim across retries: whether a move may have run on the server."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
+
+
+def _element(moved: Reply, expire: Reply) -> bytes | None:
+    if isinstance(moved, ReplyError):
+        raise moved
+    if isinstance(expire, ReplyError):
+        raise expire
+    if moved is None or isinstance(moved, bytes):
+        return moved
+    raise ReplyError(f"unexpected reply to LMOVE: {type(moved).__name__}")
