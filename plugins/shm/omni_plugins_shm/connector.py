@@ -1,0 +1,356 @@
+"""``ShmConnector``: key-addressed payloads in POSIX shared memory, no server.
+
+Life of one payload (every state change is an atomic ``rename`` in the shm directory):
+
+1. ``put``: take a free segment from the producer's pool (``f. -> w.``) or create one,
+   write header + :mod:`omni_plugins.wire` encoding straight into the mapping (one copy),
+   publish it under the key's name (``w. -> k.<key>``, never replacing).
+2. ``get``: claim by renaming ``k.<key> -> c.<me>.<n>`` (only one consumer can win), check the
+   header, copy the payload into private memory (or hand out zero-copy views), then return the
+   segment to its owner (``c. -> f.``) or unlink it (dedicated segments, owner gone).
+
+Nothing travels from ``put`` to ``get`` but the key. See ``docs/shm.md``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import stat
+import weakref
+from typing import Any
+
+import numpy as np
+
+from omni_plugins import wire
+from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
+from omni_plugins_shm import gc
+from omni_plugins_shm.config import ShmConfig
+from omni_plugins_shm.naming import Names, key_digest, parse_name
+from omni_plugins_shm.notify import Notifier
+from omni_plugins_shm.proc import Owner
+from omni_plugins_shm.segments.files import unlink_quiet
+from omni_plugins_shm.segments.header import HEADER_SIZE, PAYLOAD_OFFSET, STATE_FREE, STATE_OFFSET, Header, HeaderError
+from omni_plugins_shm.segments.mapcache import MapCache, Mapping
+from omni_plugins_shm.segments.pool import ProducerPool
+
+log = logging.getLogger(__name__)
+
+#: owned copies at least this large go to fresh huge-page-backed anonymous memory
+_HUGE_COPY_MIN = 1 << 20
+#: below this a memoryview slice assignment beats building two tensors for ``copy_``
+_TORCH_COPY_MIN = 256 << 10
+_PUT_RETRIES = 4
+
+
+class ShmConnector(Connector):
+    """Shared-memory connector for processes on one machine (``shm`` / ``SharedMemoryConnector``)."""
+
+    capabilities = Capabilities(blocking_get=True, cross_process=True, cross_host=False, zero_copy_get=True, consume_on_get=True)
+    config_model = ShmConfig
+
+    def __init__(self, config: ShmConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or ShmConfig()
+        self._dir = self.config.shm_dir
+        if not os.path.isdir(self._dir):
+            raise ConfigError(f"shm connector: shm_dir {self._dir!r} is not a directory")
+        self._names = Names(self.config.namespace)
+        self._owner = Owner.new()
+        self._token = self._owner.token
+        if self.config.reclaim_on_start:
+            report = gc.collect(self.config.namespace, shm_dir=self._dir)
+            if report.removed:
+                log.info(
+                    "shm namespace %r: reclaimed %d segments (%d bytes) of dead producers",
+                    self.config.namespace,
+                    len(report.removed),
+                    report.bytes_freed,
+                )
+        self._marker = self._path(self._names.marker(self._token))
+        fd = os.open(self._marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
+        os.close(fd)
+        self._pool = ProducerPool(
+            self._dir, self._names, self._token, pool_bytes=self.config.pool_bytes, max_segment=self.config.pool_max_segment_bytes
+        )
+        self._maps = MapCache(self.config.map_cache_bytes)
+        self._notifier = Notifier(self._dir)
+        self._claim_numbers = itertools.count()
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self._dir, name)
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._owner.pid:
+            raise ConnectorError(
+                f"shm connector (namespace {self.config.namespace!r}) was created in process {self._owner.pid} "
+                f"and used in {os.getpid()} after fork; create one connector per process"
+            )
+
+    # -- put ----------------------------------------------------------------------------
+    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
+        self._check_process()
+        enc = wire.encode(data)
+        published = self._path(self._names.published(key))
+        try:
+            seg = self._pool.acquire(enc.nbytes)
+        except OSError as exc:
+            raise ConnectorError(f"shm put of key {key!r} ({enc.nbytes} bytes) in {self._dir}: cannot get a segment: {exc}") from exc
+        try:
+            header = Header(self._owner, seg.no, seg.capacity, enc.nbytes, key_digest(key), seg.pooled)
+            seg.view[:HEADER_SIZE] = header.pack()
+            enc.write_into(seg.view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + enc.nbytes])
+            for _ in range(_PUT_RETRIES):
+                try:
+                    self._pool.publish(seg, published)
+                    break
+                except FileExistsError:
+                    self._discard(published)  # a newer put replaces an unconsumed older one
+            else:
+                raise ConnectorError(f"shm put of key {key!r}: the key is being republished concurrently; gave up")
+        except BaseException:
+            self._pool.abandon(seg)
+            raise
+        return PutResult(True, enc.nbytes, None)
+
+    # -- get ----------------------------------------------------------------------------
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        return self._get_impl(key, timeout, self.config.zero_copy)
+
+    def get_views(self, from_stage: Any, to_stage: Any, key: str, *, timeout: float | None = None) -> GetResult | None:
+        """Like :meth:`get` but tensors are zero-copy views over shared memory.
+
+        The segment stays reserved while any tensor of the result is alive and is
+        returned to its producer after the last one is garbage-collected, so do not
+        keep views longer than needed (they hold pool memory).
+        """
+        self._check_open()
+        return self._get_impl(key, timeout, True)
+
+    def _get_impl(self, key: str, timeout: float | None, zero_copy: bool) -> GetResult | None:
+        self._check_process()
+        published = self._names.published(key)
+        claim = self._claim(published)
+        if claim is None and timeout is not None and timeout > 0:
+            claim = self._notifier.wait_for(frozenset({published}), lambda: self._claim(published), timeout)
+        if claim is None:
+            return None
+        return self._consume(claim, key, zero_copy)
+
+    def _claim(self, published_name: str) -> str | None:
+        """Rename the published segment to a name only we use; None if it is not there."""
+        claim = self._path(self._names.claimed(self._token, next(self._claim_numbers)))
+        try:
+            os.rename(self._path(published_name), claim)
+        except FileNotFoundError:
+            return None
+        return claim
+
+    def _open_claimed(self, claim: str, key: str) -> tuple[Header, Mapping] | None:
+        try:
+            fd = os.open(claim, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None  # gc removed it under us (its producer died)
+        keep_fd = False
+        try:
+            st = os.fstat(fd)
+            try:
+                if not stat.S_ISREG(st.st_mode):
+                    raise HeaderError("not a regular file")
+                header = Header.unpack(os.pread(fd, HEADER_SIZE, 0), st.st_size)
+                if header.key_digest != key_digest(key):
+                    raise HeaderError("it holds a payload for a different key")
+            except HeaderError as exc:
+                unlink_quiet(claim)
+                raise ConnectorError(
+                    f"shm segment for key {key!r} in {self._dir} (namespace {self.config.namespace!r}) is invalid: {exc}; removed it"
+                ) from exc
+            try:
+                mapping, keep_fd = self._maps.mapping_for(fd, header)
+            except (OSError, ValueError) as exc:
+                unlink_quiet(claim)
+                raise ConnectorError(f"shm segment for key {key!r} in {self._dir} cannot be mapped: {exc}") from exc
+            return header, mapping
+        finally:
+            if not keep_fd:
+                os.close(fd)
+
+    def _consume(self, claim: str, key: str, zero_copy: bool) -> GetResult | None:
+        opened = self._open_claimed(claim, key)
+        if opened is None:
+            return None
+        header, mapping = opened
+        n = header.payload_len
+        if zero_copy:
+            return self._consume_views(claim, key, header, mapping)
+        try:
+            buf = _private_copy(mapping.view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + n], self.config.hugepage_copies)
+        finally:
+            _return_segment(self._dir, self._names, claim, header, mapping, self._maps, leased=False)
+        try:
+            data = wire.decode(buf, copy=False)
+        except WireFormatError as exc:
+            raise WireFormatError(f"shm payload for key {key!r} (namespace {self.config.namespace!r}): {exc}") from exc
+        return GetResult(data, n)
+
+    def _consume_views(self, claim: str, key: str, header: Header, mapping: Mapping) -> GetResult:
+        n = header.payload_len
+        self._maps.lease(mapping)
+        # every view decoded from `anchor` keeps it alive; when the last one dies the segment goes back
+        anchor = np.frombuffer(mapping.mm, dtype=np.uint8, count=n, offset=PAYLOAD_OFFSET)
+        fin = weakref.finalize(anchor, _return_segment, self._dir, self._names, claim, header, mapping, self._maps, True)
+        fin.atexit = False
+        try:
+            data = wire.decode(memoryview(anchor.data), copy=False)
+        except WireFormatError as exc:
+            del anchor
+            fin()
+            raise WireFormatError(f"shm payload for key {key!r} (namespace {self.config.namespace!r}): {exc}") from exc
+        return GetResult(data, n)
+
+    # -- cleanup / close --------------------------------------------------------------------
+    def _cleanup(self, key: str) -> bool:
+        self._check_process()
+        return self._discard(self._path(self._names.published(key)))
+
+    def _discard(self, published_path: str) -> bool:
+        """Claim and free whatever is published at ``published_path``; True if something was there."""
+        claim = self._path(self._names.claimed(self._token, next(self._claim_numbers)))
+        try:
+            os.rename(published_path, claim)
+        except FileNotFoundError:
+            return False
+        _free_claimed(self._dir, self._names, claim)
+        return True
+
+    def _close(self) -> None:
+        if os.getpid() != self._owner.pid:
+            return  # a forked child must not free its parent's segments
+        # marker first: a consumer returning one of our segments after this point unlinks it instead
+        unlink_quiet(self._marker)
+        self._notifier.close()
+        self._free_unconsumed()
+        self._pool.close()
+        self._maps.clear()
+
+    def _free_unconsumed(self) -> None:
+        """Unlink payloads this instance published that nobody consumed."""
+        for entry in _scan(self._dir, self._names.prefix):
+            parsed = parse_name(entry)
+            if parsed is None or parsed.kind not in ("k", "h"):
+                continue
+            path = self._path(entry)
+            header = gc.read_header(path)
+            if header is not None and header.owner == self._owner:
+                claim = self._path(self._names.claimed(self._token, next(self._claim_numbers)))
+                try:
+                    os.rename(path, claim)
+                except FileNotFoundError:
+                    continue
+                again = gc.read_header(claim)
+                if again is not None and again.owner == self._owner:
+                    unlink_quiet(claim)
+                else:  # republished by someone else in between: put it back
+                    try:
+                        os.rename(claim, path)
+                    except OSError:
+                        unlink_quiet(claim)
+
+    def _health(self) -> dict[str, Any]:
+        return {
+            "namespace": self.config.namespace,
+            "shm_dir": self._dir,
+            "owner": self._token,
+            "zero_copy": self.config.zero_copy,
+            **self._pool.stats(),
+            **self._maps.stats(),
+        }
+
+    @property
+    def owner_token(self) -> str:
+        """``<pid>-<start>-<tag>``: appears in the names of segments this instance owns."""
+        return self._token
+
+
+def _scan(directory: str, prefix: str) -> list[str]:
+    try:
+        with os.scandir(directory) as it:
+            return [e.name for e in it if e.name.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+
+
+def _private_copy(src: memoryview, hugepages: bool) -> memoryview:
+    """Copy ``src`` into fresh process-private memory (the owned result)."""
+    n = src.nbytes
+    if hugepages and n >= _HUGE_COPY_MIN:
+        # fresh anonymous memory faults 4 KiB at a time (~0.6 GB/s); huge pages fault 2 MiB at a time
+        anon = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            anon.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):
+            pass
+        dst = memoryview(anon)
+    else:
+        dst = memoryview(bytearray(n))
+    if n >= _TORCH_COPY_MIN:
+        import torch
+
+        torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+    else:
+        dst[:] = src
+    return dst
+
+
+def _return_segment(directory: str, names: Names, claim: str, header: Header, mapping: Mapping, maps: MapCache, leased: bool) -> None:
+    """After a get: give a pooled segment back to its owner, or unlink it.
+
+    Runs inline (owned copies) or from a weakref finalizer in any thread (zero-copy views); never raises.
+    """
+    try:
+        if header.pooled:
+            mapping.view[STATE_OFFSET] = STATE_FREE
+            free = os.path.join(directory, names.free(header.owner.token, header.seg_no))
+            try:
+                os.rename(claim, free)
+            except FileNotFoundError:
+                pass
+            else:
+                # renamed first, checked second: if the owner closed meanwhile, either its close or we unlink
+                if not os.path.exists(os.path.join(directory, names.marker(header.owner.token))):
+                    unlink_quiet(free)
+        else:
+            unlink_quiet(claim)
+    except Exception:  # pragma: no cover - a finalizer must not raise
+        log.exception("shm: returning segment %s failed", claim)
+    finally:
+        if leased:
+            maps.unlease(mapping)
+        elif not mapping.cached:
+            mapping.drop()
+
+
+def _free_claimed(directory: str, names: Names, claim: str) -> None:
+    """Free a segment we claimed without reading it (cleanup): return pooled ones, unlink the rest."""
+    header = gc.read_header(claim)
+    if header is None or not header.pooled:
+        unlink_quiet(claim)
+        return
+    try:
+        fd = os.open(claim, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        os.pwrite(fd, bytes([STATE_FREE]), STATE_OFFSET)
+    finally:
+        os.close(fd)
+    free = os.path.join(directory, names.free(header.owner.token, header.seg_no))
+    try:
+        os.rename(claim, free)
+    except FileNotFoundError:
+        return
+    if not os.path.exists(os.path.join(directory, names.marker(header.owner.token))):
+        unlink_quiet(free)

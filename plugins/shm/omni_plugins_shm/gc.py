@@ -1,0 +1,124 @@
+"""Reclaiming segments whose owner is gone: ``collect(namespace=None) -> GcReport``.
+
+Liveness is decided from the names and headers alone, so any process (the next
+connector instance, ``omni-plugins shm gc``, a test) can run it safely next to
+live producers and consumers:
+
+- ``o.<owner>`` marker: removed when the owner process is dead.
+- ``w.``/``f.`` (a producer's writing/free segments): removed when the owner process is dead or its
+  marker is gone (the instance closed).
+- ``c.<claimer>`` (a claimed payload, possibly with live zero-copy views): removed when the claiming
+  process is dead.
+- ``k.``/``h.`` (published payloads): removed when the producer named in the header is dead or closed,
+  or when the header is corrupt.
+
+A process is identified by pid *and* start time, so a reused pid does not keep
+a dead producer's memory alive. ``force=True`` removes everything in the
+namespace(s) regardless (for operators, when nothing runs).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_plugins_shm.naming import CLAIMED, FREE, HASHED, MARKER, PREFIX, PUBLISHED, WRITING, Names, namespace_prefix, parse_name
+from omni_plugins_shm.proc import Owner
+from omni_plugins_shm.segments.header import HEADER_SIZE, Header, HeaderError
+
+DEFAULT_SHM_DIR = "/dev/shm"
+
+
+@dataclass
+class GcReport:
+    """What :func:`collect` removed (names and bytes) and what it kept because its owner lives."""
+
+    removed: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    bytes_freed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"removed": self.removed, "kept": self.kept, "bytes_freed": self.bytes_freed, "errors": self.errors}
+
+
+def read_header(path: str) -> Header | None:
+    """The header of the segment at ``path``, or None if it is gone or not a valid segment."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        return Header.unpack(os.pread(fd, HEADER_SIZE, 0), size)
+    except (OSError, HeaderError):
+        return None
+    finally:
+        os.close(fd)
+
+
+class _Liveness:
+    """Memoized owner checks for one collection pass."""
+
+    def __init__(self, directory: str) -> None:
+        self._dir = directory
+        self._process: dict[tuple[int, int], bool] = {}
+
+    def process(self, owner: Owner) -> bool:
+        k = (owner.pid, owner.start)
+        if k not in self._process:
+            self._process[k] = owner.process_alive()
+        return self._process[k]
+
+    def instance(self, namespace: str, owner: Owner) -> bool:
+        return self.process(owner) and os.path.exists(os.path.join(self._dir, Names(namespace).marker(owner.token)))
+
+
+def _garbage(directory: str, name: str, live: _Liveness) -> bool:
+    parsed = parse_name(name)
+    if parsed is None:
+        return False
+    if parsed.kind in (PUBLISHED, HASHED):
+        header = read_header(os.path.join(directory, name))
+        return header is None or not live.instance(parsed.namespace, header.owner)
+    owner = Owner.parse(parsed.owner_token or "")
+    if owner is None:
+        return True  # malformed name inside our prefix
+    if parsed.kind == MARKER or parsed.kind == CLAIMED:
+        return not live.process(owner)
+    if parsed.kind in (WRITING, FREE):
+        return not live.instance(parsed.namespace, owner)
+    return False
+
+
+def collect(namespace: str | None = None, *, shm_dir: str = DEFAULT_SHM_DIR, force: bool = False, dry_run: bool = False) -> GcReport:
+    """Remove segments of dead (or closed) owners in ``namespace`` (all namespaces if None).
+
+    Markers are handled last, so the segments of an instance are judged while its marker still says
+    whether it is alive. Safe to run concurrently with live connectors.
+    """
+    prefix = namespace_prefix(namespace) if namespace is not None else f"{PREFIX}."
+    report = GcReport()
+    try:
+        with os.scandir(shm_dir) as it:
+            names = sorted((e.name for e in it if e.name.startswith(prefix)), key=lambda n: n.split(".", 3)[2:3] == [MARKER])
+    except FileNotFoundError:
+        return report
+    live = _Liveness(shm_dir)
+    for name in names:
+        path = os.path.join(shm_dir, name)
+        try:
+            if not (force or _garbage(shm_dir, name, live)):
+                report.kept.append(name)
+                continue
+            size = os.stat(path).st_blocks * 512
+            if not dry_run:
+                os.unlink(path)
+            report.removed.append(name)
+            report.bytes_freed += size
+        except FileNotFoundError:
+            continue  # consumed or freed meanwhile
+        except OSError as exc:
+            report.errors.append(f"{name}: {exc}")
+    return report

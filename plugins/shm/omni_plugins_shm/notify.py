@@ -1,0 +1,173 @@
+"""Waiting for a key without polling: inotify on the shm directory.
+
+Publishing a payload is a rename to the key's name, which the kernel reports
+as ``IN_MOVED_TO`` on the directory. A waiting ``get`` blocks in ``poll()`` on
+an inotify descriptor and retries its claim only when an event names its key
+(or the event queue overflowed), so an idle consumer costs no CPU and wakes
+within microseconds of the ``put``.
+
+Each thread gets its own inotify instance per connector, created on first use
+and reused: creating and closing one per ``get`` would cost far more than the
+wait (closing an inotify instance waits for an RCU grace period). The wait
+order -- drain stale events, then claim, then sleep -- means a ``put`` that
+lands between the claim attempt and the sleep still wakes the waiter.
+
+If inotify is unavailable (e.g. ``max_user_instances`` reached) waits fall
+back to sleeping with exponential backoff (0.2 ms up to 20 ms) and a warning
+is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import math
+import os
+import select
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+
+IN_MOVED_TO = 0x00000080
+IN_CREATE = 0x00000100
+IN_Q_OVERFLOW = 0x00004000
+IN_IGNORED = 0x00008000
+IN_NONBLOCK = 0o4000
+IN_CLOEXEC = 0o2000000
+_EVENT = struct.Struct("iIII")
+_BUF = 64 * 1024
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.inotify_init1.argtypes = [ctypes.c_int]
+_libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+
+T = TypeVar("T")
+
+
+class _Watch:
+    """One inotify instance watching one directory for entries appearing."""
+
+    def __init__(self, directory: str) -> None:
+        fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"inotify_init1: {os.strerror(err)}")
+        if _libc.inotify_add_watch(fd, os.fsencode(directory), IN_MOVED_TO | IN_CREATE) < 0:
+            err = ctypes.get_errno()
+            os.close(fd)
+            raise OSError(err, f"inotify_add_watch({directory}): {os.strerror(err)}")
+        self.fd = fd
+        self.busy = False
+        self._poll = select.poll()
+        self._poll.register(fd, select.POLLIN)
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, _BUF):
+                pass
+        except BlockingIOError:
+            pass
+
+    def wait(self, names: frozenset[bytes], seconds: float) -> bool:
+        """Sleep up to ``seconds`` for an event naming one of ``names``; True if one (or an overflow) came."""
+        deadline = time.monotonic() + seconds
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if not self._poll.poll(math.ceil(remaining * 1000)):
+                continue  # re-check the clock; poll's millisecond rounding must not end the wait early
+            try:
+                data = os.read(self.fd, _BUF)
+            except BlockingIOError:
+                continue
+            off = 0
+            while off + _EVENT.size <= len(data):
+                _wd, mask, _cookie, length = _EVENT.unpack_from(data, off)
+                name = data[off + _EVENT.size : off + _EVENT.size + length].rstrip(b"\0")
+                off += _EVENT.size + length
+                if mask & (IN_Q_OVERFLOW | IN_IGNORED) or name in names:
+                    return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+class Notifier:
+    """Blocks a ``get`` until its key may have arrived; one inotify instance per (notifier, thread)."""
+
+    def __init__(self, directory: str) -> None:
+        self._dir = directory
+        self._local = threading.local()
+        self._watches: list[_Watch] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._warned = False
+
+    def _watch(self) -> _Watch | None:
+        watch: _Watch | None = getattr(self._local, "watch", None)
+        if watch is not None or getattr(self._local, "failed", False):
+            return watch
+        try:
+            watch = _Watch(self._dir)
+        except OSError as exc:
+            self._local.failed = True
+            if not self._warned:
+                self._warned = True
+                hint = " (raise fs.inotify.max_user_instances)" if exc.errno in (errno.EMFILE, errno.ENFILE) else ""
+                log.warning("inotify unavailable on %s: %s%s; blocking gets fall back to sleeping", self._dir, exc, hint)
+            return None
+        with self._lock:
+            if self._closed:
+                watch.close()
+                return None
+            self._watches.append(watch)
+        self._local.watch = watch
+        return watch
+
+    def wait_for(self, names: frozenset[str], attempt: Callable[[], T | None], timeout: float) -> T | None:
+        """Call ``attempt`` until it returns non-None or ``timeout`` seconds pass; sleep on inotify between tries."""
+        deadline = time.monotonic() + timeout
+        watch = self._watch()
+        encoded = frozenset(os.fsencode(n) for n in names)
+        if watch is not None:
+            with self._lock:
+                watch.busy = True
+            watch.drain()
+        backoff = 0.0002
+        try:
+            while True:
+                result = attempt()
+                if result is not None:
+                    return result
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    return None
+                if watch is not None:
+                    watch.wait(encoded, remaining)
+                else:
+                    time.sleep(min(backoff, remaining))
+                    backoff = min(backoff * 2, 0.02)
+        finally:
+            if watch is not None:
+                with self._lock:
+                    watch.busy = False
+                    if self._closed:  # close() left this watch to us because we were using it
+                        watch.close()
+
+    def close(self) -> None:
+        """Close every idle watch; a watch in use is closed by its waiter when its wait ends."""
+        with self._lock:
+            self._closed = True
+            watches, self._watches = self._watches, []
+            for w in watches:
+                if not w.busy:
+                    w.close()

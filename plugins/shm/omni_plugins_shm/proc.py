@@ -1,0 +1,80 @@
+"""Process identity and liveness: a pid plus its start time names a process uniquely.
+
+Pids are reused; the start time (field 22 of ``/proc/<pid>/stat``, clock ticks
+since boot) is not, so ``(pid, start)`` tells a crashed producer's segments
+from those of a live process that happens to have the same pid.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot, or None if no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # the command name (field 2) may contain spaces and parentheses: split after the last ')'
+    fields = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])  # field 22 overall; fields[0] is field 3
+    except (IndexError, ValueError):
+        return None
+
+
+def is_process_alive(pid: int, start: int) -> bool:
+    """True if the process ``pid`` that started at ``start`` still runs (zombies count as dead)."""
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return False
+    tail = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return tail[0] != b"Z" and int(tail[19]) == start
+    except (IndexError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Identity of one connector instance: process (pid, start time) plus a random instance tag.
+
+    Its token ``<pid>-<start>-<tag>`` appears in the names of the segments it owns.
+    """
+
+    pid: int
+    start: int
+    tag: int
+
+    @property
+    def token(self) -> str:
+        return f"{self.pid}-{self.start}-{self.tag:08x}"
+
+    @classmethod
+    def new(cls) -> Owner:
+        pid = os.getpid()
+        start = process_start_time(pid)
+        if start is None:  # pragma: no cover - /proc is always there on Linux
+            raise RuntimeError("cannot read /proc/self/stat; the shm connector needs Linux /proc")
+        return cls(pid, start, secrets.randbits(32))
+
+    @classmethod
+    def parse(cls, token: str) -> Owner | None:
+        parts = token.split("-")
+        if len(parts) != 3:
+            return None
+        try:
+            return cls(int(parts[0]), int(parts[1]), int(parts[2], 16))
+        except ValueError:
+            return None
+
+    def process_alive(self) -> bool:
+        return is_process_alive(self.pid, self.start)

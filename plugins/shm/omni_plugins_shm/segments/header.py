@@ -1,0 +1,83 @@
+"""The fixed header at the start of every segment.
+
+Layout (little-endian, 128 bytes reserved, payload starts at :data:`PAYLOAD_OFFSET`)::
+
+    magic[8] flags:u32 state:u32 pid:u32 tag:u32 start:u64 seg_no:u64
+    capacity:u64 payload_len:u64 key_digest[16] crc32:u32
+
+``state`` is a hint the consumer flips to FREE just before returning a pooled
+segment, so its owner can skip busy segments without a syscall; it is left out
+of the CRC. Everything else is covered by the CRC, so a torn or foreign file
+is reported as corrupt instead of being trusted.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+from omni_plugins_shm.proc import Owner
+
+MAGIC = b"OMNISHM\x01"
+_FMT = struct.Struct("<8sIIIIQQQQ16s")
+_CRC = struct.Struct("<I")
+HEADER_SIZE = _FMT.size + _CRC.size
+PAYLOAD_OFFSET = 128
+STATE_OFFSET = 12
+STATE_BUSY = 1
+STATE_FREE = 0
+FLAG_POOLED = 1
+
+assert HEADER_SIZE <= PAYLOAD_OFFSET
+
+
+class HeaderError(ValueError):
+    """The bytes at the start of a segment are not a valid header."""
+
+
+@dataclass(frozen=True)
+class Header:
+    owner: Owner
+    seg_no: int
+    capacity: int
+    payload_len: int
+    key_digest: bytes
+    pooled: bool
+
+    def pack(self, state: int = STATE_BUSY) -> bytes:
+        body = _FMT.pack(
+            MAGIC,
+            FLAG_POOLED if self.pooled else 0,
+            state,
+            self.owner.pid,
+            self.owner.tag,
+            self.owner.start,
+            self.seg_no,
+            self.capacity,
+            self.payload_len,
+            self.key_digest,
+        )
+        return body + _CRC.pack(_crc(body))
+
+    @classmethod
+    def unpack(cls, raw: bytes | memoryview, file_size: int) -> Header:
+        if len(raw) < HEADER_SIZE:
+            raise HeaderError(f"segment is {file_size} bytes, shorter than its {HEADER_SIZE}-byte header")
+        body = bytes(raw[: _FMT.size])
+        magic, flags, _state, pid, tag, start, seg_no, capacity, payload_len, digest = _FMT.unpack(body)
+        if magic != MAGIC:
+            raise HeaderError(f"bad magic {magic!r} (not an omnishm segment or an unsupported version)")
+        (crc,) = _CRC.unpack(bytes(raw[_FMT.size : HEADER_SIZE]))
+        if crc != _crc(body):
+            raise HeaderError("header checksum mismatch (corrupt or torn segment)")
+        if capacity != file_size:
+            raise HeaderError(f"header says capacity {capacity} but the file is {file_size} bytes")
+        if PAYLOAD_OFFSET + payload_len > capacity:
+            raise HeaderError(f"payload length {payload_len} exceeds capacity {capacity}")
+        return cls(Owner(pid, start, tag), seg_no, capacity, payload_len, digest, bool(flags & FLAG_POOLED))
+
+
+def _crc(body: bytes) -> int:
+    # the state word is a mutable hint: exclude it from the checksum
+    return zlib.crc32(body[:STATE_OFFSET] + body[STATE_OFFSET + 4 :])
