@@ -1,0 +1,130 @@
+"""Synthetic KV data for tests and benchmarks (also used by other areas' tests).
+
+:func:`full_kv` makes a request's whole-model KV deterministically from its id,
+so every process of a multi-process test can rebuild the expected values
+without shipping tensors around. :func:`build_paged_caches` scatters per-rank
+head slices of it into paged caches with shuffled block ids, in any layout
+:mod:`omni_plugins.kv.layout` reads. :func:`head_range` says which heads a rank
+of a TP group owns.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+
+LayerKV = tuple[list[torch.Tensor | None], list[torch.Tensor | None]]
+CacheForm = Literal["stacked", "pairs", "mapping"]
+
+
+def _generator(*parts: object) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32("/".join(map(str, parts)).encode()))
+
+
+def full_kv(
+    request_id: str,
+    *,
+    num_layers: int,
+    seq_len: int,
+    num_heads: int,
+    head_dim: int,
+    missing_layers: tuple[int, ...] = (),
+    dtype: torch.dtype = torch.float32,
+) -> LayerKV:
+    """Whole-model keys and values of one request, ``[seq_len, num_heads, head_dim]`` per layer.
+
+    Deterministic in all arguments; layers in ``missing_layers`` are ``None``.
+    """
+    keys: list[torch.Tensor | None] = []
+    values: list[torch.Tensor | None] = []
+    for layer in range(num_layers):
+        if layer in missing_layers:
+            keys.append(None)
+            values.append(None)
+            continue
+        shape = (seq_len, num_heads, head_dim)
+        keys.append(torch.randn(shape, generator=_generator(request_id, layer, "k")).to(dtype))
+        values.append(torch.randn(shape, generator=_generator(request_id, layer, "v")).to(dtype))
+    return keys, values
+
+
+def head_range(num_heads: int, tp: int, rank: int) -> slice:
+    """Heads owned by ``rank`` of a TP group of ``tp`` ranks (contiguous, equal blocks)."""
+    per = num_heads // tp
+    return slice(rank * per, (rank + 1) * per)
+
+
+def shard_kv(kv: LayerKV, heads: slice) -> LayerKV:
+    """The head slice ``heads`` of every layer of ``kv``."""
+    keys, values = kv
+    return (
+        [None if t is None else t[:, heads].contiguous() for t in keys],
+        [None if t is None else t[:, heads].contiguous() for t in values],
+    )
+
+
+def build_paged_caches(
+    entries: Mapping[str, LayerKV],
+    *,
+    block_size: int,
+    form: CacheForm = "stacked",
+    layout: Literal["nhd", "hnd"] = "nhd",
+    spare_blocks: int = 3,
+    seed: int = 0,
+) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """Scatter requests' KV into paged caches; return ``(kv_caches, finished_reqs)``.
+
+    Blocks are assigned from a seeded random permutation, so block ids are out
+    of order and non-contiguous; unused slots (spare blocks, the tail of each
+    request's last block) hold noise, so a reader that ignores ``block_ids`` or
+    ``seq_len`` gets wrong values. All requests must share layer count, heads,
+    head_dim and missing layers.
+    """
+    first_keys = next(iter(entries.values()))[0]
+    template = next(t for t in first_keys if t is not None)
+    heads, head_dim, dtype = template.shape[1], template.shape[2], template.dtype
+    need = {rid: -(-_seq_len(kv) // block_size) for rid, kv in entries.items()}
+    num_blocks = sum(need.values()) + spare_blocks
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    finished: dict[str, dict[str, Any]] = {}
+    pos = 0
+    for rid, n in need.items():
+        finished[rid] = {"seq_len": _seq_len(entries[rid]), "block_ids": order[pos : pos + n]}
+        pos += n
+    layers: list[Any] = []
+    key_list: list[Any] = []
+    value_list: list[Any] = []
+    for layer in range(len(first_keys)):
+        if first_keys[layer] is None:
+            layers.append(None)
+            key_list.append(None)
+            value_list.append(None)
+            continue
+        k_blocks = torch.randn((num_blocks, block_size, heads, head_dim), generator=gen).to(dtype)
+        v_blocks = torch.randn((num_blocks, block_size, heads, head_dim), generator=gen).to(dtype)
+        for rid, kv in entries.items():
+            ids = finished[rid]["block_ids"]
+            for blocks, src in ((k_blocks, kv[0][layer]), (v_blocks, kv[1][layer])):
+                assert src is not None
+                for j, bid in enumerate(ids):
+                    chunk = src[j * block_size : (j + 1) * block_size]
+                    blocks[bid, : chunk.shape[0]] = chunk
+        if layout == "hnd":
+            k_blocks = k_blocks.transpose(1, 2).contiguous()
+            v_blocks = v_blocks.transpose(1, 2).contiguous()
+        if form == "stacked":
+            layers.append(torch.stack([k_blocks, v_blocks]))
+        elif form == "pairs":
+            layers.append((k_blocks, v_blocks))
+        key_list.append(k_blocks)
+        value_list.append(v_blocks)
+    caches: Any = {"key_cache": key_list, "value_cache": value_list} if form == "mapping" else layers
+    return caches, finished
+
+
+def _seq_len(kv: LayerKV) -> int:
+    return int(next(t for t in kv[0] if t is not None).shape[0])
