@@ -111,6 +111,12 @@ class MooncakeTEConfig(_Engine):
         ge=0,
         description="registered memory kept for reuse between transfers",
     )
+    rendezvous_dir: str | None = Field(
+        default=None,
+        description="same-host discovery: instances announce their listen address as a file here and read from all "
+        "others (lets identically configured instances in several processes find each other)",
+    )
+    claim_timeout: float = Field(default=60.0, gt=0, description="seconds a consumer may take to read a payload it claimed")
     payload_ttl: float = Field(default=300.0, gt=0, description="seconds after which an unconsumed payload is reclaimed")
     socket_timeout: float = Field(default=5.0, gt=0, description="timeout of every control-channel connect/send/receive")
     poll_interval: float = Field(default=0.002, gt=0, le=1.0, description="first delay between lookups while get() waits")

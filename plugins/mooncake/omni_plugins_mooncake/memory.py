@@ -36,6 +36,14 @@ def size_class(nbytes: int, minimum: int) -> int:
     return -(-n // step) * step
 
 
+def _refuse_register(address: int, size: int) -> int:
+    return -1
+
+
+def _ignore_unregister(address: int) -> int:
+    return 0
+
+
 class Slab:
     """One page-aligned anonymous mapping registered with a Mooncake engine or store client."""
 
@@ -144,6 +152,8 @@ class SlabPool:
     def close(self) -> None:
         """Unregister and free idle slabs; slabs still lent out are dropped when returned."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             victims = [s for bucket in self._idle.values() for s in bucket]
             self._idle.clear()
@@ -151,6 +161,9 @@ class SlabPool:
             self._idle_bytes = 0
         for slab in victims:
             self._free(slab)
+        # drop the bound methods so the engine/store can be destroyed while leases are still out
+        self._register = _refuse_register
+        self._unregister = _ignore_unregister
 
     # -- internals (lock held where noted) --------------------------------------
     def _make_room(self, size: int) -> list[Slab]:

@@ -1,0 +1,287 @@
+"""``MooncakeTransferEngineConnector``: producer staging + control server + one-sided reads.
+
+Producer side (``put``): encode into a slab of the registered staging pool and
+publish it in the :class:`~.pool.StagingTable`; the control server answers
+"where is K". Consumer side (``get``): a payload staged by this instance is
+decoded in place; otherwise each peer is asked, the payload is claimed, read
+with ``transfer_sync_read`` into a registered receive slab, the claim is
+finished (the producer frees its slab) and the bytes are decoded zero-copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from omni_plugins import wire
+from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+from omni_plugins.errors import ConnectorError, WireFormatError
+
+from omni_plugins_mooncake._backoff import poll
+from omni_plugins_mooncake._env import prepare_environment
+from omni_plugins_mooncake._import import import_mooncake
+from omni_plugins_mooncake.config import MooncakeTEConfig
+from omni_plugins_mooncake.memory import SlabPool
+from omni_plugins_mooncake.te.control import ControlClient, ControlServer, PeerUnreachableError
+from omni_plugins_mooncake.te.discovery import PeerDirectory
+from omni_plugins_mooncake.te.pool import Staged, StagingTable
+
+logger = logging.getLogger(__name__)
+
+
+class MooncakeTransferEngineConnector(Connector):
+    """Point-to-point connector over a Mooncake ``TransferEngine`` (P2PHANDSHAKE, TCP or RDMA)."""
+
+    capabilities = Capabilities(blocking_get=True, cross_process=True, cross_host=True, zero_copy_get=True, consume_on_get=True)
+    config_model = MooncakeTEConfig
+
+    def __init__(self, config: MooncakeTEConfig | None = None) -> None:
+        super().__init__()
+        self.config = cfg = config or MooncakeTEConfig()
+        engine_mod = import_mooncake("mooncake.engine")
+        prepare_environment(cfg.local_hostname)
+        te = engine_mod.TransferEngine()
+        rc = te.initialize(cfg.local_hostname, "P2PHANDSHAKE", cfg.protocol, cfg.device_name)
+        if rc != 0:
+            raise ConnectorError(f"mooncake TransferEngine on {cfg.local_hostname} ({cfg.protocol}) failed to initialise: code {rc}")
+        self._te = te
+        self.segment = f"{cfg.local_hostname}:{te.get_rpc_port()}"
+        self._send_pool = SlabPool(
+            te.register_memory,
+            te.unregister_memory,
+            name=f"mooncake-te staging pool of {self.segment}",
+            max_idle_bytes=int(cfg.max_idle_buffer_bytes),
+            max_total_bytes=int(cfg.pool_size),
+        )
+        self._recv_pool = SlabPool(
+            te.register_memory, te.unregister_memory, name=f"mooncake-te receive buffers of {self.segment}", max_idle_bytes=int(cfg.max_idle_buffer_bytes)
+        )
+        self._table = StagingTable(self._send_pool, ttl=cfg.payload_ttl, claim_timeout=cfg.claim_timeout)
+        self._clients: dict[str, ControlClient] = {}
+        self._clients_lock = threading.Lock()
+        self._server: ControlServer | None = None
+        self._directory: PeerDirectory | None = None
+        self._stop = threading.Event()
+        try:
+            if cfg.listen_address is not None:
+                self._server = self._listen(cfg.listen_address)
+            if cfg.rendezvous_dir is not None:
+                self._directory = PeerDirectory(cfg.rendezvous_dir)
+                if self._server is not None:
+                    self._directory.announce(self._server.address)
+        except BaseException:
+            self._close()
+            raise
+        interval = max(0.05, min(1.0, cfg.payload_ttl / 4, cfg.claim_timeout / 4))
+        self._reaper = threading.Thread(target=self._reap_loop, args=(interval,), name="mooncake-te-reaper", daemon=True)
+        self._reaper.start()
+
+    @property
+    def address(self) -> str | None:
+        """This instance's control address (give it to consumers as a peer), or None when consume-only."""
+        return None if self._server is None else self._server.address
+
+    # -- contract ------------------------------------------------------------
+    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
+        if self._server is None:
+            raise ConnectorError(f"mooncake-te instance {self.segment} has no listen_address, so it cannot serve key {key!r}")
+        encoded = wire.encode(data)
+        n = encoded.nbytes
+        slab = self._send_pool.acquire(n)
+        try:
+            encoded.write_into(slab.view(n))
+        except BaseException:
+            self._send_pool.release(slab)
+            raise
+        self._table.stage(key, slab, n)
+        return PutResult(True, n, {"peer": self._server.address})
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        return poll(lambda: self._try_get(key), timeout, self.config.poll_interval)
+
+    def _cleanup(self, key: str) -> bool:
+        freed = self._table.discard(key)
+        for address, client in self._peer_clients():
+            try:
+                freed = bool(client.request({"op": "discard", "key": key}).get("released")) or freed
+            except PeerUnreachableError as exc:
+                self._peer_failed(address, exc, key)
+        return freed
+
+    def _health(self) -> dict[str, Any]:
+        unreachable = []
+        for address, client in self._peer_clients():
+            try:
+                client.request({"op": "ping"})
+            except ConnectorError:
+                unreachable.append(address)
+        return {
+            "ok": not unreachable,
+            "segment": self.segment,
+            "listen_address": self.address,
+            "peers": [a for a, _ in self._peer_clients()],
+            "unreachable_peers": unreachable,
+            **self._table.stats(),
+            "staging_pool": self._send_pool.stats(),
+            "receive_buffers": self._recv_pool.stats(),
+        }
+
+    def _close(self) -> None:
+        self._stop.set()
+        if self._directory is not None:
+            self._directory.close()
+        if self._server is not None:
+            self._server.close()
+        with self._clients_lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            client.close()
+        self._table.close()
+        self._send_pool.close()
+        self._recv_pool.close()
+        reaper = getattr(self, "_reaper", None)
+        if reaper is not None:
+            reaper.join(5)
+        self._te = None  # the engine (and its listening ports) goes when the last reference does
+
+    # -- consumer ---------------------------------------------------------------
+    def _try_get(self, key: str) -> GetResult | None:
+        self._check_open()
+        local = self._table.take(key)
+        if local is not None:
+            return self._decode_local(local)
+        failures: list[str] = []
+        for address, client in self._peer_clients():
+            try:
+                reply = client.request({"op": "claim", "key": key})
+            except PeerUnreachableError as exc:
+                if self._peer_failed(address, exc, key):
+                    failures.append(str(exc))
+                continue
+            if reply.get("found"):
+                return self._read_remote(client, key, reply)
+        if failures:
+            raise ConnectorError(f"mooncake-te: key {key!r} not found and some peers are down: " + "; ".join(failures))
+        return None
+
+    def _decode_local(self, entry: Staged) -> GetResult:
+        view = self._send_pool.lease(entry.slab, entry.nbytes)
+        try:
+            return GetResult(wire.decode(view), entry.nbytes)
+        finally:
+            del view
+
+    def _read_remote(self, client: ControlClient, key: str, reply: dict[str, Any]) -> GetResult:
+        try:
+            segment, remote_addr, size, token = str(reply["segment"]), int(reply["addr"]), int(reply["size"]), int(reply["token"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConnectorError(f"mooncake-te peer {client.address} sent a malformed claim for key {key!r}: {exc}") from None
+        if size <= 0:
+            raise ConnectorError(f"mooncake-te peer {client.address} announced key {key!r} with size {size}")
+        slab = self._recv_pool.acquire(size)
+        try:
+            rc = self._te.transfer_sync_read(segment, slab.address, remote_addr, size) if self._te is not None else -1
+            if rc != 0:
+                raise ConnectorError(f"mooncake-te: reading key {key!r} ({size} bytes) from {segment} (peer {client.address}) failed: code {rc}")
+        except BaseException:
+            self._recv_pool.release(slab)
+            self._unclaim(client, token)
+            raise
+        try:
+            finished = bool(client.request({"op": "finish", "token": token}).get("released"))
+        except BaseException:
+            self._recv_pool.release(slab)
+            raise
+        if not finished:
+            self._recv_pool.release(slab)
+            raise ConnectorError(
+                f"mooncake-te: the claim on key {key!r} at peer {client.address} lapsed during the read "
+                f"(claim_timeout={self.config.claim_timeout}s); the bytes read were discarded"
+            )
+        view = self._recv_pool.lease(slab, size)
+        try:
+            return GetResult(wire.decode(view), size)
+        except WireFormatError as exc:
+            raise ConnectorError(f"mooncake-te: payload of key {key!r} from peer {client.address} is corrupt: {exc}") from exc
+        finally:
+            del view
+
+    def _unclaim(self, client: ControlClient, token: int) -> None:
+        try:
+            client.request({"op": "unclaim", "token": token})
+        except ConnectorError as exc:
+            logger.warning("mooncake-te: could not return a claim to %s: %s", client.address, exc)
+
+    def _peer_clients(self) -> list[tuple[str, ControlClient]]:
+        addresses = list(self.config.peers)
+        if self._directory is not None:
+            addresses += [a for a in self._directory.peers() if a not in addresses]
+        own = self.address
+        out = []
+        with self._clients_lock:
+            for address in addresses:
+                if address == own:
+                    continue
+                client = self._clients.get(address)
+                if client is None:
+                    client = self._clients[address] = ControlClient(address, timeout=self.config.socket_timeout)
+                out.append((address, client))
+        return out
+
+    def _peer_failed(self, address: str, exc: PeerUnreachableError, key: str) -> bool:
+        """Handle an unreachable peer; True when it is an error (a configured peer), False when it was a stale announcement."""
+        if address not in self.config.peers and self._directory is not None and exc.refused:
+            entry = self._directory.peers().get(address)
+            if entry is not None:
+                self._directory.forget(entry)
+            with self._clients_lock:
+                client = self._clients.pop(address, None)
+            if client is not None:
+                client.close()
+            return False
+        return True
+
+    # -- producer ---------------------------------------------------------------
+    def _listen(self, address: str) -> ControlServer:
+        try:
+            return ControlServer(address, self._handle, io_timeout=self.config.socket_timeout, name=f"mooncake-te {self.segment}")
+        except OSError as exc:
+            raise ConnectorError(f"mooncake-te cannot listen on {address}: {exc}") from exc
+
+    def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "claim":
+            key = request.get("key")
+            if not isinstance(key, str):
+                return {"ok": False, "error": "claim needs a string 'key'"}
+            entry = self._table.claim(key)
+            if entry is None:
+                return {"ok": True, "found": False}
+            return {"ok": True, "found": True, "segment": self.segment, "addr": entry.slab.address, "size": entry.nbytes, "token": entry.token}
+        if op in ("finish", "unclaim"):
+            token = request.get("token")
+            if not isinstance(token, int):
+                return {"ok": False, "error": f"{op} needs an integer 'token'"}
+            if op == "finish":
+                return {"ok": True, "released": self._table.finish(token)}
+            self._table.unclaim(token)
+            return {"ok": True}
+        if op == "discard":
+            key = request.get("key")
+            if not isinstance(key, str):
+                return {"ok": False, "error": "discard needs a string 'key'"}
+            return {"ok": True, "released": self._table.discard(key)}
+        if op == "ping":
+            return {"ok": True, "segment": self.segment}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def _reap_loop(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                freed = self._table.reap()
+            except Exception:
+                logger.exception("mooncake-te %s: reaping expired payloads failed", self.segment)
+                continue
+            if freed:
+                logger.warning("mooncake-te %s: reclaimed %d payload(s) nobody consumed within %.0f s", self.segment, freed, self.config.payload_ttl)
