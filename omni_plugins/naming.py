@@ -11,10 +11,10 @@ def canonical(name: str) -> str:
     return name.strip().lower().replace("-", "_")
 
 
-def close_matches(name: str, candidates: Iterable[str], n: int = 3) -> list[str]:
+def close_matches(name: str, candidates: Iterable[str], n: int = 3, cutoff: float = 0.6) -> list[str]:
     """Candidates that look like ``name`` (for "did you mean" hints)."""
     pool = {canonical(c): c for c in candidates}
-    hits = difflib.get_close_matches(canonical(name), list(pool), n=n, cutoff=0.6)
+    hits = difflib.get_close_matches(canonical(name), list(pool), n=n, cutoff=cutoff)
     return [pool[h] for h in hits]
 
 

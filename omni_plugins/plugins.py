@@ -18,7 +18,6 @@ import importlib.metadata as md
 import logging
 import os
 import threading
-import warnings
 from dataclasses import dataclass, field
 
 from typing import Any, Literal
@@ -183,8 +182,7 @@ class PluginManager:
             self.registry.note_failed(dist, exc, provides=[dist, dist.removeprefix("omni-plugins-")])
         if name not in self._warned:
             self._warned.add(name)
-            warnings.warn(f"omni-plugins: plugin {name!r} ({dist or '?'} {version or ''}) failed to load: {status.error}", RuntimeWarning, stacklevel=3)
-            log.warning("plugin %r (%s %s) failed to load: %s", name, dist, version, status.error)
+            log.warning("plugin %r (%s %s) failed to load: %s", name, dist or "?", version or "", status.error)
         return status
 
     def plugin_statuses(self) -> list[PluginStatus]:

@@ -159,13 +159,14 @@ class ConnectorRegistry:
             return err
         available = self.names()
         parts = [f"unknown connector {name!r}."]
-        hints = close_matches(key, list(self._by_name))
+        displayed = {n for s in self.specs() for n in (s.name, *s.aliases)}
+        hints = close_matches(key, sorted(displayed))
         if hints:
             parts.append(f"Did you mean {', '.join(repr(h) for h in hints)}?")
         if key in KNOWN_BACKENDS:
             parts.append(f"It is provided by a plugin that is not installed: pip install {KNOWN_BACKENDS[key]}")
         else:
-            missing = sorted({d for k, d in KNOWN_BACKENDS.items() if k not in self._by_name and close_matches(key, [k])})
+            missing = sorted({d for k, d in KNOWN_BACKENDS.items() if k not in self._by_name and close_matches(key, [k], cutoff=0.8)})
             for dist in missing:
                 parts.append(f"A close match is provided by a plugin that is not installed: pip install {dist}")
         parts.append(f"Available: {', '.join(available) if available else '(none)'}.")

@@ -30,13 +30,15 @@ class _Doc:
     def __init__(self, text: str, filename: str, env: Mapping[str, str] | None) -> None:
         self.filename = filename
         self.lines: dict[Loc, int] = {}
+        self.data: Any = None
         try:
             node = yaml.compose(text, Loader=yaml.SafeLoader)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"{filename}{line}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
-        self.data = self._build(node, (), env) if node is not None else None
+        if node is not None:
+            self.data = self._build(node, (), env)
 
     def _build(self, node: yaml.Node, loc: Loc, env: Mapping[str, str] | None) -> Any:
         self.lines[loc] = node.start_mark.line + 1

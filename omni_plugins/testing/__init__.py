@@ -6,10 +6,28 @@
   ``with`` block (it undoes itself).
 - :class:`ConnectorContract`: the conformance suite; subclass it in your tests
   and provide a ``connector_spec`` fixture returning ``(name, config_dict)``.
+
+Names are imported lazily so that ``omni_plugins.testing.builders`` can be
+used without importing pytest or torch.
 """
 
-from omni_plugins.testing.contract import ConnectorContract, sample_payload
-from omni_plugins.testing.isolation import isolated_plugin_manager, register_plugin
-from omni_plugins.testing.payloads import assert_payload_equal
+from __future__ import annotations
 
-__all__ = ["ConnectorContract", "assert_payload_equal", "isolated_plugin_manager", "register_plugin", "sample_payload"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ConnectorContract": "omni_plugins.testing.contract",
+    "sample_payload": "omni_plugins.testing.contract",
+    "isolated_plugin_manager": "omni_plugins.testing.isolation",
+    "register_plugin": "omni_plugins.testing.isolation",
+    "assert_payload_equal": "omni_plugins.testing.payloads",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'omni_plugins.testing' has no attribute {name!r}")

@@ -14,7 +14,7 @@ def assert_payload_equal(actual: Any, expected: Any, path: str = "$") -> None:
         assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual).__name__}"
         assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
         assert tuple(actual.shape) == tuple(expected.shape), f"{path}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-        a, e = actual.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)
+        a, e = actual.contiguous().reshape(-1).view(torch.uint8), expected.contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(a, e), f"{path}: tensor values differ"
     elif isinstance(expected, np.ndarray):
         assert isinstance(actual, np.ndarray), f"{path}: expected an ndarray, got {type(actual).__name__}"

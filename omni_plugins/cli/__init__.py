@@ -1,0 +1,66 @@
+"""The ``omni-plugins`` command line.
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)``;
+the module is imported only to build the parser, and heavy work is imported
+inside its ``run`` function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from omni_plugins.errors import OmniPluginsError
+
+#: subcommand modules, in the order ``--help`` lists them
+COMMAND_MODULES: tuple[str, ...] = (
+    "omni_plugins.cli.list_cmd",
+    "omni_plugins.cli.validate_cmd",
+    "omni_plugins.cli.schema_cmd",
+    "omni_plugins.cli.run_cmd",
+    "omni_plugins.cli.bench_cmd",
+    "omni_plugins.cli.new_plugin_cmd",
+    "omni_plugins.cli.shm_cmd",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from omni_plugins import __version__
+
+    parser = argparse.ArgumentParser(prog="omni-plugins", description="Plugin-based connectors for multi-stage inference pipelines.")
+    parser.add_argument("--version", action="version", version=f"omni-plugins {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name == module_name:
+                continue  # command not part of this build
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)], format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except OmniPluginsError as exc:
+        print(f"omni-plugins: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("omni-plugins: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

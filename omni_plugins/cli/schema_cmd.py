@@ -1,0 +1,24 @@
+"""``omni-plugins schema NAME``: the JSON schema of a connector's config model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("schema", help="print the JSON schema of a connector's config")
+    p.add_argument("name", help="connector name or alias")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from omni_plugins.factory import resolve_connector
+
+    spec = resolve_connector(args.name)
+    schema = spec.load_config_model().model_json_schema()
+    schema.setdefault("title", spec.name)
+    schema["x-omni-connector"] = {"name": spec.name, "aliases": list(spec.aliases), "plugin": spec.plugin, "distribution": spec.distribution}
+    print(json.dumps(schema, indent=2))
+    return 0

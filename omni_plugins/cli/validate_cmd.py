@@ -1,0 +1,32 @@
+"""``omni-plugins validate FILE...``: load pipeline YAML files with every check on."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("validate", help="validate pipeline YAML files (connectors, stages, builders)")
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("--no-builders", action="store_true", help="do not import payload builders")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from omni_plugins.config import load_pipeline_config
+    from omni_plugins.errors import ConfigError
+
+    failed = 0
+    for path in args.files:
+        try:
+            cfg = load_pipeline_config(path, check_builders=not args.no_builders)
+        except ConfigError as exc:
+            failed += 1
+            for line in str(exc).splitlines():
+                print(line, file=sys.stderr)
+            continue
+        edges = sorted(cfg.edges())
+        print(f"{path}: ok ({len(cfg.stages)} stages, {len(edges)} edges, connectors: {', '.join(sorted(cfg.connectors)) or 'none'})")
+    return 1 if failed else 0

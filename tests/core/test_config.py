@@ -1,0 +1,136 @@
+"""Config models and the YAML loader."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from omni_plugins import ConfigError, PipelineConfig, RankMapping, load_pipeline_config
+from omni_plugins.config import StageConnectorConfig, parse_pipeline_config
+
+BAD_DIR = Path(__file__).resolve().parents[1] / "data" / "bad_configs"
+BAD_FILES = sorted(BAD_DIR.glob("*.yaml"))
+
+GOOD = """
+connectors:
+  fast: {name: memory, extra: {namespace: "${OMNI_TEST_NS:-pipeline}"}}
+stages:
+  - stage_id: 0
+    worker_type: ar
+    model_stage: thinker
+    custom_process_next_stage_input_func: omni_plugins.testing.builders.passthrough
+    output_connectors: {to_stage_1: fast}
+  - stage_id: 1
+    worker_type: generation
+    async_chunk: true
+    input_connectors: {from_stage_0: fast}
+    output_connectors: {to_stage_2: fast}
+    rank_mapping: {from_tp: 2, to_tp: 1}
+  - stage_id: 2
+    final_output: true
+    input_connectors: {from_stage_1: fast}
+"""
+
+
+def test_at_least_thirty_bad_config_files() -> None:
+    assert len(BAD_FILES) >= 30
+
+
+@pytest.mark.parametrize("path", BAD_FILES, ids=[p.stem for p in BAD_FILES])
+def test_bad_config_rejected_naming_file_and_field(path: Path) -> None:
+    expect = re.search(r"^# expect: (.+)$", path.read_text(), re.M)
+    assert expect, f"{path.name} needs a '# expect:' line"
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(path)
+    message = str(info.value)
+    assert str(path) in message, message
+    assert expect.group(1).strip() in message, message
+
+
+def test_error_names_line_and_stage() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_pipeline_config(BAD_DIR / "bad_rank_mapping_divisible.yaml")
+    assert re.search(r"bad_rank_mapping_divisible\.yaml:5: stages\[0\] \(stage 0\)\.rank_mapping", str(info.value)), str(info.value)
+
+
+def test_good_config_and_stage_connector_config(tmp_path: Path) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(GOOD)
+    cfg = load_pipeline_config(path, env={})
+    assert isinstance(cfg, PipelineConfig)
+    assert cfg.edges() == {(0, 1), (1, 2)}
+    s0 = cfg.stage_connector_config(0)
+    assert s0 == StageConnectorConfig(name="memory", extra={"namespace": "pipeline"}, to_stage=1)
+    s1 = cfg.stage_connector_config(1)
+    assert s1 is not None and s1.to_stage == 2 and s1.rank_mapping == RankMapping(from_tp=2, to_tp=1)
+    s2 = cfg.stage_connector_config(2)
+    assert s2 is not None and s2.name == "memory"
+
+
+def test_interpolation_uses_env_and_types(tmp_path: Path) -> None:
+    text = GOOD.replace("${OMNI_TEST_NS:-pipeline}", "${NS}") + "default_connector: ${DEF:-fast}\n"
+    cfg = parse_pipeline_config(text, env={"NS": "from-env"})
+    assert cfg.connectors["fast"].extra == {"namespace": "from-env"}
+    assert cfg.default_connector == "fast"
+    typed = parse_pipeline_config("stages:\n  - stage_id: ${ID}\n    tp_size: ${TP:-2}\n", env={"ID": "3"})
+    assert typed.stages[0].stage_id == 3 and typed.stages[0].tp_size == 2
+    literal = parse_pipeline_config("stages:\n  - {stage_id: 0, model_stage: 'cost$$5'}\n", env={})
+    assert literal.stages[0].model_stage == "cost$5"
+
+
+def test_no_connector_config_means_none() -> None:
+    cfg = parse_pipeline_config("stages:\n  - {stage_id: 0}\n")
+    assert cfg.stage_connector_config(0) is None
+
+
+def test_default_connector_wires_unwired_stages() -> None:
+    cfg = parse_pipeline_config("default_connector: c\nconnectors: {c: {name: memory}}\nstages:\n  - {stage_id: 0}\n  - {stage_id: 1}\n")
+    sc = cfg.stage_connector_config(0)
+    assert sc is not None and sc.name == "memory" and sc.to_stage == 1
+
+
+def test_peer_layout_is_accepted() -> None:
+    text = """
+runtime:
+  connectors:
+    shm: {name: memory, extra: {}}
+stage_args:
+  - stage_id: 0
+    engine_args: {model_stage: thinker, worker_type: ar, max_model_len: 4096}
+    output_connectors: {to_stage_1: shm}
+  - stage_id: 1
+    engine_args: {model_stage: talker, worker_type: generation, async_chunk: true}
+    input_connectors: {from_stage_0: shm}
+"""
+    cfg = parse_pipeline_config(text)
+    assert [s.model_stage for s in cfg.stages] == ["thinker", "talker"]
+    assert cfg.stages[1].async_chunk is True and cfg.stages[1].worker_type == "generation"
+
+
+def test_yaml_is_loaded_safely() -> None:
+    with pytest.raises(ConfigError):
+        parse_pipeline_config("stages: !!python/object/apply:os.system ['echo pwned']\n")
+
+
+@pytest.mark.parametrize(
+    ("from_tp", "to_tp", "ok"),
+    [(1, 1, True), (2, 1, True), (1, 4, True), (4, 2, True), (3, 2, False), (2, 6, True), (4, 6, False)],
+)
+def test_rank_mapping_divisibility(from_tp: int, to_tp: int, ok: bool) -> None:
+    if ok:
+        assert RankMapping(from_tp=from_tp, to_tp=to_tp).ratio == max(from_tp, to_tp) // min(from_tp, to_tp)
+    else:
+        with pytest.raises(ValueError, match="divisible"):
+            RankMapping(from_tp=from_tp, to_tp=to_tp)
+
+
+def test_stage_connector_config_to_stage_numeric_string() -> None:
+    assert StageConnectorConfig(name="memory", to_stage="3").to_stage == 3  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="numeric"):
+        StageConnectorConfig(name="memory", to_stage="three")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="blank"):
+        StageConnectorConfig(name=" ")
+    with pytest.raises(ValueError):
+        StageConnectorConfig(name="memory", extra=[1])  # type: ignore[arg-type]
