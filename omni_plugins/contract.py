@@ -73,9 +73,7 @@ class Connector(abc.ABC):
         self._check_open()
         return self._put(str(from_stage), str(to_stage), key, data)
 
-    def get(
-        self, from_stage: StageId, to_stage: StageId, key: str, *, timeout: float | None = None
-    ) -> GetResult | None:
+    def get(self, from_stage: StageId, to_stage: StageId, key: str, *, timeout: float | None = None) -> GetResult | None:
         """Return the payload stored under ``key``, or None when it is absent.
 
         With ``timeout`` (seconds) wait up to that long for the key to arrive.

@@ -83,7 +83,7 @@ def load_builder(path: str) -> ResolvedBuilder:
         func = import_string(path)
     except ImportError as exc:
         raise BuilderError(f"payload builder {path!r} cannot be imported: {exc}") from exc
-    except Exception as exc:  # noqa: BLE001 - an import-time crash in user code
+    except Exception as exc:
         raise BuilderError(f"payload builder {path!r} failed while importing: {type(exc).__name__}: {exc}") from exc
     if not callable(func):
         raise BuilderError(f"payload builder {path!r} is not callable")

@@ -19,7 +19,6 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-
 from typing import Any, Literal
 
 import pluggy
@@ -100,7 +99,9 @@ class PluginManager:
             self._loaded = True
             if self.builtins:
                 for module_name in BUILTIN_PLUGINS:
-                    self._load_one(module_name, lambda m=module_name: __import__(m, fromlist=["_"]), "omni-plugins", _version("omni-plugins"))
+                    self._load_one(
+                        module_name, lambda m=module_name: __import__(m, fromlist=["_"]), "omni-plugins", _version("omni-plugins")
+                    )
             if self.autoload:
                 self._load_entry_points()
 
@@ -134,11 +135,13 @@ class PluginManager:
                 status = self.statuses.get(name) or PluginStatus(name, dist, version, "loaded")
                 return status
             status = self.register(module, name=name, distribution=dist, version=version)
-        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the tool
+        except Exception as exc:
             status = self._failed(name, dist, version, exc)
         return status
 
-    def register(self, plugin: object, *, name: str | None = None, distribution: str | None = None, version: str | None = None) -> PluginStatus:
+    def register(
+        self, plugin: object, *, name: str | None = None, distribution: str | None = None, version: str | None = None
+    ) -> PluginStatus:
         """Register a plugin object (module or instance with hookimpls) and collect its connectors."""
         with self._lock:
             plugin_name = name or getattr(plugin, "__name__", None) or repr(plugin)
@@ -152,7 +155,7 @@ class PluginManager:
                 for impl in self.pm.hook.omni_register_connectors.get_hookimpls():
                     if impl.plugin_name == plugin_name:
                         impl.function(**({"registry": sink} if "registry" in impl.argnames else {}))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 self.registry.remove_plugin(plugin_name)
                 self.pm.unregister(name=plugin_name)
                 return self._failed(plugin_name, distribution, version, exc)
@@ -218,5 +221,3 @@ def set_plugin_manager(manager: PluginManager | None) -> PluginManager | None:
     with _default_lock:
         previous, _default = _default, manager
     return previous
-
-

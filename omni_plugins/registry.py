@@ -144,7 +144,9 @@ class ConnectorRegistry:
         if len({(s.distribution, s.connector) for s in bucket}) > 1:
             who = ", ".join(f"{s.distribution} ({s.connector})" for s in bucket)
             picks = " or ".join(f"'{s.distribution}:{canonical(name)}'" for s in bucket)
-            raise DuplicateConnectorError(f"connector name {name!r} is registered by more than one distribution: {who}; choose one with {picks}")
+            raise DuplicateConnectorError(
+                f"connector name {name!r} is registered by more than one distribution: {who}; choose one with {picks}"
+            )
         if bucket:
             return bucket[0]
         raise self._not_found(name)

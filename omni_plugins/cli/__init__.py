@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)], format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)], format="%(levelname)s %(name)s: %(message)s"
+    )
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append((s.name, s.distribution or "-", s.version or "-", s.status, conns or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+        print("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=False)) + "  " + r[4])
     for s in statuses:
         if s.error:
             print(f"  {s.name}: {s.status}: {s.error}")

@@ -19,6 +19,11 @@ def run(args: argparse.Namespace) -> int:
     spec = resolve_connector(args.name)
     schema = spec.load_config_model().model_json_schema()
     schema.setdefault("title", spec.name)
-    schema["x-omni-connector"] = {"name": spec.name, "aliases": list(spec.aliases), "plugin": spec.plugin, "distribution": spec.distribution}
+    schema["x-omni-connector"] = {
+        "name": spec.name,
+        "aliases": list(spec.aliases),
+        "plugin": spec.plugin,
+        "distribution": spec.distribution,
+    }
     print(json.dumps(schema, indent=2))
     return 0

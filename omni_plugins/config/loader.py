@@ -21,7 +21,14 @@ from omni_plugins.errors import ConfigError, OmniPluginsError
 Loc = tuple[str | int, ...]
 
 #: keys of a peer (vllm-omni) stage's ``engine_args`` that map onto our StageConfig
-_PEER_ENGINE_KEYS = ("model_stage", "worker_type", "async_chunk", "custom_process_input_func", "custom_process_next_stage_input_func", "final_output")
+_PEER_ENGINE_KEYS = (
+    "model_stage",
+    "worker_type",
+    "async_chunk",
+    "custom_process_input_func",
+    "custom_process_next_stage_input_func",
+    "final_output",
+)
 
 
 class _Doc:
@@ -45,7 +52,11 @@ class _Doc:
         if isinstance(node, yaml.MappingNode):
             out: dict[Any, Any] = {}
             for k_node, v_node in node.value:
-                key = yaml.SafeLoader(" ").construct_object(k_node) if not isinstance(k_node, yaml.ScalarNode) else self._scalar(k_node, loc, env)
+                key = (
+                    yaml.SafeLoader(" ").construct_object(k_node)
+                    if not isinstance(k_node, yaml.ScalarNode)
+                    else self._scalar(k_node, loc, env)
+                )
                 if key in out:
                     raise ConfigError(f"{self.where((*loc, key))}: duplicate key {key!r}")
                 out[key] = self._build(v_node, (*loc, key), env)
@@ -61,7 +72,9 @@ class _Doc:
             try:
                 text = interpolate(value, env)
             except MissingVariableError as exc:
-                raise ConfigError(f"{self.where(loc)}: environment variable ${{{exc.variable}}} is not set (use ${{{exc.variable}:-default}} for a default)") from None
+                raise ConfigError(
+                    f"{self.where(loc)}: environment variable ${{{exc.variable}}} is not set (use ${{{exc.variable}:-default}} for a default)"
+                ) from None
             # re-resolve the scalar's type after substitution (e.g. "${PORT}" -> 6379)
             if getattr(node, "style", None) in (None, "") and text != value:
                 value = yaml.safe_load(text) if text.strip() else text
@@ -88,12 +101,19 @@ def format_loc(loc: Loc, data: Any) -> str:
     for i, p in enumerate(loc):
         if isinstance(p, int):
             label = f"[{p}]"
-            if i > 0 and loc[i - 1] == "stages" and isinstance(node, list) and p < len(node) and isinstance(node[p], dict) and "stage_id" in node[p]:
+            if (
+                i > 0
+                and loc[i - 1] == "stages"
+                and isinstance(node, list)
+                and p < len(node)
+                and isinstance(node[p], dict)
+                and "stage_id" in node[p]
+            ):
                 label += f" (stage {node[p]['stage_id']})"
             parts.append(label)
         else:
             parts.append(("." if parts else "") + str(p))
-        node = node[p] if isinstance(node, (dict, list)) and _has(node, p) else None
+        node = node[p] if isinstance(node, (dict, list)) and _has(node, p) else None  # type: ignore[index]
     return "".join(parts) or "(top level)"
 
 

@@ -128,14 +128,18 @@ class PipelineConfig(_Strict):
         if dupes:
             raise ValueError(f"duplicate stage_id {dupes}")
         if self.default_connector is not None and self.default_connector not in self.connectors:
-            raise ValueError(f"default_connector {self.default_connector!r} is not defined under 'connectors' (defined: {sorted(self.connectors)})")
+            raise ValueError(
+                f"default_connector {self.default_connector!r} is not defined under 'connectors' (defined: {sorted(self.connectors)})"
+            )
         by_id = {s.stage_id: s for s in self.stages}
         for s in self.stages:
             for kind, edges in (("input_connectors", s.input_stages()), ("output_connectors", s.output_stages())):
                 for other, instance in edges.items():
                     where = f"stage {s.stage_id}: {kind}.{'from' if kind.startswith('input') else 'to'}_stage_{other}"
                     if instance not in self.connectors:
-                        raise ValueError(f"{where}: connector instance {instance!r} is not defined under 'connectors' (defined: {sorted(self.connectors)})")
+                        raise ValueError(
+                            f"{where}: connector instance {instance!r} is not defined under 'connectors' (defined: {sorted(self.connectors)})"
+                        )
                     if other not in by_id:
                         raise ValueError(f"{where}: stage {other} does not exist (stages: {sorted(by_id)})")
                     if other == s.stage_id:

@@ -37,7 +37,9 @@ ALL_DTYPES: tuple[torch.dtype, ...] = (
 
 def _tensor_of(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),), generator=g, dtype=torch.uint8)
+    raw = torch.randint(
+        0, 256, (int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),), generator=g, dtype=torch.uint8
+    )
     if dtype == torch.bool:
         return (raw % 2).to(torch.bool).reshape(shape)
     if dtype.is_floating_point or dtype.is_complex:

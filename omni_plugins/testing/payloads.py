@@ -18,7 +18,9 @@ def assert_payload_equal(actual: Any, expected: Any, path: str = "$") -> None:
         assert torch.equal(a, e), f"{path}: tensor values differ"
     elif isinstance(expected, np.ndarray):
         assert isinstance(actual, np.ndarray), f"{path}: expected an ndarray, got {type(actual).__name__}"
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape, f"{path}: {actual.dtype}{actual.shape} != {expected.dtype}{expected.shape}"
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
+            f"{path}: {actual.dtype}{actual.shape} != {expected.dtype}{expected.shape}"
+        )
         assert np.array_equal(actual, expected, equal_nan=expected.dtype.kind in "fc"), f"{path}: array values differ"
     elif isinstance(expected, dict):
         assert isinstance(actual, dict), f"{path}: expected a dict, got {type(actual).__name__}"
@@ -28,7 +30,7 @@ def assert_payload_equal(actual: Any, expected: Any, path: str = "$") -> None:
     elif isinstance(expected, (list, tuple)):
         assert type(actual) is type(expected), f"{path}: expected {type(expected).__name__}, got {type(actual).__name__}"
         assert len(actual) == len(expected), f"{path}: length {len(actual)} != {len(expected)}"
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=False)):
             assert_payload_equal(a, e, f"{path}[{i}]")
     elif isinstance(expected, float) and expected != expected:  # NaN
         assert isinstance(actual, float) and actual != actual, f"{path}: expected NaN, got {actual!r}"

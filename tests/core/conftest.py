@@ -18,7 +18,19 @@ def dummy_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("dummy-site")
     dists = [str(PLUGINS_DIR / d) for d in ("good", "broken", "duplicate", "misspelled")]
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile", "--target", str(target), *dists],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-compile",
+            "--target",
+            str(target),
+            *dists,
+        ],
         check=True,
         capture_output=True,
     )

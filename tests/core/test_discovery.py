@@ -51,7 +51,9 @@ def test_allow_list_by_distribution_name(run_cli: RunCli) -> None:
 
 def test_empty_allow_list_loads_no_plugins(run_cli: RunCli) -> None:
     st = statuses(run_cli("list", "--json", env={"OMNI_PLUGINS": ""}))
-    assert {n: s["status"] for n, s in st.items() if n != "omni_plugins.builtin"} == {n: "blocked" for n in st if n != "omni_plugins.builtin"}
+    assert {n: s["status"] for n, s in st.items() if n != "omni_plugins.builtin"} == {
+        n: "blocked" for n in st if n != "omni_plugins.builtin"
+    }
     assert st["omni_plugins.builtin"]["status"] == "loaded"
 
 
@@ -69,7 +71,9 @@ def _py(dummy_site: Path, code: str, env: dict[str, str] | None = None) -> subpr
 
 
 def test_duplicate_name_is_an_error_naming_both(dummy_site: Path) -> None:
-    proc = _py(dummy_site, "import omni_plugins as o\ntry:\n o.create_connector('DUMMY')\nexcept o.DuplicateConnectorError as e: print('DUP', e)")
+    proc = _py(
+        dummy_site, "import omni_plugins as o\ntry:\n o.create_connector('DUMMY')\nexcept o.DuplicateConnectorError as e: print('DUP', e)"
+    )
     assert "DUP" in proc.stdout, proc.stderr
     assert "omni-test-good" in proc.stdout and "omni-test-duplicate" in proc.stdout
 
@@ -111,11 +115,16 @@ def test_loading_is_idempotent(dummy_site: Path) -> None:
 
 
 def test_import_path_loads_unregistered_connector(dummy_site: Path) -> None:
-    proc = _py(dummy_site, "import omni_plugins as o\nc = o.create_connector('omni_plugins.memory:MemoryConnector', {'namespace': 'p'})\nprint(c.put(0, 1, 'k', {'a': 1}).ok)")
+    proc = _py(
+        dummy_site,
+        "import omni_plugins as o\nc = o.create_connector('omni_plugins.memory:MemoryConnector', {'namespace': 'p'})\nprint(c.put(0, 1, 'k', {'a': 1}).ok)",
+    )
     assert proc.stdout.strip() == "True", proc.stderr
 
 
 def test_heavy_modules_not_imported_by_registration(dummy_site: Path) -> None:
-    code = "import sys, omni_plugins as o\no.available_connectors()\nprint('omni_test_good.connector' in sys.modules, 'torch' in sys.modules)"
+    code = (
+        "import sys, omni_plugins as o\no.available_connectors()\nprint('omni_test_good.connector' in sys.modules, 'torch' in sys.modules)"
+    )
     proc = _py(dummy_site, code)
     assert proc.stdout.strip() == "False False", proc.stdout + proc.stderr
