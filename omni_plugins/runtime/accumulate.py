@@ -1,0 +1,157 @@
+"""Accumulating outputs across steps.
+
+* Sender side, full-payload mode: :class:`FullPayloadAccumulator` keeps the
+  per-step outputs of one request as a list of parts and concatenates them
+  once, at flush.
+* Receiver side, streaming mode for ``"ar"`` workers: :func:`merge_chunk`
+  folds a newly arrived chunk into what arrived before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from omni_plugins.runtime.spans import get_span, merge_spans
+
+#: (section, tensor, start, end) groups merged as token spans, not concatenated.
+SPAN_GROUPS: tuple[tuple[str, str, str, str], ...] = (("embed", "decode", "decode_token_start", "decode_token_end"),)
+
+
+def _is_token_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() >= 2
+
+
+class FullPayloadAccumulator:
+    """One request's outputs across steps (full-payload mode, sender side).
+
+    Tensors with two or more dims are collected per key and concatenated on
+    dim 0 at :meth:`materialize`, as long as their trailing dims match (a
+    mismatch restarts the key); other values keep the latest. Keys in
+    ``replace_keys`` always keep only the latest value. ``None`` values are
+    ignored. A non-mapping output replaces everything (it is sent as is).
+    """
+
+    __slots__ = ("latest", "parts", "raw", "replace_keys", "request")
+
+    def __init__(self, replace_keys: Iterable[str] = ()) -> None:
+        self.replace_keys = frozenset(replace_keys)
+        self.parts: dict[str, list[torch.Tensor]] = {}
+        self.latest: dict[str, Any] = {}
+        self.raw: Any = None
+        self.request: Any = None
+
+    def add(self, output: Any, request: Any = None) -> None:
+        if request is not None:
+            self.request = request
+        if not isinstance(output, Mapping):
+            self.raw, self.parts, self.latest = output, {}, {}
+            return
+        self.raw = None
+        for key, value in output.items():
+            if value is None:
+                continue
+            key = str(key)
+            if _is_token_tensor(value):
+                parts = self.parts.get(key)
+                if key in self.replace_keys or not parts or parts[0].shape[1:] != value.shape[1:]:
+                    self.parts[key] = [value]
+                else:
+                    parts.append(value)
+                self.latest.pop(key, None)
+            else:
+                self.parts.pop(key, None)
+                self.latest[key] = value
+
+    @property
+    def steps(self) -> dict[str, int]:
+        """Number of parts held per concatenated key (introspection)."""
+        return {k: len(v) for k, v in self.parts.items()}
+
+    def materialize(self) -> Any:
+        """The accumulated output: parts concatenated once, latest values as they are."""
+        if self.raw is not None:
+            return self.raw
+        out: dict[str, Any] = dict(self.latest)
+        for key, parts in self.parts.items():
+            out[key] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        return out
+
+
+def override_keys_of(chunk: Mapping[str, Any]) -> set[Any]:
+    """``meta.override_keys`` as a set of top-level keys and ``(section, field)`` tuples."""
+    meta = chunk.get("meta")
+    raw = meta.get("override_keys") if isinstance(meta, Mapping) else None
+    out: set[Any] = set()
+    if isinstance(raw, (list, tuple)):
+        for k in raw:
+            out.add(tuple(k) if isinstance(k, (list, tuple)) else k)
+    elif isinstance(raw, str):
+        out.add(raw)
+    return out
+
+
+def merge_value(old: Any, new: Any) -> Any:
+    """Default merge of two values: tensors concatenate on dim 0, lists extend, dicts merge per key."""
+    if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+        if old.dim() >= 1 and new.dim() >= 1 and old.shape[1:] == new.shape[1:]:
+            return torch.cat([old, new.to(old.device)], dim=0)
+        return new
+    if isinstance(old, list) and isinstance(new, list):
+        return old + new
+    if isinstance(old, dict) and isinstance(new, dict):
+        merged = dict(old)
+        for k, v in new.items():
+            merged[k] = merge_value(merged[k], v) if k in merged else v
+        return merged
+    return new
+
+
+def _merge_section(name: str, old: dict[str, Any], new: Mapping[str, Any], overrides: set[Any]) -> dict[str, Any]:
+    merged = dict(old)
+    handled: set[str] = set()
+    for section, tkey, skey, ekey in SPAN_GROUPS:
+        if section != name or tkey not in new or (name, tkey) in overrides:
+            continue
+        new_span = get_span(dict(new), tkey, skey, ekey)
+        if new_span is None:
+            continue  # no usable span on the new side: default merge below
+        span = merge_spans(get_span(old, tkey, skey, ekey), new_span)
+        assert span is not None
+        merged[tkey], merged[skey], merged[ekey] = span.tensor, span.start, span.end
+        handled |= {tkey, skey, ekey}
+    for field_name, value in new.items():
+        if field_name in handled:
+            continue
+        if (name == "meta" and field_name in ("finished", "override_keys")) or (name, field_name) in overrides:
+            merged[field_name] = value
+        elif field_name in merged:
+            merged[field_name] = merge_value(merged[field_name], value)
+        else:
+            merged[field_name] = value
+    return merged
+
+
+def merge_chunk(accumulated: Mapping[str, Any] | None, chunk: Mapping[str, Any]) -> dict[str, Any]:
+    """Fold ``chunk`` into ``accumulated`` (``"ar"`` workers) and return a new dict.
+
+    Tensors concatenate on dim 0, lists extend, sections merge per key;
+    ``meta.finished`` and the keys named in ``meta.override_keys`` (top-level
+    names or ``[section, field]`` pairs) replace; ``embed.decode`` with its
+    ``decode_token_start/end`` merges as a token span. Neither input is mutated.
+    """
+    if accumulated is None:
+        return {k: dict(v) if isinstance(v, dict) else v for k, v in chunk.items()}
+    overrides = override_keys_of(chunk)
+    merged: dict[str, Any] = dict(accumulated)
+    for key, value in chunk.items():
+        old = merged.get(key)
+        if isinstance(value, Mapping) and key not in overrides:
+            merged[key] = _merge_section(key, old if isinstance(old, dict) else {}, value, overrides)
+        elif key in overrides or key not in merged:
+            merged[key] = dict(value) if isinstance(value, dict) else value
+        else:
+            merged[key] = merge_value(old, value)
+    return merged

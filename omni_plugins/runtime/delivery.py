@@ -1,0 +1,209 @@
+"""Receive-side semantics: what an arrival does to a request, and what the model thread sees.
+
+The receive thread calls :class:`Delivery` (as its ArrivalHandler) under the
+registry lock; the runtime calls the ``take_*``/``apply_*`` methods on the
+model thread. Packets exchanged between TP ranks are plain dicts of lists so
+they can be wire-encoded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from omni_plugins.runtime.accumulate import merge_chunk
+from omni_plugins.runtime.consumable import payload_audio_codes, payload_finished, payload_is_consumable, scheduling_metadata
+from omni_plugins.runtime.state import RequestRegistry, RequestState
+
+logger = logging.getLogger(__name__)
+
+
+def shallow_copy(payload: Any) -> Any:
+    return dict(payload) if isinstance(payload, dict) else payload
+
+
+class Delivery:
+    """Receive-side rules for one stage (full-payload or streaming, ``ar`` or ``generation``)."""
+
+    def __init__(
+        self,
+        registry: RequestRegistry,
+        *,
+        from_stage: int,
+        async_chunk: bool,
+        worker_type: str,
+        recv_timeout_s: float,
+        abort_scan_limit: int,
+        multi_rank: bool,
+    ) -> None:
+        self._registry = registry
+        self.from_stage = from_stage
+        self.async_chunk = async_chunk
+        self.worker_type = worker_type
+        self.recv_timeout_s = recv_timeout_s
+        self._scan = abort_scan_limit
+        self._multi_rank = multi_rank
+        #: set whenever the model thread has something to pick up (see ``wait_ready``)
+        self.ready = threading.Event()
+        #: full payloads arrived and not yet published (read without the lock for a fast path)
+        self.unpublished = 0
+
+    # -- keys -------------------------------------------------------------------
+    def recv_key(self, state: RequestState) -> str:
+        return f"{state.external_id}_{self.from_stage}_{state.next_recv_chunk}"
+
+    def abort_keys(self, state: RequestState) -> list[str]:
+        """Keys of chunks that may have been put for ``state`` but will never be read."""
+        if not state.registered:
+            return []
+        first = state.next_recv_chunk
+        return [f"{state.external_id}_{self.from_stage}_{i}" for i in range(first, first + self._scan)]
+
+    # -- ArrivalHandler (receive thread, lock held) -------------------------------
+    def pollable(self, state: RequestState) -> bool:
+        if not self.async_chunk or self.worker_type == "ar":
+            return True
+        # generation workers keep one chunk in flight: the previous one must reach
+        # the scheduler (signals collected) and the runner (cache consumed) first
+        if state.wake or state.metadata is not None:
+            return False
+        return not (state.has_cached and payload_is_consumable(state.cached))
+
+    def on_payload(self, state: RequestState, payload: Any) -> None:
+        now = time.monotonic()
+        state.next_recv_chunk += 1
+        state.last_arrival = now
+        state.deadline = now + self.recv_timeout_s
+        if self.async_chunk:
+            self._on_chunk(state, payload)
+        else:
+            self._on_full_payload(state, payload)
+
+    def on_failure(self, state: RequestState, *, timed_out: bool) -> list[str]:
+        keys = self.abort_keys(state)
+        outbox = self._registry.outbox
+        (outbox.timed_out if timed_out else outbox.failed).add(state.request_id)
+        if self._multi_rank:
+            outbox.dropped_for_followers.append((state.request_id, "timed_out" if timed_out else "failed"))
+        self._registry.release(state)
+        self.ready.set()
+        return keys
+
+    def _on_chunk(self, state: RequestState, chunk: Any) -> None:
+        finished = payload_finished(chunk)
+        consumable = payload_is_consumable(chunk) if isinstance(chunk, dict) else chunk is not None
+        if isinstance(chunk, dict) and self.worker_type == "ar":
+            state.merged = merge_chunk(state.merged, chunk)
+            data: Any = dict(state.merged)
+        else:
+            if self.worker_type == "generation" and not finished:
+                codes = payload_audio_codes(chunk)
+                if codes is None or (hasattr(codes, "__len__") and len(codes) == 0):
+                    logger.debug("request %s: chunk without audio codes ignored", state.request_id)
+                    return
+            data = chunk
+        if state.has_cached and isinstance(state.cached, dict) and isinstance(data, dict):
+            state.cached.update(data)
+        else:
+            state.set_cached(shallow_copy(data))
+        state.updated = True
+        state.metadata = scheduling_metadata(state.cached) or state.metadata
+        if consumable or finished:
+            state.wake = True
+        if finished:
+            state.finish_signal = True
+            state.stream_finished = True
+            state.deadline = None
+            self._registry.set_registered(state, False)
+        self.ready.set()
+
+    def _on_full_payload(self, state: RequestState, payload: Any) -> None:
+        inputs = payload.get("engine_inputs", payload) if isinstance(payload, dict) else payload
+        state.set_cached(shallow_copy(inputs))
+        state.awaiting_publish = True
+        self.unpublished += 1
+        state.payload_arrived = True
+        state.deadline = None
+        self._registry.set_registered(state, False)
+        self.ready.set()
+
+    # -- model thread: full-payload mode ---------------------------------------------
+    def take_full_payload_packet(self) -> dict[str, Any]:
+        """Leader, lock held: arrived payloads not yet published, plus drops for followers."""
+        payloads = {}
+        for state in self._registry:
+            if state.awaiting_publish:
+                state.awaiting_publish = False
+                payloads[state.request_id] = shallow_copy(state.cached)
+        self.unpublished = 0
+        dropped = [list(d) for d in self._registry.outbox.dropped_for_followers]
+        self._registry.outbox.dropped_for_followers.clear()
+        return {"payloads": payloads, "dropped": dropped}
+
+    def publish_full_payloads(self, packet: dict[str, Any], *, leader: bool) -> dict[str, Any]:
+        """Every rank, lock held: make the packet's payloads visible and return them."""
+        if not leader:
+            self._apply_drops(packet.get("dropped", ()))
+        results: dict[str, Any] = {}
+        for rid, payload in packet.get("payloads", {}).items():
+            state = self._registry.ensure(rid)
+            self._registry.set_registered(state, False)
+            state.payload_arrived = True
+            state.set_cached(payload)
+            state.stage_recv = True
+            state.metadata = scheduling_metadata(payload) or None
+            results[rid] = shallow_copy(payload)
+        return results
+
+    # -- model thread: streaming mode ----------------------------------------------------
+    def ready_payloads(self) -> dict[str, Any]:
+        """Lock held: copies of the payloads of requests woken since the last collect."""
+        return {s.request_id: shallow_copy(s.cached) for s in self._registry if s.wake and s.has_cached}
+
+    def take_stream_packet(self, *, with_payloads: bool) -> dict[str, Any]:
+        """Lock held: drain wake/finish/metadata flags into a packet.
+
+        ``with_payloads`` (the TP leader in streaming mode) also stages the
+        changed payloads and the drops followers must mirror.
+        """
+        woken, finished, staged = [], [], {}
+        metadata: dict[str, Any] = {}
+        for state in self._registry:
+            if with_payloads and state.has_cached and (state.updated or state.wake or state.finish_signal or state.metadata is not None):
+                staged[state.request_id] = shallow_copy(state.cached)
+            if state.wake:
+                woken.append(state.request_id)
+            if state.finish_signal:
+                finished.append(state.request_id)
+                if state.has_cached:
+                    state.merged = None  # the stream is over: release the accumulation buffer
+            if state.metadata is not None:
+                metadata[state.request_id] = state.metadata
+            state.wake = state.finish_signal = state.updated = False
+            state.metadata = None
+        dropped: list[list[str]] = []
+        if with_payloads:
+            dropped = [list(d) for d in self._registry.outbox.dropped_for_followers]
+            self._registry.outbox.dropped_for_followers.clear()
+        return {"woken": woken, "finished": finished, "metadata": metadata, "staged": staged, "dropped": dropped}
+
+    def apply_stream_packet(self, packet: dict[str, Any]) -> None:
+        """Follower, lock held: mirror what the leader received."""
+        self._apply_drops(packet.get("dropped", ()))
+        for rid, payload in packet.get("staged", {}).items():
+            self._registry.ensure(rid).set_cached(payload)
+        for rid in packet.get("finished", ()):
+            state = self._registry.ensure(rid)
+            state.stream_finished = True
+            state.merged = None
+            self._registry.set_registered(state, False)
+
+    def _apply_drops(self, dropped: Any) -> None:
+        outbox = self._registry.outbox
+        for rid, why in dropped:
+            (outbox.timed_out if why == "timed_out" else outbox.failed).add(rid)
+            state = self._registry.get(rid)
+            if state is not None:
+                self._registry.release(state)

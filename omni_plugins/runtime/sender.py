@@ -1,0 +1,154 @@
+"""The send thread: per-request ordered queues, round-robin across requests, retries.
+
+Tasks of one request are put in order (one send thread, one task of a request
+at a time). A ``put`` that fails or raises goes back to the front of its
+request's queue, after a short backoff, up to ``max_retries`` times; then it is
+dropped, logged and the request reported as failed. Each request counts its
+sends in flight; a request released by cleanup while sends are in flight is
+freed when the last one completes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from omni_plugins.contract import Connector
+from omni_plugins.runtime.state import RequestRegistry, RequestState, SendTask
+
+logger = logging.getLogger(__name__)
+
+
+class Sender:
+    """Owns the send thread of one runtime."""
+
+    def __init__(
+        self,
+        connector: Connector,
+        registry: RequestRegistry,
+        *,
+        from_stage: int,
+        to_stage: int,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.002,
+        name: str = "omni-send",
+    ) -> None:
+        self._connector = connector
+        self._registry = registry
+        self._from, self._to = from_stage, to_stage
+        self.max_retries = max_retries
+        self._backoff = retry_backoff_s
+        self._cond = threading.Condition(registry.lock)
+        self._ring: deque[RequestState] = deque()
+        self._stop = False
+        self.stats = {"puts": 0, "put_failures": 0, "dropped": 0}
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # -- model thread ---------------------------------------------------------
+    def enqueue(self, state: RequestState, key: str, data: Any) -> None:
+        with self._cond:
+            state.send_queue.append(SendTask(key, data))
+            state.in_flight += 1
+            if not state.in_send_ring:
+                state.in_send_ring = True
+                self._ring.append(state)
+            self._cond.notify()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no task is queued or in flight (tests, orderly shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while any(s.in_flight for s in self._registry) or self._ring:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.01))
+        return True
+
+    def stop(self, timeout: float) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("send thread did not stop within %.1fs", timeout)
+
+    # -- send thread ---------------------------------------------------------
+    def _next_task(self) -> tuple[RequestState, SendTask] | None:
+        """Under the lock: the next due task, round-robin across requests, or None."""
+        now = time.monotonic()
+        for _ in range(len(self._ring)):
+            state = self._ring[0]
+            if not state.send_queue:
+                self._ring.popleft()
+                state.in_send_ring = False
+                continue
+            task = state.send_queue[0]
+            if task.not_before > now:
+                self._ring.rotate(-1)
+                continue
+            state.send_queue.popleft()
+            self._ring.popleft()
+            if state.send_queue:
+                self._ring.append(state)
+            else:
+                state.in_send_ring = False
+            return state, task
+        return None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                picked = None
+                while not self._stop:
+                    picked = self._next_task()
+                    if picked is not None:
+                        break
+                    self._cond.wait(self._backoff if self._ring else 0.1)
+                if self._stop:
+                    return
+            assert picked is not None
+            state, task = picked
+            ok = self._put(state, task)
+            with self._cond:
+                if ok:
+                    self._done(state)
+                else:
+                    self._retry_or_drop(state, task)
+                self._cond.notify_all()
+
+    def _put(self, state: RequestState, task: SendTask) -> bool:
+        try:
+            result = self._connector.put(self._from, self._to, task.key, task.data)
+            ok = bool(result.ok)
+            if not ok:
+                logger.warning("put of %s failed: %s", task.key, (result.metadata or {}).get("error", "backend refused"))
+        except Exception:
+            logger.warning("put of %s raised", task.key, exc_info=True)
+            ok = False
+        self.stats["puts" if ok else "put_failures"] += 1
+        return ok
+
+    def _done(self, state: RequestState) -> None:
+        state.in_flight -= 1
+        if state.in_flight == 0 and state.released:
+            self._registry.drop(state)
+
+    def _retry_or_drop(self, state: RequestState, task: SendTask) -> None:
+        task.attempts += 1
+        if task.attempts <= self.max_retries and not self._stop:
+            task.not_before = time.monotonic() + self._backoff * (2 ** (task.attempts - 1))
+            state.send_queue.appendleft(task)
+            if not state.in_send_ring:
+                state.in_send_ring = True
+                self._ring.appendleft(state)
+            logger.warning("re-queued %s (retry %d/%d)", task.key, task.attempts, self.max_retries)
+            return
+        logger.error("giving up on %s after %d retries; request %s reported failed", task.key, self.max_retries, state.request_id)
+        self.stats["dropped"] += 1
+        self._registry.outbox.failed.add(state.request_id)
+        self._done(state)

@@ -1,0 +1,26 @@
+"""Copies of outgoing payloads, so the send thread never races the runner.
+
+A builder often returns references to the request's live lists (token ids the
+runner keeps appending to) or to tensors the runner reuses next step. The send
+thread encodes them later; copying containers and tensors at enqueue time
+makes what is sent exactly what the builder returned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def snapshot_payload(obj: Any) -> Any:
+    """Deep-copy dicts, lists, tuples and tensors; other leaves are shared (immutable or opaque)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: snapshot_payload(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [snapshot_payload(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(snapshot_payload(v) for v in obj)
+    return obj

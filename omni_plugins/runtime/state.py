@@ -1,0 +1,224 @@
+"""One object per request, and the registry that owns them.
+
+Every piece of per-request bookkeeping (send counters and queue, receive
+registration, caches, pending signals, KV lifecycle) lives in
+:class:`RequestState`, so dropping a request is dropping one object. The
+registry indexes states by internal id, with an external-id index and an
+index of requests registered for receiving.
+
+All mutation happens under :attr:`RequestRegistry.lock`; the model thread and
+the two I/O threads share it and never do connector I/O while holding it.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_plugins.runtime.accumulate import FullPayloadAccumulator
+
+
+class KVPhase(enum.Enum):
+    """Where a request's KV transfer is: pending (marked) -> active (drained) -> completed (acked)."""
+
+    NONE = "none"
+    PENDING = "pending"
+    ACTIVE = "active"
+    COMPLETED = "completed"
+
+
+@dataclass(eq=False)
+class SendTask:
+    """One ``put`` the send thread owes: key, payload, retry bookkeeping."""
+
+    key: str
+    data: Any
+    attempts: int = 0
+    not_before: float = 0.0
+
+
+@dataclass(eq=False)
+class RequestState:
+    """Everything the runtime knows about one request."""
+
+    request_id: str
+    external_id: str
+    created: float = field(default_factory=time.monotonic)
+
+    # -- send side ------------------------------------------------------
+    next_send_chunk: int = 0
+    send_queue: deque[SendTask] = field(default_factory=deque)
+    in_flight: int = 0  # queued or being put
+    in_send_ring: bool = False
+    released: bool = False  # cleanup asked for; freed when in_flight reaches 0
+    full_payload: FullPayloadAccumulator | None = None
+    code_prompt_token_ids: list[Any] = field(default_factory=list)  # builder scratch (reference compat)
+
+    # -- receive side ---------------------------------------------------
+    registered: bool = False  # the receive thread looks for its next key
+    next_recv_chunk: int = 0
+    deadline: float | None = None
+    last_arrival: float = 0.0
+    stream_finished: bool = False  # finish sentinel seen: never registered again
+    payload_arrived: bool = False  # full payload seen: never registered again
+    merged: dict[str, Any] | None = None  # "ar" accumulation of received chunks
+    cached: Any = None  # local stage payload (the runner's copy)
+    has_cached: bool = False
+
+    # -- pending signals (drained by collect_signals) -------------------
+    metadata: dict[str, Any] | None = None
+    wake: bool = False  # a consumable chunk (or the stream end) is ready
+    finish_signal: bool = False  # report in chunk_finished
+    updated: bool = False  # cache changed since the last TP fan-out
+    awaiting_publish: bool = False  # full payload arrived, not yet published to the model thread
+    stage_recv: bool = False  # published, report in stage_recv
+
+    # -- KV lifecycle -----------------------------------------------------
+    kv_phase: KVPhase = KVPhase.NONE
+    kv_transfer: dict[str, Any] | None = None
+    kv_triggered: bool = False
+
+    def set_cached(self, payload: Any) -> None:
+        self.cached, self.has_cached = payload, True
+
+    def pop_cached(self) -> Any:
+        payload, self.cached, self.has_cached = self.cached, None, False
+        return payload
+
+    def clear_receive(self) -> None:
+        """Forget every receive-side field (the request stays known to the sender)."""
+        self.registered = False
+        self.deadline = None
+        self.merged = None
+        self.cached, self.has_cached = None, False
+        self.metadata = None
+        self.wake = self.finish_signal = self.updated = self.awaiting_publish = self.stage_recv = False
+
+    def has_undelivered_input(self) -> bool:
+        """Waiting for input, or input arrived that the scheduler has not been told about."""
+        return self.registered or self.awaiting_publish or self.stage_recv or self.wake or self.finish_signal or self.metadata is not None
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able summary (debugging, leak checks)."""
+        return {
+            "request_id": self.request_id,
+            "external_id": self.external_id,
+            "next_send_chunk": self.next_send_chunk,
+            "queued_sends": len(self.send_queue),
+            "in_flight": self.in_flight,
+            "released": self.released,
+            "accumulating": self.full_payload is not None,
+            "registered": self.registered,
+            "next_recv_chunk": self.next_recv_chunk,
+            "stream_finished": self.stream_finished,
+            "payload_arrived": self.payload_arrived,
+            "has_cached": self.has_cached,
+            "merged": self.merged is not None,
+            "kv_phase": self.kv_phase.value,
+        }
+
+
+@dataclass
+class Outbox:
+    """Events about requests whose state may already be gone, until the next collect."""
+
+    kv_sent: list[str] = field(default_factory=list)
+    failed: set[str] = field(default_factory=set)
+    timed_out: set[str] = field(default_factory=set)
+    #: ids dropped by the TP leader that followers must drop too (sent in the next packet)
+    dropped_for_followers: list[tuple[str, str]] = field(default_factory=list)
+
+    def forget(self, ids: set[str]) -> None:
+        self.kv_sent = [i for i in self.kv_sent if i not in ids]
+        self.failed -= ids
+        self.timed_out -= ids
+        self.dropped_for_followers = [d for d in self.dropped_for_followers if d[0] not in ids]
+
+    def __len__(self) -> int:
+        return len(self.kv_sent) + len(self.failed) + len(self.timed_out) + len(self.dropped_for_followers)
+
+
+class RequestRegistry:
+    """States by internal id, with an external-id index and a receiving index."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._states: dict[str, RequestState] = {}
+        self._by_external: dict[str, str] = {}
+        self._receiving: dict[str, RequestState] = {}
+        self.outbox = Outbox()
+
+    # -- lookup -----------------------------------------------------------
+    def get(self, request_id: str) -> RequestState | None:
+        """The state for an internal id, else for an external id, else None."""
+        state = self._states.get(request_id)
+        if state is None:
+            internal = self._by_external.get(request_id)
+            state = self._states.get(internal) if internal is not None else None
+        return state
+
+    def ensure(self, request_id: str, external_id: str | None = None) -> RequestState:
+        """The state for ``request_id``, created when missing."""
+        state = self._states.get(request_id)
+        if state is None:
+            ext = external_id if external_id is not None else request_id
+            state = RequestState(request_id, ext)
+            self._states[request_id] = state
+            self._by_external.setdefault(ext, request_id)
+        return state
+
+    def __iter__(self) -> Iterator[RequestState]:
+        return iter(list(self._states.values()))
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, request_id: object) -> bool:
+        return isinstance(request_id, str) and self.get(request_id) is not None
+
+    # -- receiving index --------------------------------------------------
+    def set_registered(self, state: RequestState, registered: bool) -> None:
+        state.registered = registered
+        if registered:
+            self._receiving[state.request_id] = state
+        else:
+            self._receiving.pop(state.request_id, None)
+
+    def receiving(self) -> list[RequestState]:
+        return list(self._receiving.values())
+
+    # -- removal ------------------------------------------------------------
+    def drop(self, state: RequestState) -> None:
+        """Forget ``state`` entirely."""
+        if self._states.get(state.request_id) is state:
+            del self._states[state.request_id]
+        if self._by_external.get(state.external_id) == state.request_id:
+            del self._by_external[state.external_id]
+        if self._receiving.get(state.request_id) is state:
+            del self._receiving[state.request_id]
+        state.registered = False
+
+    def release(self, state: RequestState) -> None:
+        """Drop ``state`` now, except that send-side state waits for in-flight sends."""
+        self.set_registered(state, False)
+        state.clear_receive()
+        state.full_payload = None
+        state.kv_phase, state.kv_transfer, state.kv_triggered = KVPhase.NONE, None, False
+        state.code_prompt_token_ids = []
+        if state.in_flight:
+            state.released = True
+        else:
+            self.drop(state)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "requests": {s.request_id: s.describe() for s in self._states.values()},
+            "external_index": len(self._by_external),
+            "receiving": sorted(self._receiving),
+            "outbox": len(self.outbox),
+        }

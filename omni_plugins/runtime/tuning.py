@@ -1,0 +1,58 @@
+"""Knobs of the transfer runtime (defaults suit a model step of a few ms)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ArrivalMode = Literal["auto", "block", "poll"]
+
+
+@dataclass(frozen=True)
+class RuntimeTuning:
+    """How the I/O threads wait and retry.
+
+    Attributes:
+        arrival: ``"block"`` parks on the connector's blocking ``get``; ``"poll"``
+            sweeps with a bounded backoff; ``"auto"`` blocks when the connector
+            has ``capabilities.blocking_get``.
+        poll_min_s / poll_max_s: polling backoff, reset on every arrival.
+        park_min_s / park_max_s: how long one blocking ``get`` may wait on the
+            most likely next key while others may arrive; grows while idle.
+        max_send_retries: re-queues of a failed ``put`` before it is dropped.
+        retry_backoff_s: first retry delay (doubles per attempt).
+        join_timeout_s: bounded join of each thread at shutdown.
+        drain_timeout_s: how long shutdown lets queued sends finish.
+        abort_scan_limit: on abort, how many next keys of a request to clean
+            from the connector (chunks put but never read).
+        snapshot_payloads: copy lists and tensors of outgoing payloads so the
+            send thread never races the runner that produced them.
+    """
+
+    arrival: ArrivalMode = "auto"
+    poll_min_s: float = 0.0005
+    poll_max_s: float = 0.005
+    park_min_s: float = 0.0005
+    park_max_s: float = 0.005
+    max_send_retries: int = 3
+    retry_backoff_s: float = 0.002
+    join_timeout_s: float = 5.0
+    drain_timeout_s: float = 2.0
+    abort_scan_limit: int = 256
+    snapshot_payloads: bool = True
+
+    def __post_init__(self) -> None:
+        if self.arrival not in ("auto", "block", "poll"):
+            raise ValueError(f"arrival must be 'auto', 'block' or 'poll', got {self.arrival!r}")
+        for name in ("poll_min_s", "poll_max_s", "park_min_s", "park_max_s", "join_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.poll_min_s > self.poll_max_s or self.park_min_s > self.park_max_s:
+            raise ValueError("minimum waits must not exceed maximum waits")
+        if self.max_send_retries < 0:
+            raise ValueError("max_send_retries must be >= 0")
+
+    @classmethod
+    def fixed_poll(cls, interval_s: float = 0.005) -> RuntimeTuning:
+        """The reference's behaviour: poll every ``interval_s`` regardless of the connector."""
+        return cls(arrival="poll", poll_min_s=interval_s, poll_max_s=interval_s)
