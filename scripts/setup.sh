@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# omni-plugins set-up in one command.
+#
+#   bash scripts/setup.sh demo   install the core + shared-memory plugin, run the main job
+#                                (examples/pipeline-shm.yaml) on the shared-memory default
+#   bash scripts/setup.sh test   install everything (Debian redis-server, libibverbs1, openssl;
+#                                every plugin; dev tools), lint, type-check, run the test suite
+#   bash scripts/setup.sh env    install everything, run nothing
+#
+# Everything goes into a virtual environment (.venv, or $OMNI_VENV). torch is pinned to
+# 2.13.0 and installed first, so nothing can pull a multi-GB CUDA build behind our back.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${OMNI_VENV:-$ROOT/.venv}"
+PY="${PYTHON:-python3}"
+TORCH_PIN="torch==2.13.0"
+MODE="${1:-}"
+
+say() { printf '\033[1m==> %s\033[0m\n' "$*"; }
+
+need_root() {
+  if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null; then sudo "$@"; else
+    echo "need root to run: $*" >&2; return 1; fi
+}
+
+apt_packages() {
+  local missing=()
+  command -v redis-server >/dev/null || missing+=(redis-server)
+  command -v openssl >/dev/null || missing+=(openssl)
+  ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || missing+=(libibverbs1)
+  if [ "${#missing[@]}" -gt 0 ]; then
+    say "installing Debian packages: ${missing[*]}"
+    need_root apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive need_root apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+  # Debian starts a system redis-server on 6379 after install; the tests start their own, so stop it.
+  if command -v systemctl >/dev/null && systemctl is-active --quiet redis-server 2>/dev/null; then
+    need_root systemctl stop redis-server || true
+  fi
+}
+
+venv() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    say "creating virtual environment $VENV"
+    "$PY" -m venv "$VENV"
+  fi
+  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
+    say "installing $TORCH_PIN (CPU build where available)"
+    "${PIP[@]}" "$TORCH_PIN"
+  fi
+}
+
+install_core_shm() {
+  venv
+  say "installing omni-plugins and omni-plugins-shm"
+  "${PIP[@]}" "$TORCH_PIN" -e "$ROOT" -e "$ROOT/plugins/shm"
+}
+
+install_all() {
+  apt_packages
+  venv
+  say "installing omni-plugins, every plugin and the dev tools"
+  "${PIP[@]}" "$TORCH_PIN" -e "$ROOT[dev,plot]" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake[cpu]"
+}
+
+case "$MODE" in
+  demo)
+    install_core_shm
+    shift
+    say "running the main job: omni-plugins run examples/pipeline-shm.yaml $*"
+    exec "$VENV/bin/omni-plugins" run "$ROOT/examples/pipeline-shm.yaml" "$@"
+    ;;
+  test)
+    install_all
+    shift
+    cd "$ROOT"
+    say "ruff"
+    "$VENV/bin/ruff" check .
+    say "mypy"
+    "$VENV/bin/mypy" omni_plugins plugins/shm/omni_plugins_shm plugins/redis/omni_plugins_redis plugins/mooncake/omni_plugins_mooncake
+    say "pytest"
+    exec "$VENV/bin/python" -m pytest -q "$@"
+    ;;
+  env)
+    install_all
+    ;;
+  *)
+    echo "usage: bash scripts/setup.sh demo|test|env [pytest or run args...]" >&2
+    exit 2
+    ;;
+esac
