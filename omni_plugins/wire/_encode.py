@@ -174,7 +174,7 @@ class _Encoder:
     def _other(self, obj: Any, depth: int) -> Any:
         # Subclasses of the builtin types travel as the builtin type (IntEnum -> int,
         # OrderedDict -> dict, namedtuple -> tuple, np.float64 -> float).
-        scalar: type
+        scalar: Any
         for scalar in (bool, int, float, str, bytes):
             if isinstance(obj, scalar):
                 return self.walk(scalar(obj), depth)

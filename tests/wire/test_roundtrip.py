@@ -12,31 +12,7 @@ import torch
 from omni_plugins import wire
 from omni_plugins.wire import WireFormatError, decode, encode
 
-
-def assert_same(a: Any, b: Any) -> None:
-    """Deep equality that also compares container types, dtypes and shapes."""
-    assert type(a) is type(b), (type(a), type(b))
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        if a.dtype.is_floating_point and a.dtype.itemsize == 1:  # float8: compare bits
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        else:
-            assert torch.equal(a, b) or bool(torch.isnan(a).any())
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(a, b)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            assert_same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    elif isinstance(a, float) and a != a:
-        assert b != b
-    else:
-        assert a == b
+from .payloads import assert_same
 
 
 def roundtrip(obj: Any, **kw: Any) -> Any:

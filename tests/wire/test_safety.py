@@ -1,0 +1,145 @@
+"""No pickle on any wire code path; views share memory, copies do not; read-only buffers work."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omni_plugins import wire
+from omni_plugins.wire import decode, encode
+
+WIRE_DIR = Path(wire.__file__).parent
+FORBIDDEN_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "copyreg", "joblib"}
+
+NO_PICKLE_SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc, sys, types
+
+    # Third-party dependencies import pickle themselves (numpy does at import time), so they
+    # are loaded first; from then on pickle is poisoned and cannot be (re)imported.
+    import msgpack, numpy, torch  # noqa: F401
+    assert not any(m == "omni_plugins.wire" or m.startswith("omni_plugins.wire.") for m in sys.modules)
+
+    BLOCKED = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle"}
+
+    class Poisoned(types.ModuleType):
+        def __getattr__(self, name):
+            raise AssertionError(f"pickle used: {self.__name__}.{name}")
+
+    class Blocker(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ImportError(f"{name} is blocked in this test")
+            return None
+
+    for name in BLOCKED:
+        sys.modules[name] = Poisoned(name)
+    sys.meta_path.insert(0, Blocker())
+
+    from omni_plugins import wire
+
+    payload = {
+        "t": torch.randn(4, 3), "bf": torch.ones(2, dtype=torch.bfloat16), "f8": torch.zeros(3, dtype=torch.float8_e4m3fn),
+        "n": numpy.arange(6).reshape(2, 3), "nested": [1, 2.5, "s", b"b", None, True, (1, (2,))], "big": b"z" * 10000,
+    }
+    enc = wire.encode(payload)
+    data = enc.to_bytes()
+    assert b"".join(enc.buffers()) == data
+    dest = bytearray(enc.nbytes)
+    enc.write_into(dest)
+    for copy in (False, True):
+        out = wire.decode(dest, copy=copy)
+        assert torch.equal(out["t"], payload["t"]) and out["nested"] == payload["nested"] and out["big"] == payload["big"]
+        assert torch.equal(out["bf"], payload["bf"]) and (out["n"] == payload["n"]).all()
+    assert wire.peek_nbytes(data[: wire.PREFIX_SIZE]) == len(data)
+    try:
+        wire.decode(data[:-1])
+    except wire.WireFormatError:
+        pass
+    try:
+        wire.encode(object())
+    except wire.WireFormatError:
+        pass
+    for name, module in list(sys.modules.items()):
+        if name.startswith("omni_plugins.wire"):
+            assert not any(isinstance(v, Poisoned) for v in vars(module).values()), name
+    print("OK")
+    """
+)
+
+
+def test_round_trip_with_pickle_blocked() -> None:
+    proc = subprocess.run([sys.executable, "-c", NO_PICKLE_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("OK")
+
+
+def test_wire_sources_never_import_pickle_or_load_objects() -> None:
+    for path in sorted(WIRE_DIR.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                names = {(node.module or "").split(".")[0]}
+            else:
+                names = set()
+            assert not names & FORBIDDEN_MODULES, f"{path.name}:{node.lineno} imports {names & FORBIDDEN_MODULES}"
+            if isinstance(node, ast.Attribute) and node.attr in {"load", "loads", "__reduce__", "__reduce_ex__"}:
+                raise AssertionError(f"{path.name}:{node.lineno} uses .{node.attr}")
+            if isinstance(node, ast.Name) and node.id in {"eval", "exec", "__import__"}:
+                raise AssertionError(f"{path.name}:{node.lineno} uses {node.id}")
+
+
+def test_views_share_memory_with_buffer_and_copies_do_not() -> None:
+    payload = {"t": torch.arange(16, dtype=torch.float32), "bf": torch.ones(4, dtype=torch.bfloat16), "n": np.arange(8, dtype=np.int32)}
+    buf = bytearray(encode(payload).to_bytes())
+    base = np.frombuffer(buf, dtype=np.uint8)
+    view = decode(buf)
+    owned = decode(buf, copy=True)
+    for key in ("t", "bf"):
+        addr = view[key].data_ptr()
+        assert base.ctypes.data <= addr < base.ctypes.data + len(buf)
+        assert not base.ctypes.data <= owned[key].data_ptr() < base.ctypes.data + len(buf)
+    assert np.shares_memory(view["n"], base) and not np.shares_memory(owned["n"], base)
+    view["t"][0] = 42.0  # writable buffer -> writes land in the buffer
+    assert decode(buf)["t"][0].item() == 42.0
+    assert owned["t"][0].item() == 0.0
+    owned["t"][1] = -1.0
+    assert decode(buf)["t"][1].item() == 1.0
+
+
+def test_read_only_buffers_decode_without_warnings() -> None:
+    script = textwrap.dedent(
+        """
+        import warnings, torch, numpy
+        warnings.simplefilter("error")
+        from omni_plugins import wire
+        data = wire.encode({"t": torch.arange(5), "bf": torch.ones(2, dtype=torch.bfloat16), "n": numpy.ones(3)}).to_bytes()
+        for _ in range(3):
+            out = wire.decode(data)
+            assert out["t"].tolist() == [0, 1, 2, 3, 4]
+            assert not out["n"].flags.writeable
+            out = wire.decode(memoryview(data), copy=True)
+            out["t"][0] = 9
+            assert out["n"].flags.writeable
+        print("OK")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "OK"
+
+
+def test_decoded_views_keep_the_buffer_alive() -> None:
+    out = decode(bytearray(encode(torch.arange(1000, dtype=torch.int64)).to_bytes()))
+    import gc
+
+    gc.collect()
+    assert out.sum().item() == sum(range(1000))
