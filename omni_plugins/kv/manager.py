@@ -235,7 +235,7 @@ class KVTransferManager:
         return make_payload(keys, values, metadata)
 
     def _put_all(self, req_id: str, external_id: str, keys: list[str], payload: KVPayload) -> bool:
-        """Put ``payload`` under every key; on any failure free the ones already put."""
+        """Put ``payload`` under every key (all or nothing: on a failure the ones already put are withdrawn)."""
         connector = self._connector
         assert connector is not None
         put: list[str] = []
@@ -245,12 +245,12 @@ class KVTransferManager:
                     self._cleanup_key(connector, k)
                 return False
             put.append(key)
-            with self._lock:
-                state = self._requests.get(req_id)
-                if state is None:
-                    state = self._requests[req_id] = _RequestKV(req_id, external_id)
-                state.external_id = external_id
-                state.sent_keys.add(key)
+        with self._lock:
+            state = self._requests.get(req_id)
+            if state is None:
+                state = self._requests[req_id] = _RequestKV(req_id, external_id)
+            state.external_id = external_id
+            state.sent_keys.update(put)
         return True
 
     def _put_one(self, connector: Connector, key: str, payload: KVPayload) -> bool:

@@ -28,12 +28,8 @@ def test_routes(from_tp: int, to_tp: int) -> None:
 @pytest.mark.parametrize(("from_tp", "to_tp"), list(ROUTES))
 def test_send_and_receive_keys_pair_up(from_tp: int, to_tp: int) -> None:
     """Every key a sender puts is read by exactly one receiver, and every key a receiver reads is put."""
-    put = [
-        ranks.kv_key("req-1", 3, 0, s, t) for s in range(from_tp) for t in ranks.target_ranks_for_send(from_tp, to_tp, s)
-    ]
-    read = [
-        ranks.kv_key("req-1", 3, 0, s, r) for r in range(to_tp) for s in ranks.remote_ranks_for_recv(from_tp, to_tp, r)
-    ]
+    put = [ranks.kv_key("req-1", 3, 0, s, t) for s in range(from_tp) for t in ranks.target_ranks_for_send(from_tp, to_tp, s)]
+    read = [ranks.kv_key("req-1", 3, 0, s, r) for r in range(to_tp) for s in ranks.remote_ranks_for_recv(from_tp, to_tp, r)]
     assert len(put) == len(set(put))
     assert sorted(put) == sorted(read)
 
