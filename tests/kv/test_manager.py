@@ -14,7 +14,8 @@ import omni_plugins
 from omni_plugins import RankMapping
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConfigError, ConnectorClosedError, ConnectorError
-from omni_plugins.kv import KVLayoutError, KVPayloadError, KVTransferManager, manager as manager_mod
+from omni_plugins.kv import KVLayoutError, KVPayloadError, KVTransferManager
+from omni_plugins.kv import manager as manager_mod
 from omni_plugins.kv.testing import build_paged_caches, full_kv, head_range, shard_kv
 from omni_plugins.memory import MemoryConnector
 
