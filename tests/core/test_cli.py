@@ -60,3 +60,13 @@ def test_list_table_shows_failures(run_cli: RunCli) -> None:
     assert proc.returncode == 0
     assert "omni-test-good" in proc.stdout and "loaded" in proc.stdout
     assert "broken: failed: RuntimeError: omni_test_broken exploded on import" in proc.stdout
+
+
+def test_shm_gc_is_reachable_from_the_core_cli(run_cli: RunCli) -> None:
+    import pytest
+
+    pytest.importorskip("omni_plugins_shm")
+    proc = run_cli("shm", "gc", "--namespace", "omni-cli-test-empty", "--dry-run", with_dummies=False)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["dry_run"] is True and report["removed"] == [] and report["errors"] == []
