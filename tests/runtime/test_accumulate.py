@@ -1,0 +1,100 @@
+"""Full-payload accumulation, chunk merge for "ar" workers, token-span merge."""
+
+from __future__ import annotations
+
+import torch
+
+from omni_plugins.runtime.accumulate import FullPayloadAccumulator, merge_chunk
+from omni_plugins.runtime.spans import Span, get_span, merge_spans
+
+
+def test_accumulator_concats_token_tensors_and_keeps_latest_scalars() -> None:
+    acc = FullPayloadAccumulator()
+    acc.add({"hidden": torch.ones(2, 3), "step": 1, "vec": torch.zeros(3)})
+    acc.add({"hidden": torch.full((1, 3), 2.0), "step": 2, "vec": torch.ones(3)})
+    out = acc.materialize()
+    assert out["hidden"].shape == (3, 3) and out["hidden"][2, 0] == 2.0
+    assert out["step"] == 2
+    assert torch.equal(out["vec"], torch.ones(3))  # 1-D: latest, never concatenated
+
+
+def test_accumulator_defers_concat_until_materialize() -> None:
+    acc = FullPayloadAccumulator()
+    for i in range(5):
+        acc.add({"hidden": torch.full((1, 2), float(i))})
+    assert acc.steps == {"hidden": 5}  # parts held as a list
+    assert acc.materialize()["hidden"][:, 0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_accumulator_trailing_dim_mismatch_restarts_key() -> None:
+    acc = FullPayloadAccumulator()
+    acc.add({"h": torch.ones(2, 3)})
+    acc.add({"h": torch.ones(4, 5)})
+    assert acc.materialize()["h"].shape == (4, 5)
+
+
+def test_accumulator_replace_keys_never_concat() -> None:
+    acc = FullPayloadAccumulator(replace_keys={"model_outputs"})
+    acc.add({"model_outputs": torch.ones(2, 3), "h": torch.ones(1, 3)})
+    acc.add({"model_outputs": torch.full((3, 3), 5.0), "h": torch.ones(1, 3)})
+    out = acc.materialize()
+    assert out["model_outputs"].shape == (3, 3) and out["model_outputs"][0, 0] == 5.0
+    assert out["h"].shape == (2, 3)
+
+
+def test_accumulator_ignores_none_and_switching_types() -> None:
+    acc = FullPayloadAccumulator()
+    acc.add({"h": torch.ones(2, 2), "x": 1})
+    acc.add({"h": None, "x": None})
+    out = acc.materialize()
+    assert out["h"].shape == (2, 2) and out["x"] == 1
+    acc.add({"h": "now a string"})
+    assert acc.materialize()["h"] == "now a string"
+
+
+def test_merge_chunk_concat_extend_and_nested() -> None:
+    a = {"embed": {"prefill": torch.ones(2, 4)}, "ids": {"output": [1, 2]}, "top": torch.zeros(1, 2), "extra": {"d": {"x": [1]}}}
+    b = {"embed": {"prefill": torch.ones(1, 4)}, "ids": {"output": [3]}, "top": torch.ones(2, 2), "extra": {"d": {"x": [2]}}}
+    m = merge_chunk(merge_chunk(None, a), b)
+    assert m["embed"]["prefill"].shape == (3, 4)
+    assert m["ids"]["output"] == [1, 2, 3]
+    assert m["top"].shape == (3, 2)
+    assert m["extra"]["d"]["x"] == [1, 2]
+    assert a["ids"]["output"] == [1, 2]  # inputs untouched
+
+
+def test_merge_chunk_finished_and_override_keys_replace() -> None:
+    a = {"meta": {"finished": False}, "codes": {"audio": [1, 2]}, "lst": [1], "ids": {"output": [1]}}
+    b = {"meta": {"finished": True, "override_keys": [["codes", "audio"], "lst"]}, "codes": {"audio": [9]}, "lst": [2], "ids": {"output": [2]}}
+    m = merge_chunk(a, b)
+    assert m["meta"]["finished"] is True
+    assert m["codes"]["audio"] == [9]
+    assert m["lst"] == [2]
+    assert m["ids"]["output"] == [1, 2]  # not overridden: extends
+
+
+def test_merge_chunk_token_span_union_newer_wins() -> None:
+    old = {"embed": {"decode": torch.zeros(4, 2), "decode_token_start": 0, "decode_token_end": 4}}
+    new = {"embed": {"decode": torch.ones(4, 2), "decode_token_start": 2, "decode_token_end": 6}}
+    m = merge_chunk(old, new)["embed"]
+    assert (m["decode_token_start"], m["decode_token_end"]) == (0, 6)
+    assert m["decode"][:, 0].tolist() == [0, 0, 1, 1, 1, 1]
+
+
+def test_merge_chunk_span_without_offsets_falls_back_to_concat() -> None:
+    m = merge_chunk({"embed": {"decode": torch.zeros(2, 2)}}, {"embed": {"decode": torch.ones(1, 2)}})
+    assert m["embed"]["decode"].shape == (3, 2)
+
+
+def test_span_merge_edge_cases() -> None:
+    a = Span(torch.zeros(2, 1), 0, 2)
+    assert merge_spans(a, None) is a and merge_spans(None, a) is a
+    gap = merge_spans(a, Span(torch.ones(2, 1), 5, 7))
+    assert gap is not None and (gap.start, gap.end) == (5, 7)  # disjoint with a gap: newer alone
+    inside = merge_spans(Span(torch.zeros(6, 1), 0, 6), Span(torch.ones(2, 1), 2, 4))
+    assert inside is not None and inside.tensor[:, 0].tolist() == [0, 0, 1, 1, 0, 0]
+    adjacent = merge_spans(a, Span(torch.ones(1, 1), 2, 3))
+    assert adjacent is not None and (adjacent.start, adjacent.end) == (0, 3)
+    assert get_span({"decode": torch.ones(3, 1), "s": 0, "e": 5}, "decode", "s", "e") is None  # length mismatch
+    tensor_offsets = get_span({"decode": torch.ones(3, 1), "s": torch.tensor(4)}, "decode", "s", "e")
+    assert tensor_offsets is not None and (tensor_offsets.start, tensor_offsets.end) == (4, 7)
