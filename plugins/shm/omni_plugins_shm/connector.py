@@ -33,9 +33,9 @@ from omni_plugins_shm.naming import Names, key_digest, parse_name
 from omni_plugins_shm.notify import Notifier
 from omni_plugins_shm.proc import Owner
 from omni_plugins_shm.segments.files import unlink_quiet
-from omni_plugins_shm.segments.header import HEADER_SIZE, PAYLOAD_OFFSET, STATE_FREE, STATE_OFFSET, Header, HeaderError
+from omni_plugins_shm.segments.header import CLOSED_OFFSET, HEADER_SIZE, PAYLOAD_OFFSET, STATE_FREE, STATE_OFFSET, Header, HeaderError
 from omni_plugins_shm.segments.mapcache import MapCache, Mapping
-from omni_plugins_shm.segments.pool import ProducerPool
+from omni_plugins_shm.segments.pool import ProducerPool, Segment
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class ShmConnector(Connector):
     def __init__(self, config: ShmConfig | None = None) -> None:
         super().__init__()
         self.config = config or ShmConfig()
-        self._dir = self.config.shm_dir
+        self._dir = self.config.shm_dir.rstrip("/") or "/"
         if not os.path.isdir(self._dir):
             raise ConfigError(f"shm connector: shm_dir {self._dir!r} is not a directory")
         self._names = Names(self.config.namespace)
@@ -81,7 +81,7 @@ class ShmConnector(Connector):
         self._claim_numbers = itertools.count()
 
     def _path(self, name: str) -> str:
-        return os.path.join(self._dir, name)
+        return f"{self._dir}/{name}"  # os.path.join costs ~3 us and is called several times per op
 
     def _check_process(self) -> None:
         if os.getpid() != self._owner.pid:
@@ -95,26 +95,30 @@ class ShmConnector(Connector):
         self._check_process()
         enc = wire.encode(data)
         published = self._path(self._names.published(key))
-        try:
-            seg = self._pool.acquire(enc.nbytes)
-        except OSError as exc:
-            raise ConnectorError(f"shm put of key {key!r} ({enc.nbytes} bytes) in {self._dir}: cannot get a segment: {exc}") from exc
-        try:
-            header = Header(self._owner, seg.no, seg.capacity, enc.nbytes, key_digest(key), seg.pooled)
-            seg.view[:HEADER_SIZE] = header.pack()
-            enc.write_into(seg.view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + enc.nbytes])
-            for _ in range(_PUT_RETRIES):
-                try:
-                    self._pool.publish(seg, published)
-                    break
-                except FileExistsError:
-                    self._discard(published)  # a newer put replaces an unconsumed older one
-            else:
-                raise ConnectorError(f"shm put of key {key!r}: the key is being republished concurrently; gave up")
-        except BaseException:
-            self._pool.abandon(seg)
-            raise
-        return PutResult(True, enc.nbytes, None)
+        for _ in range(_PUT_RETRIES):
+            try:
+                seg = self._pool.acquire(enc.nbytes)
+            except OSError as exc:
+                raise ConnectorError(f"shm put of key {key!r} ({enc.nbytes} bytes) in {self._dir}: cannot get a segment: {exc}") from exc
+            try:
+                header = Header(self._owner, seg.no, seg.capacity, enc.nbytes, key_digest(key), seg.pooled)
+                seg.view[:HEADER_SIZE] = header.pack()
+                enc.write_into(seg.view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + enc.nbytes])
+                published_ok = self._publish(seg, published, key)
+            except BaseException:
+                self._pool.abandon(seg)
+                raise
+            if published_ok:
+                return PutResult(True, enc.nbytes, None)
+        raise ConnectorError(f"shm put of key {key!r} in {self._dir}: segments keep disappearing (is gc --all running?)")
+
+    def _publish(self, seg: Segment, published: str, key: str) -> bool:
+        for _ in range(_PUT_RETRIES):
+            try:
+                return self._pool.publish(seg, published)
+            except FileExistsError:
+                self._discard(published)  # a newer put replaces an unconsumed older one
+        raise ConnectorError(f"shm put of key {key!r}: the key is being republished concurrently; gave up")
 
     # -- get ----------------------------------------------------------------------------
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
@@ -133,9 +137,10 @@ class ShmConnector(Connector):
     def _get_impl(self, key: str, timeout: float | None, zero_copy: bool) -> GetResult | None:
         self._check_process()
         published = self._names.published(key)
-        claim = self._claim(published)
-        if claim is None and timeout is not None and timeout > 0:
+        if timeout is not None and timeout > 0:
             claim = self._notifier.wait_for(frozenset({published}), lambda: self._claim(published), timeout)
+        else:
+            claim = self._claim(published)
         if claim is None:
             return None
         return self._consume(claim, key, zero_copy)
@@ -149,34 +154,54 @@ class ShmConnector(Connector):
             return None
         return claim
 
+    def _invalid(self, claim: str, key: str, why: str) -> ConnectorError:
+        unlink_quiet(claim)
+        return ConnectorError(
+            f"shm segment for key {key!r} in {self._dir} (namespace {self.config.namespace!r}) is invalid: {why}; removed it"
+        )
+
     def _open_claimed(self, claim: str, key: str) -> tuple[Header, Mapping] | None:
+        """Header and mapping of a claimed segment (one ``stat`` when its mapping is cached)."""
+        try:
+            st = os.stat(claim)
+        except FileNotFoundError:
+            return None  # gc removed it under us (its producer died)
+        if not stat.S_ISREG(st.st_mode):
+            raise self._invalid(claim, key, "not a regular file")
+        ident = (st.st_dev, st.st_ino)
+        cached = self._maps.lookup(ident)
+        try:
+            if cached is not None:
+                header = Header.unpack(cached.mm, st.st_size)
+                if header.capacity != cached.capacity:
+                    raise HeaderError("size changed since it was mapped")
+            else:
+                header = self._read_header(claim, st.st_size)
+            if header.key_digest != key_digest(key):
+                raise HeaderError("it holds a payload for a different key")
+        except HeaderError as exc:
+            raise self._invalid(claim, key, str(exc)) from exc
+        if cached is not None:
+            return header, cached
         try:
             fd = os.open(claim, os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
-            return None  # gc removed it under us (its producer died)
+            return None
         keep_fd = False
         try:
-            st = os.fstat(fd)
-            try:
-                if not stat.S_ISREG(st.st_mode):
-                    raise HeaderError("not a regular file")
-                header = Header.unpack(os.pread(fd, HEADER_SIZE, 0), st.st_size)
-                if header.key_digest != key_digest(key):
-                    raise HeaderError("it holds a payload for a different key")
-            except HeaderError as exc:
-                unlink_quiet(claim)
-                raise ConnectorError(
-                    f"shm segment for key {key!r} in {self._dir} (namespace {self.config.namespace!r}) is invalid: {exc}; removed it"
-                ) from exc
-            try:
-                mapping, keep_fd = self._maps.mapping_for(fd, header)
-            except (OSError, ValueError) as exc:
-                unlink_quiet(claim)
-                raise ConnectorError(f"shm segment for key {key!r} in {self._dir} cannot be mapped: {exc}") from exc
-            return header, mapping
+            mapping, keep_fd = self._maps.map(ident, fd, header)
+        except (OSError, ValueError) as exc:
+            unlink_quiet(claim)
+            raise ConnectorError(f"shm segment for key {key!r} in {self._dir} cannot be mapped: {exc}") from exc
         finally:
             if not keep_fd:
                 os.close(fd)
+        return header, mapping
+
+    @staticmethod
+    def _read_header(path: str, size: int) -> Header:
+        with open(path, "rb", buffering=0) as fh:
+            return Header.unpack(fh.read(HEADER_SIZE), size)
 
     def _consume(self, claim: str, key: str, zero_copy: bool) -> GetResult | None:
         opened = self._open_claimed(claim, key)
@@ -229,7 +254,6 @@ class ShmConnector(Connector):
     def _close(self) -> None:
         if os.getpid() != self._owner.pid:
             return  # a forked child must not free its parent's segments
-        # marker first: a consumer returning one of our segments after this point unlinks it instead
         unlink_quiet(self._marker)
         self._notifier.close()
         self._free_unconsumed()
@@ -308,19 +332,21 @@ def _private_copy(src: memoryview, hugepages: bool) -> memoryview:
 def _return_segment(directory: str, names: Names, claim: str, header: Header, mapping: Mapping, maps: MapCache, leased: bool) -> None:
     """After a get: give a pooled segment back to its owner, or unlink it.
 
-    Runs inline (owned copies) or from a weakref finalizer in any thread (zero-copy views); never raises.
+    Order matters: rename to ``f.`` first, set FREE second (FREE promises the ``f.`` name),
+    then read the owner's CLOSED flag: an owner that closed meanwhile either unlinked the
+    ``f.`` name itself or set the flag before we looked. Runs inline (owned copies) or from a
+    weakref finalizer in any thread (zero-copy views); never raises.
     """
     try:
         if header.pooled:
-            mapping.view[STATE_OFFSET] = STATE_FREE
-            free = os.path.join(directory, names.free(header.owner.token, header.seg_no))
+            free = f"{directory}/{names.free(header.owner.token, header.seg_no)}"
             try:
                 os.rename(claim, free)
             except FileNotFoundError:
                 pass
             else:
-                # renamed first, checked second: if the owner closed meanwhile, either its close or we unlink
-                if not os.path.exists(os.path.join(directory, names.marker(header.owner.token))):
+                mapping.view[STATE_OFFSET] = STATE_FREE
+                if mapping.view[CLOSED_OFFSET]:
                     unlink_quiet(free)
         else:
             unlink_quiet(claim)
@@ -339,18 +365,17 @@ def _free_claimed(directory: str, names: Names, claim: str) -> None:
     if header is None or not header.pooled:
         unlink_quiet(claim)
         return
+    free = f"{directory}/{names.free(header.owner.token, header.seg_no)}"
     try:
         fd = os.open(claim, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
         return
     try:
+        os.rename(claim, free)
         os.pwrite(fd, bytes([STATE_FREE]), STATE_OFFSET)
+        if os.pread(fd, 1, CLOSED_OFFSET) != b"\0":
+            unlink_quiet(free)
+    except FileNotFoundError:
+        pass
     finally:
         os.close(fd)
-    free = os.path.join(directory, names.free(header.owner.token, header.seg_no))
-    try:
-        os.rename(claim, free)
-    except FileNotFoundError:
-        return
-    if not os.path.exists(os.path.join(directory, names.marker(header.owner.token))):
-        unlink_quiet(free)

@@ -5,14 +5,17 @@ Layout (little-endian, 128 bytes reserved, payload starts at :data:`PAYLOAD_OFFS
     magic[8] flags:u32 state:u32 pid:u32 tag:u32 start:u64 seg_no:u64
     capacity:u64 payload_len:u64 key_digest[16] crc32:u32
 
-``state`` is a hint the consumer flips to FREE just before returning a pooled
-segment, so its owner can skip busy segments without a syscall; it is left out
-of the CRC. Everything else is covered by the CRC, so a torn or foreign file
+``state`` holds two mutable bytes left out of the CRC: byte 12 is FREE/BUSY
+(the consumer sets FREE right *after* renaming a pooled segment back to its
+``f.`` name, so FREE means "named ``f.`` and nobody reads it": the owner reuses
+it without a syscall), byte 13 is set by the owner when it closes (a consumer
+returning a segment afterwards unlinks it instead). Everything else is covered by the CRC, so a torn or foreign file
 is reported as corrupt instead of being trusted.
 """
 
 from __future__ import annotations
 
+import mmap
 import struct
 import zlib
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ _CRC = struct.Struct("<I")
 HEADER_SIZE = _FMT.size + _CRC.size
 PAYLOAD_OFFSET = 128
 STATE_OFFSET = 12
+CLOSED_OFFSET = 13
 STATE_BUSY = 1
 STATE_FREE = 0
 FLAG_POOLED = 1
@@ -61,7 +65,7 @@ class Header:
         return body + _CRC.pack(_crc(body))
 
     @classmethod
-    def unpack(cls, raw: bytes | memoryview, file_size: int) -> Header:
+    def unpack(cls, raw: bytes | memoryview | mmap.mmap, file_size: int) -> Header:
         if len(raw) < HEADER_SIZE:
             raise HeaderError(f"segment is {file_size} bytes, shorter than its {HEADER_SIZE}-byte header")
         body = bytes(raw[: _FMT.size])

@@ -1,13 +1,16 @@
 """The consumer's cache of mappings of pooled segments.
 
 A pooled segment comes back to the same consumer again and again; mapping it
-once and keeping the mapping saves the mmap/munmap and the page-table faults
-(re-mapping a 64 MiB segment halves the copy-out speed). Entries are keyed by
-``(owner token, segment number)``, which names exactly one file ever created.
+once and keeping the mapping saves the open/mmap/munmap and the page-table
+faults (re-mapping a 64 MiB segment halves the copy-out speed). Entries are
+keyed by ``(st_dev, st_ino)``: one ``stat`` of the claimed name finds the
+mapping. An inode number cannot be reused while we hold the file open and
+mapped, and the header read from the mapping must still name the claimed key.
 
 A cached mapping pins its tmpfs pages even after the producer unlinks the file,
 so each entry keeps its fd and entries whose file is gone (``st_nlink == 0``)
-are dropped on every miss and by :meth:`MapCache.sweep`.
+are dropped by a sweep that runs on a cache miss at most once per second
+(a sweep costs one ``fstat`` per entry) and by :meth:`MapCache.sweep`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -23,6 +27,8 @@ from omni_plugins_shm.segments.files import close_quiet, map_segment
 from omni_plugins_shm.segments.header import Header
 
 log = logging.getLogger(__name__)
+
+_SWEEP_INTERVAL = 1.0
 
 
 @dataclass(eq=False)
@@ -57,23 +63,35 @@ class MapCache:
 
     def __init__(self, budget_bytes: int) -> None:
         self._budget = budget_bytes
-        self._entries: OrderedDict[tuple[str, int], Mapping] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, int], Mapping] = OrderedDict()
         self._bytes = 0
+        self._last_sweep = 0.0
         self._lock = threading.Lock()
 
-    def mapping_for(self, fd: int, header: Header) -> tuple[Mapping, bool]:
-        """Return ``(mapping, fd_kept)``; the caller closes ``fd`` unless it was kept by a new cache entry."""
-        if not header.pooled or header.capacity > self._budget:
-            return Mapping(map_segment(fd, header.capacity), header.capacity), False
-        ident = (header.owner.token, header.seg_no)
+    def lookup(self, ident: tuple[int, int]) -> Mapping | None:
+        """The cached mapping of the file with ``(st_dev, st_ino)``, if any."""
         with self._lock:
             hit = self._entries.get(ident)
             if hit is not None:
                 self._entries.move_to_end(ident)
-                return hit, False
+            return hit
+
+    def map(self, ident: tuple[int, int], fd: int, header: Header) -> tuple[Mapping, bool]:
+        """Map the segment open at ``fd``; cache pooled ones. Returns ``(mapping, fd_kept)``.
+
+        The caller closes ``fd`` unless it was kept by the new cache entry.
+        """
+        if not header.pooled or header.capacity > self._budget:
+            return Mapping(map_segment(fd, header.capacity), header.capacity), False
         mapping = Mapping(map_segment(fd, header.capacity), header.capacity, fd=fd, cached=True)
         with self._lock:
-            self._sweep_locked()
+            now = time.monotonic()
+            if now - self._last_sweep >= _SWEEP_INTERVAL:
+                self._last_sweep = now
+                self._sweep_locked()
+            old = self._entries.get(ident)
+            if old is not None:
+                self._remove_locked(ident, old)
             self._entries[ident] = mapping
             self._bytes += mapping.capacity
             self._evict_locked()
@@ -84,7 +102,7 @@ class MapCache:
             ident, victim = next(iter(self._entries.items()))
             self._remove_locked(ident, victim)
 
-    def _remove_locked(self, ident: tuple[str, int], victim: Mapping) -> None:
+    def _remove_locked(self, ident: tuple[int, int], victim: Mapping) -> None:
         del self._entries[ident]
         self._bytes -= victim.capacity
         victim.cached = False

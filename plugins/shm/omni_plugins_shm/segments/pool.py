@@ -4,8 +4,10 @@ A fresh tmpfs segment costs a page fault per 4 KiB page (about 0.6-0.8 GB/s);
 a segment whose pages are already allocated and mapped is written at memcpy
 speed. So a producer keeps its segments, grouped in size classes, and the
 consumer hands each one back by renaming it to its ``f.`` (free) name after it
-has copied the payload out (or after its last zero-copy view died). Reacquiring
-is a rename ``f. -> w.``: it succeeds only if the segment is really free.
+has copied the payload out (or after its last zero-copy view died) and then
+setting the FREE byte in the header. FREE therefore means "named ``f.``, nobody
+reads it": the owner writes the next payload into it without any syscall and
+publishes it with one rename ``f. -> k.<key>`` (syscalls cost 5-12 us here).
 
 Payloads larger than ``max_segment`` (or beyond the ``pool_bytes`` budget) get a
 dedicated segment that the consumer unlinks.
@@ -22,13 +24,11 @@ from dataclasses import dataclass, field
 
 from omni_plugins_shm.naming import Names
 from omni_plugins_shm.segments.files import PAGE, close_quiet, create_segment, rename_noreplace, round_up, unlink_quiet
-from omni_plugins_shm.segments.header import PAYLOAD_OFFSET, STATE_BUSY, STATE_FREE, STATE_OFFSET
+from omni_plugins_shm.segments.header import CLOSED_OFFSET, PAYLOAD_OFFSET, STATE_BUSY, STATE_FREE, STATE_OFFSET
 
 log = logging.getLogger(__name__)
 
 MIN_CLASS = 16 << 10
-#: a free-looking segment whose f. name keeps failing to rename is gone (e.g. gc'd); drop it after this many tries
-_MAX_STRIKES = 3
 
 
 def size_class(total: int) -> int:
@@ -48,7 +48,8 @@ class Segment:
     capacity: int
     mm: mmap.mmap
     pooled: bool
-    strikes: int = 0
+    #: path of the segment while we hold it: its ``w.`` name when new, its ``f.`` name when reused
+    path: str = ""
     view: memoryview = field(init=False)
 
     def __post_init__(self) -> None:
@@ -61,7 +62,10 @@ class Segment:
         self.view[STATE_OFFSET] = STATE_BUSY
 
     def release_memory(self) -> None:
-        self.view.release()
+        try:
+            self.view.release()
+        except BufferError:
+            pass
         close_quiet(self.mm)
 
 
@@ -80,7 +84,7 @@ class ProducerPool:
         self.pooled_bytes = 0
 
     def _path(self, name: str) -> str:
-        return os.path.join(self._dir, name)
+        return f"{self._dir}/{name}"
 
     def writing_path(self, seg: Segment) -> str:
         return self._path(self._names.writing(self._owner, seg.no))
@@ -118,8 +122,8 @@ class ProducerPool:
         return self._create(no, round_up(total), pooled=False)
 
     def _create(self, no: int, cap: int, pooled: bool) -> Segment:
-        mm = create_segment(self._path(self._names.writing(self._owner, no)), cap)
-        seg = Segment(no, cap, mm, pooled)
+        path = self._path(self._names.writing(self._owner, no))
+        seg = Segment(no, cap, create_segment(path, cap), pooled, path)
         seg.mark_busy()
         return seg
 
@@ -127,43 +131,51 @@ class ProducerPool:
         segs = self._classes.get(cap)
         if not segs:
             return None
-        for seg in list(segs):
-            if not seg.looks_free():
-                continue
-            try:
-                os.rename(self.free_path(seg), self.writing_path(seg))
-            except FileNotFoundError:
-                seg.strikes += 1
-                if seg.strikes >= _MAX_STRIKES:  # its f. name vanished for good (gc, or a consumer died mid-return)
-                    log.debug("dropping pooled segment %d of %s: its free name is gone", seg.no, self._owner)
-                    segs.remove(seg)
-                    self.pooled_bytes -= seg.capacity
-                    seg.release_memory()
-                continue
-            seg.strikes = 0
-            seg.mark_busy()
-            # move to the back: spread reuse so recently returned segments have time to come back
-            segs.remove(seg)
-            segs.append(seg)
-            return seg
+        for i, seg in enumerate(segs):
+            if seg.looks_free():
+                seg.mark_busy()
+                seg.path = self.free_path(seg)
+                # move to the back: recently returned segments get time to come back
+                segs.append(segs.pop(i))
+                return seg
         return None
 
-    def publish(self, seg: Segment, published_path: str) -> None:
-        """Rename the written segment to its key's name; ``FileExistsError`` if the key is taken."""
-        rename_noreplace(self.writing_path(seg), published_path)
+    def publish(self, seg: Segment, published_path: str) -> bool:
+        """Rename the written segment to its key's name.
+
+        Raises ``FileExistsError`` if the key is taken. Returns False if the segment's file
+        vanished (gc'd because someone judged us dead); the caller retries with a new segment.
+        """
+        try:
+            rename_noreplace(seg.path, published_path)
+        except FileNotFoundError:
+            self._forget(seg)
+            return False
         if not seg.pooled:
             seg.release_memory()  # the consumer unlinks it; we keep nothing
+        return True
+
+    def _forget(self, seg: Segment) -> None:
+        log.warning("shm pool of %s: segment %d disappeared from %s; dropping it", self._owner, seg.no, self._dir)
+        with self._lock:
+            group = self._classes.get(seg.capacity, [])
+            if seg in group:
+                group.remove(seg)
+                self.pooled_bytes -= seg.capacity
+        seg.release_memory()
 
     def abandon(self, seg: Segment) -> None:
         """Undo an ``acquire`` whose payload was not published."""
         if seg.pooled:
+            if seg.path == self.writing_path(seg):
+                try:
+                    os.rename(seg.path, self.free_path(seg))
+                except FileNotFoundError:
+                    self._forget(seg)
+                    return
             seg.view[STATE_OFFSET] = STATE_FREE
-            try:
-                os.rename(self.writing_path(seg), self.free_path(seg))
-            except FileNotFoundError:
-                pass
         else:
-            unlink_quiet(self.writing_path(seg))
+            unlink_quiet(seg.path)
             seg.release_memory()
 
     # -- shutdown -----------------------------------------------------------------
@@ -177,6 +189,8 @@ class ProducerPool:
             segs = [s for group in self._classes.values() for s in group]
             self._classes.clear()
             self.pooled_bytes = 0
+        for seg in segs:  # flag first, unlink second (consumers check the flag after returning a segment)
+            seg.view[CLOSED_OFFSET] = 1
         for seg in segs:
             unlink_quiet(self.free_path(seg))
             unlink_quiet(self.writing_path(seg))

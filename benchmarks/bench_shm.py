@@ -1,0 +1,263 @@
+"""Cross-process benchmark of the ``shm`` connector against baselines measured in the same run.
+
+Two processes (``spawn``): the parent produces, a child consumes. Per payload size:
+
+- ``raw``: the physical baseline -- a reused ``multiprocessing.shared_memory`` segment, the parent
+  copies the tensor in, a pipe byte tells the child, the child copies out into a reused pre-touched
+  buffer and acks over the pipe (two copies, no serialization, no allocation).
+- ``raw_fresh``: the same, but the child copies out into a freshly allocated tensor (what an owned
+  result costs without tricks; shown for context).
+- ``shm``: ``put`` in the parent, blocking ``get(timeout=...)`` (owned tensors) in the child, ack over the pipe.
+- ``shm_views``: the same with ``get_views`` (zero-copy views, dropped before the ack).
+- ``pipe_pingpong`` / ``shm_pingpong`` (small sizes): a round trip -- payload there and back -- over a
+  pipe vs. ``put``/``get`` both ways.
+
+Times are medians per operation; ratios are against ``raw`` (throughput) and ``pipe_pingpong`` (round trip).
+
+    python benchmarks/bench_shm.py [--quick] [--json FILE] [--plot FILE.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+KIB, MIB = 1 << 10, 1 << 20
+SIZES = [4 * KIB, 1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
+QUICK_SIZES = [4 * KIB, 1 * MIB, 64 * MIB]
+PINGPONG_MAX = 64 * KIB
+TIMEOUT = 30.0
+
+
+def _iters(size: int, quick: bool) -> tuple[int, int]:
+    """(warmup, timed) iterations for a payload size."""
+    budget = (1 << 30) if quick else (4 << 30)
+    timed = int(max(8 if quick else 15, min(3000 if quick else 10000, budget // size)))
+    return (max(2, min(50, timed // 10)), timed)
+
+
+# ---------------------------------------------------------------------------- child side
+def _child(ctl: Connection, data: Connection) -> None:
+    from omni_plugins import create_connector
+
+    while True:
+        cmd = ctl.recv()
+        if cmd is None:
+            return
+        kind, size, n, ns = cmd
+        if kind == "raw" or kind == "raw_fresh":
+            shm = shared_memory.SharedMemory(name=ns, create=False)
+            src = torch.frombuffer(shm.buf, dtype=torch.uint8, count=size)
+            dst = torch.empty(size, dtype=torch.uint8)
+            dst.fill_(0)
+            for _ in range(n):
+                data.recv_bytes()
+                if kind == "raw":
+                    dst.copy_(src)
+                else:
+                    out = torch.empty(size, dtype=torch.uint8)
+                    out.copy_(src)
+                    del out
+                data.send_bytes(b"k")
+            del src
+            shm.close()
+        elif kind == "pipe_pingpong":
+            for _ in range(n):
+                msg = data.recv_bytes()
+                data.send_bytes(msg)
+        elif kind in ("shm", "shm_views", "shm_pingpong"):
+            with create_connector("shm", {"namespace": ns}) as conn:
+                for i in range(n):
+                    if kind == "shm_views":
+                        res = conn.get_views(0, 1, f"k{i}", timeout=TIMEOUT)  # type: ignore[attr-defined]
+                    else:
+                        res = conn.get(0, 1, f"k{i}", timeout=TIMEOUT)
+                    if res is None:
+                        raise SystemExit(f"child: key k{i} did not arrive in {TIMEOUT}s")
+                    if kind == "shm_pingpong":
+                        conn.put(1, 0, f"r{i}", res.data)
+                        del res
+                    else:
+                        del res
+                        data.send_bytes(b"k")
+        ctl.send("done")
+
+
+# ---------------------------------------------------------------------------- parent side
+def _run_raw(kind: str, size: int, n: int, ctl: Connection, data: Connection, payload: torch.Tensor) -> list[float]:
+    name = f"bench-raw-{uuid.uuid4().hex[:8]}"
+    shm = shared_memory.SharedMemory(name=name, create=True, size=size)
+    try:
+        dst = torch.frombuffer(shm.buf, dtype=torch.uint8, count=size)
+        src = payload.view(torch.uint8)
+        ctl.send((kind, size, n, name))
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            data.send_bytes(b"g")
+            data.recv_bytes()
+            times.append(time.perf_counter() - t0)
+        assert ctl.recv() == "done"
+        del dst
+    finally:
+        shm.close()
+        shm.unlink()
+    return times
+
+
+def _run_pipe(size: int, n: int, ctl: Connection, data: Connection) -> list[float]:
+    ctl.send(("pipe_pingpong", size, n, ""))
+    msg = os.urandom(size)
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        data.send_bytes(msg)
+        data.recv_bytes()
+        times.append(time.perf_counter() - t0)
+    assert ctl.recv() == "done"
+    return times
+
+
+def _run_shm(kind: str, size: int, n: int, ctl: Connection, data: Connection, payload: torch.Tensor) -> list[float]:
+    from omni_plugins import create_connector
+    from omni_plugins_shm.testing import assert_namespace_empty, unique_namespace
+
+    ns = unique_namespace("bench")
+    obj = {"x": payload}
+    with create_connector("shm", {"namespace": ns}) as conn:
+        ctl.send((kind, size, n, ns))
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            conn.put(0, 1, f"k{i}", obj)
+            if kind == "shm_pingpong":
+                res = conn.get(1, 0, f"r{i}", timeout=TIMEOUT)
+                if res is None:
+                    raise SystemExit(f"parent: reply r{i} did not arrive")
+                del res
+            else:
+                data.recv_bytes()
+            times.append(time.perf_counter() - t0)
+        assert ctl.recv() == "done"
+    assert_namespace_empty(ns)
+    return times
+
+
+def measure(sizes: list[int], quick: bool) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    ctl_a, ctl_b = ctx.Pipe()
+    data_a, data_b = ctx.Pipe()
+    child = ctx.Process(target=_child, args=(ctl_b, data_b), daemon=True)
+    child.start()
+    results: dict[str, Any] = {"sizes": {}}
+    plan = []
+    for size in sizes:
+        kinds = ["raw", "raw_fresh", "shm", "shm_views"]
+        if size <= PINGPONG_MAX:
+            kinds += ["pipe_pingpong", "shm_pingpong"]
+        plan += [(size, k) for k in kinds]
+    try:
+        with tqdm(total=len(plan), desc="bench_shm", unit="case") as bar:
+            for size, kind in plan:
+                warm, n = _iters(size, quick)
+                payload = torch.randn(size // 4)
+                bar.set_postfix_str(f"{kind} {size // KIB} KiB x{n}")
+                if kind.startswith("raw"):
+                    times = _run_raw(kind, size, warm + n, ctl_a, data_a, payload)
+                elif kind == "pipe_pingpong":
+                    times = _run_pipe(size, warm + n, ctl_a, data_a)
+                else:
+                    times = _run_shm(kind, size, warm + n, ctl_a, data_a, payload)
+                med = statistics.median(times[warm:])
+                entry = results["sizes"].setdefault(str(size), {})
+                entry[kind] = {"median_s": med, "gbps": size / med / 1e9, "iters": n}
+                del payload
+                gc.collect()
+                bar.update()
+    finally:
+        ctl_a.send(None)
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    for entry in results["sizes"].values():
+        raw = entry["raw"]["median_s"]
+        entry["ratio_vs_raw"] = {k: raw / v["median_s"] for k, v in entry.items() if isinstance(v, dict) and "median_s" in v}
+        if "pipe_pingpong" in entry:
+            entry["roundtrip_ratio_vs_pipe"] = entry["shm_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
+    return results
+
+
+def _targets(results: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    big = results["sizes"].get(str(64 * MIB))
+    if big:
+        out["owned_64MiB_vs_raw"] = {"value": big["ratio_vs_raw"]["shm"], "target": ">= 0.9"}
+        out["views_64MiB_vs_raw"] = {"value": big["ratio_vs_raw"]["shm_views"], "target": ">= 1.5"}
+    small = results["sizes"].get(str(4 * KIB))
+    if small:
+        out["roundtrip_4KiB_vs_pipe"] = {"value": small["roundtrip_ratio_vs_pipe"], "target": "<= 1.5"}
+    return out
+
+
+def _plot(results: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted(int(s) for s in results["sizes"])
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kind in ("raw", "raw_fresh", "shm", "shm_views"):
+        ax.plot([s / MIB for s in sizes], [results["sizes"][str(s)][kind]["gbps"] for s in sizes], marker="o", label=kind)
+    ax.set_xscale("log")
+    ax.set_xlabel("payload (MiB)")
+    ax.set_ylabel("GB/s (put -> get in another process)")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    parser.add_argument("--json", metavar="FILE", help="write results as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="plot GB/s per size")
+    parser.add_argument("--sizes", help="comma-separated sizes in bytes (default: 4K,1M,16M,64M,256M)")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (QUICK_SIZES if args.quick else SIZES)
+    results = measure(sizes, args.quick)
+    report = {
+        "benchmark": "shm",
+        "machine": {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform()},
+        "quick": args.quick,
+        "targets": _targets(results),
+        **results,
+    }
+    text = json.dumps(report, indent=2)
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(text + "\n")
+    print(text)
+    if args.plot:
+        _plot(results, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
