@@ -32,6 +32,7 @@ from omni_plugins.wire._format import (
 )
 
 _ExtType = msgpack.ExtType
+_unpackb = msgpack.unpackb  # defaults: raw=False (str is utf-8), strict_map_key=True (str/bytes keys only)
 _LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
 
 # torch warns (once per process) when a tensor is built over read-only memory. The
@@ -41,24 +42,16 @@ _readonly_warning_consumed = False
 _readonly_lock = threading.Lock()
 
 
-class _Table:
-    """A validated buffer table: one row per out-of-band buffer, in reference order."""
-
-    __slots__ = ("nbytes", "offsets", "shapes", "specs")
-
-    def __init__(self) -> None:
-        self.specs: list[DtypeSpec] = []
-        self.offsets: list[int] = []
-        self.nbytes: list[int] = []
-        self.shapes: list[tuple[int, ...]] = []
+# One validated buffer-table row: (spec, absolute offset, nbytes, shape).
+_Row = tuple[DtypeSpec, int, int, tuple[int, ...]]
 
 
-def _check_table(raw: Any, data_start: int, total: int, limits: Limits) -> _Table:
+def _check_table(raw: Any, data_start: int, total: int, limits: Limits) -> list[_Row]:
     if type(raw) is not list:
         raise WireFormatError("header buffer table is not a list")
     if len(raw) > limits.max_items:
         raise WireFormatError(f"buffer table has {len(raw)} entries > max_items={limits.max_items}")
-    table = _Table()
+    rows: list[_Row] = []
     end = 0  # end of the previous buffer, relative to data_start
     data_len = total - data_start
     for i, row in enumerate(raw):
@@ -89,14 +82,9 @@ def _check_table(raw: Any, data_start: int, total: int, limits: Limits) -> _Tabl
             raise WireFormatError(f"buffer {i}: offset {off} overlaps the previous buffer (ends at {end})")
         end = off + nbytes
         if end > data_len:
-            raise WireFormatError(
-                f"buffer {i}: bytes [{off}, {end}) of the data section lie outside the message ({data_len} data bytes)"
-            )
-        table.specs.append(spec)
-        table.offsets.append(data_start + off)
-        table.nbytes.append(nbytes)
-        table.shapes.append(tuple(shape))
-    return table
+            raise WireFormatError(f"buffer {i}: bytes [{off}, {end}) of the data section lie outside the message ({data_len} data bytes)")
+        rows.append((spec, data_start + off, nbytes, tuple(shape)))
+    return rows
 
 
 class _Builder:
@@ -104,12 +92,12 @@ class _Builder:
 
     __slots__ = ("copy", "items", "limits", "mv", "next_ref", "table")
 
-    def __init__(self, mv: memoryview, table: _Table, copy: bool, limits: Limits) -> None:
+    def __init__(self, mv: memoryview, table: list[_Row], copy: bool, limits: Limits) -> None:
         self.mv = mv
         self.table = table
         self.copy = copy
         self.limits = limits
-        self.items = len(table.specs)
+        self.items = len(table)
         self.next_ref = 0
 
     def walk(self, node: Any, depth: int) -> Any:
@@ -161,29 +149,21 @@ class _Builder:
         if node.data:
             raise WireFormatError("buffer reference carries data")
         i = self.next_ref
-        if i >= len(self.table.specs):
-            raise WireFormatError(f"header references buffer {i} but the table has {len(self.table.specs)}")
+        if i >= len(self.table):
+            raise WireFormatError(f"header references buffer {i} but the table has {len(self.table)}")
         self.next_ref = i + 1
-        return self._buffer(i)
-
-    def _buffer(self, i: int) -> Any:
-        table = self.table
-        spec = table.specs[i]
-        off = table.offsets[i]
-        nbytes = table.nbytes[i]
+        spec, off, nbytes, shape = self.table[i]
         if spec.kind is Kind.BYTES:
             return bytes(self.mv[off : off + nbytes])
-        shape = table.shapes[i]
-        arr = np.frombuffer(self.mv, dtype=spec.carrier, count=nbytes // spec.itemsize, offset=off).reshape(shape)
-        if spec.code in (1, 33) and nbytes and bool((arr.view(np.uint8) > 1).any()):
+        arr = np.frombuffer(self.mv, spec.carrier, nbytes // spec.itemsize, off).reshape(shape)
+        if spec.is_bool and nbytes and bool((arr.view(np.uint8) > 1).any()):
             raise WireFormatError(f"buffer {i}: bool data holds bytes other than 0 and 1")
         if self.copy:
             arr = arr.copy()
         if spec.kind is Kind.NUMPY:
             return arr
         tensor = torch.from_numpy(arr) if arr.flags.writeable else _from_readonly(arr)
-        if spec.needs_view:
-            assert spec.torch_dtype is not None
+        if spec.torch_dtype is not None and spec.needs_view:
             tensor = tensor.view(spec.torch_dtype)
         return tensor
 
@@ -248,14 +228,7 @@ def _decode(buffer: Any, copy: bool, limits: Limits) -> Any:
     if zlib.crc32(header) != crc:
         raise WireFormatError("header checksum mismatch (corrupted or truncated header)")
     try:
-        doc = msgpack.unpackb(
-            header,
-            raw=False,
-            strict_map_key=True,
-            max_array_len=limits.max_items,
-            max_map_len=limits.max_items,
-            max_ext_len=0,
-        )
+        doc = _unpackb(header, max_array_len=limits.max_items, max_map_len=limits.max_items, max_ext_len=0)
     except Exception as exc:
         raise WireFormatError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if type(doc) is not list or len(doc) != 2:
@@ -264,6 +237,6 @@ def _decode(buffer: Any, copy: bool, limits: Limits) -> Any:
     table = _check_table(raw_table, data_start, total, limits)
     builder = _Builder(mv, table, copy, limits)
     obj = builder.walk(tree, 0)
-    if builder.next_ref != len(table.specs):
-        raise WireFormatError(f"header references {builder.next_ref} buffers but the table has {len(table.specs)}")
+    if builder.next_ref != len(table):
+        raise WireFormatError(f"header references {builder.next_ref} buffers but the table has {len(table)}")
     return obj

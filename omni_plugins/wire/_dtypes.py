@@ -9,7 +9,7 @@ re-viewed as the torch dtype).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
@@ -17,6 +17,9 @@ import torch
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("omni_plugins.wire stores little-endian data and supports only little-endian hosts")
+
+
+_CARRIER_TORCH = {"|u1": torch.uint8, "<i2": torch.int16}
 
 
 class Kind(Enum):
@@ -34,10 +37,16 @@ class DtypeSpec:
     carrier: np.dtype  # numpy dtype the bytes are read as
     torch_dtype: torch.dtype | None  # final torch dtype (TORCH kind)
     needs_view: bool  # carrier is not the final dtype: .view(torch_dtype) after from_numpy
+    itemsize: int = field(init=False)
+    is_bool: bool = field(init=False)
+    is_complex: bool = field(init=False)
+    carrier_torch: torch.dtype | None = field(init=False)  # set when needs_view: torch dtype of the carrier
 
-    @property
-    def itemsize(self) -> int:
-        return int(self.carrier.itemsize)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "itemsize", int(self.carrier.itemsize))
+        object.__setattr__(self, "is_bool", self.carrier.kind == "b")
+        object.__setattr__(self, "is_complex", self.carrier.kind == "c")
+        object.__setattr__(self, "carrier_torch", _CARRIER_TORCH[self.carrier.str] if self.needs_view else None)
 
 
 def _torch_specs() -> list[DtypeSpec]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import zlib
 from typing import Any
 
@@ -36,6 +37,18 @@ OOB_BYTES_THRESHOLD = 4096
 _INT_MIN = -(1 << 63)
 _INT_MAX = (1 << 64) - 1
 _SCALARS = frozenset({str, float, bool, type(None)})
+
+
+_local = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    """A per-thread msgpack packer (creating one per call costs more than packing a small header)."""
+    try:
+        return _local.packer  # type: ignore[no-any-return]
+    except AttributeError:
+        _local.packer = msgpack.Packer(use_bin_type=True)
+        return _local.packer  # type: ignore[no-any-return]
 
 
 class _Refused(Exception):
@@ -129,13 +142,11 @@ class _Encoder:
         self.entries.append(entry)
 
     def _tensor(self, t: torch.Tensor) -> Any:
-        if t.layout is not torch.strided:
-            raise _Refused(f"tensor layout {t.layout} is not supported (only dense/strided tensors; call .to_dense())")
         spec = BY_TORCH.get(t.dtype)
         if spec is None:
             raise _Refused(f"tensor dtype {t.dtype} is not in the wire allowlist")
-        if t.ndim > self.limits.max_ndim:
-            raise _Refused(f"tensor has {t.ndim} dimensions > max_ndim={self.limits.max_ndim}")
+        if t.layout is not torch.strided:
+            raise _Refused(f"tensor layout {t.layout} is not supported (only dense/strided tensors; call .to_dense())")
         if not t.is_cpu:
             if t.is_meta:
                 raise _Refused("meta tensors have no data")
@@ -145,15 +156,16 @@ class _Encoder:
             t = t.detach()
         if type(t) is not torch.Tensor:
             t = t.as_subclass(torch.Tensor)
-        if t.is_conj():
-            t = t.resolve_conj()
-        if t.is_neg():
-            t = t.resolve_neg()
+        if spec.is_complex:
+            t = t.resolve_conj().resolve_neg()
         if not t.is_contiguous():
             t = t.contiguous()
-        if spec.needs_view:
-            t = t.view(torch.int16 if spec.itemsize == 2 else torch.uint8)
-        self._add(_Entry(spec, list(t.shape), t.nbytes, t))
+        shape = list(t.shape)
+        if len(shape) > self.limits.max_ndim:
+            raise _Refused(f"tensor has {len(shape)} dimensions > max_ndim={self.limits.max_ndim}")
+        if spec.carrier_torch is not None:
+            t = t.view(spec.carrier_torch)
+        self._add(_Entry(spec, shape, t.nbytes, t))
         return REF
 
     def _ndarray(self, a: np.ndarray) -> Any:
@@ -212,7 +224,7 @@ def encode(obj: Any, *, limits: Limits = DEFAULT_LIMITS) -> Encoded:
         data_len = rel + e.nbytes
         rel = align(data_len)
     try:
-        header = msgpack.packb([tree, table], use_bin_type=True)
+        header = _packer().pack([tree, table])
     except (ValueError, OverflowError, UnicodeError) as exc:
         raise WireFormatError(f"cannot encode payload header: {exc}") from None
     hlen = len(header)

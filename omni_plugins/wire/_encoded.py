@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,13 +12,15 @@ from omni_plugins.errors import WireFormatError
 _ZEROS = bytes(64)
 
 
-@dataclass(frozen=True)
 class Segment:
     """One out-of-band buffer: where it goes in the message and what holds its bytes."""
 
-    offset: int  # absolute offset inside the message
-    nbytes: int
-    source: Any  # contiguous CPU torch.Tensor (carrier-typed), C-contiguous np.ndarray, or bytes
+    __slots__ = ("nbytes", "offset", "source")
+
+    def __init__(self, offset: int, nbytes: int, source: Any) -> None:
+        self.offset = offset  # absolute offset inside the message
+        self.nbytes = nbytes
+        self.source = source  # contiguous CPU torch.Tensor (numpy-compatible dtype), C-contiguous np.ndarray, or bytes
 
     def view(self) -> memoryview:
         """A flat uint8 memoryview over the source's memory (no copy)."""

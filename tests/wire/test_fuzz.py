@@ -58,7 +58,14 @@ def forge(tree: Any, table: Any, data: bytes = b"", *, total: int | None = None,
     body = header + bytes(start - wire.PREFIX_SIZE - len(header)) + data
     size = wire.PREFIX_SIZE + len(body)
     prefix = struct.pack(
-        "<4sBBHIIQ", wire.MAGIC, wire.FORMAT_VERSION, 0, 0, len(header) if hlen is None else hlen, zlib.crc32(header), size if total is None else total
+        "<4sBBHIIQ",
+        wire.MAGIC,
+        wire.FORMAT_VERSION,
+        0,
+        0,
+        len(header) if hlen is None else hlen,
+        zlib.crc32(header),
+        size if total is None else total,
     )
     return prefix + body
 
@@ -121,7 +128,9 @@ def test_mutated_bytes_decode_or_raise_wire_error(mutations: list[tuple[int, int
 @given(st.data())
 def test_mutated_header_values_decode_or_raise_wire_error(data: st.DataObject) -> None:
     """Replace one value of the decoded header with an arbitrary msgpack value, reseal, decode."""
-    tree, table = msgpack.unpackb(SAMPLE_BYTES[wire.PREFIX_SIZE : wire.PREFIX_SIZE + struct.unpack_from("<I", SAMPLE_BYTES, 8)[0]], raw=False)
+    tree, table = msgpack.unpackb(
+        SAMPLE_BYTES[wire.PREFIX_SIZE : wire.PREFIX_SIZE + struct.unpack_from("<I", SAMPLE_BYTES, 8)[0]], raw=False
+    )
     junk = st.one_of(
         st.integers(-(2**63), 2**64 - 1),
         st.sampled_from([0, 1, 63, 64, 2**31, 2**62, -1]),
