@@ -128,3 +128,106 @@ def build_paged_caches(
 
 def _seq_len(kv: LayerKV) -> int:
     return int(next(t for t in kv[0] if t is not None).shape[0])
+
+
+# -- multi-process harness: each TP rank of both stages in its own process ------------------------
+#
+# The entry points below run in spawned children (they are importable, as spawn needs); they talk to
+# the parent only through a queue of plain tuples, and rebuild expected values with :func:`full_kv`.
+
+KV_SHAPE = {"num_layers": 3, "head_dim": 4, "missing_layers": (1,)}
+
+
+def _seq_len_of(request_id: str) -> int:
+    return 5 + zlib.crc32(request_id.encode()) % 11
+
+
+def _full_for(request_id: str, num_heads: int) -> LayerKV:
+    return full_kv(request_id, seq_len=_seq_len_of(request_id), num_heads=num_heads, **KV_SHAPE)  # type: ignore[arg-type]
+
+
+def run_sender_rank(
+    connector_name: str,
+    connector_config: dict[str, Any],
+    from_tp: int,
+    to_tp: int,
+    rank: int,
+    request_ids: list[str],
+    num_heads: int,
+    results: Any,
+    done: Any,
+    block_size: int = 4,
+) -> None:
+    """Child process: send this sender rank's head shard of each request, report, stay alive until ``done``.
+
+    The sender keeps its connector open until the receivers have finished, because
+    a connector frees the payloads it published and nobody consumed when it closes.
+    """
+    import omni_plugins
+    from omni_plugins.config import RankMapping
+    from omni_plugins.kv.manager import KVTransferManager
+
+    conn = omni_plugins.create_connector(connector_name, connector_config)
+    mgr = KVTransferManager(
+        conn, stage_id=0, from_stage=0, to_stage=1, rank_mapping=RankMapping(from_tp=from_tp, to_tp=to_tp), local_rank=rank, layout="nhd"
+    )
+    try:
+        heads = head_range(num_heads, from_tp, rank)
+        entries = {rid: shard_kv(_full_for(rid, num_heads), heads) for rid in request_ids}
+        caches, finished = build_paged_caches(entries, block_size=block_size, seed=rank)
+        sent = mgr.handle_finished_requests_kv_transfer(finished, caches, block_size, "auto")
+        results.put(("sent", rank, sent, mgr.drain_failed_sends()))
+        done.wait(120)
+        for rid in request_ids:
+            mgr.cleanup(rid, drop_sent=False)
+    finally:
+        mgr.close()
+        conn.close()
+
+
+def run_receiver_rank(
+    connector_name: str,
+    connector_config: dict[str, Any],
+    from_tp: int,
+    to_tp: int,
+    rank: int,
+    request_ids: list[str],
+    num_heads: int,
+    results: Any,
+    timeout_s: float = 60.0,
+) -> None:
+    """Child process: receive each request's KV, check it holds exactly this rank's heads, report.
+
+    Reports ``("recv", rank, request_id, problems, metadata)`` with ``problems`` an
+    empty list when the payload matched the expected head slice of every layer.
+    """
+    import omni_plugins
+    from omni_plugins.config import RankMapping
+    from omni_plugins.kv.manager import KVTransferManager
+
+    conn = omni_plugins.create_connector(connector_name, connector_config)
+    mgr = KVTransferManager(
+        conn, stage_id=1, from_stage=0, to_stage=2, rank_mapping=RankMapping(from_tp=from_tp, to_tp=to_tp), local_rank=rank
+    )
+    try:
+        for rid in request_ids:
+            payload, size = mgr.receive_kv_cache_for_request(rid, timeout_s=timeout_s)
+            problems: list[str] = []
+            meta: dict[str, Any] = {}
+            if payload is None or size <= 0:
+                problems.append(f"nothing received (size={size})")
+            else:
+                meta = {k: v for k, v in payload["metadata"].items() if isinstance(v, (int, str))}
+                want_k, want_v = shard_kv(_full_for(rid, num_heads), head_range(num_heads, to_tp, rank))
+                for name, want in (("key_cache", want_k), ("value_cache", want_v)):
+                    got = payload["layer_blocks"][name]
+                    if len(got) != len(want):
+                        problems.append(f"{name}: {len(got)} layers, want {len(want)}")
+                        continue
+                    for layer, (g, w) in enumerate(zip(got, want, strict=True)):
+                        if (g is None) != (w is None) or (g is not None and w is not None and not torch.equal(g, w)):
+                            problems.append(f"{name} layer {layer}: wrong values or heads ({None if g is None else tuple(g.shape)})")
+            results.put(("recv", rank, rid, problems, meta))
+        mgr.close()
+    finally:
+        conn.close()
