@@ -11,9 +11,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from rt_helpers import make_runtime  # noqa: E402
+from rt_helpers import make_runtime
 
-from omni_plugins.runtime import consumable  # noqa: E402
+from omni_plugins.runtime import consumable
 
 
 @pytest.fixture

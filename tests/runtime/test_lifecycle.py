@@ -1,0 +1,168 @@
+"""Cleanup, prune, timeouts, corrupt payloads, shutdown: nothing of a request remains."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from rt_helpers import FAST, RawConnector, Req, collect_until, make_runtime, wait_until
+
+from omni_plugins.memory import MemoryConfig
+from omni_plugins.runtime import RuntimeTuning
+
+STREAM = {"async_chunk": True, "custom_process_next_stage_input_func": "rt_builders.stream"}
+
+
+def test_cleanup_after_normal_stream_leaves_nothing(runtimes: list, namespace: str) -> None:
+    p = make_runtime(0, namespace, **STREAM)
+    c = make_runtime(1, namespace, async_chunk=True)
+    runtimes += [p, c]
+    reqs = [Req(f"i{n}", f"e{n}") for n in range(10)]
+    for r in reqs:
+        c.register_chunk_recv(Req(f"c{r.request_id}", r.external_req_id))
+    for k in range(3):
+        for r in reqs:
+            r.done = k == 2
+            p.send_chunk(r, {"embed": {"decode": torch.ones(1, 2)}})
+    done: set[str] = set()
+    collect_until(c, lambda s: done.update(s.chunk_finished) or len(done) == 10)
+    p.wait_sends()
+    for r in reqs:
+        p.cleanup_finished_request(r.request_id)
+        c.cleanup_finished_request(f"c{r.request_id}")
+    assert p.active_request_count() == 0 and c.active_request_count() == 0
+    assert c.debug_state()["receiving"] == [] and c.debug_state()["external_index"] == 0
+    assert p.connector.keys() == []
+
+
+def test_abort_mid_stream_frees_unread_chunks_in_the_connector(runtimes: list, namespace: str) -> None:
+    p = make_runtime(0, namespace, **STREAM)
+    c = make_runtime(1, namespace, async_chunk=True, worker_type="generation")
+    runtimes += [p, c]
+    c.register_chunk_recv(Req("r"))
+    for i in range(5):
+        p.send_chunk(Req("r"), {"codes": {"audio": [i]}})
+    p.wait_sends()
+    wait_until(c.recv_chunk)  # generation: one chunk taken, four wait in the connector
+    assert len(p.connector.keys()) == 4
+    assert c.cleanup_finished_request("r", aborted=True)
+    assert p.connector.keys() == []
+    assert c.active_request_count() == 0
+    p.cleanup_finished_request("r")
+    assert p.active_request_count() == 0
+
+
+def test_cleanup_by_external_id(runtimes: list, namespace: str) -> None:
+    c = make_runtime(1, namespace, async_chunk=True)
+    runtimes.append(c)
+    c.register_chunk_recv(Req("int", "ext"))
+    assert c.cleanup_finished_request("ext")
+    assert c.active_request_count() == 0
+    assert not c.cleanup_finished_request("ext")
+
+
+def test_prune_protects_waiting_and_undelivered(runtimes: list, namespace: str) -> None:
+    p = make_runtime(0, namespace)
+    c = make_runtime(1, namespace)
+    runtimes += [p, c]
+    c.register_chunk_recv(Req("waiting"))
+    c.register_chunk_recv(Req("arrived"))
+    p.send_full_payload_outputs({"arrived": {"x": [1]}})
+    wait_until(lambda: c.debug_state()["requests"]["arrived"]["has_cached"])
+    c.mark_kv_transfer("kv-only", 3, [0])
+    assert c.prune_inactive_requests(set()) == {"kv-only"}
+    assert {"waiting", "arrived"} <= set(c.debug_state()["requests"])
+    assert c.recv_full_payload_inputs().keys() == {"arrived"}
+    assert c.prune_inactive_requests(set()) == set()  # stage_recv not yet reported
+    c.collect_signals()
+    assert c.prune_inactive_requests({"waiting"}) == {"arrived"}
+    assert set(c.debug_state()["requests"]) == {"waiting"}
+    assert c.prune_inactive_requests(None) == set()
+
+
+def test_wait_longer_than_timeout_is_reported_and_dropped(runtimes: list, namespace: str) -> None:
+    c = make_runtime(1, namespace, async_chunk=True, recv_timeout_s=0.05)
+    runtimes.append(c)
+    c.register_chunk_recv(Req("slow"))
+    seen = collect_until(c, lambda s: bool(s.timed_out))
+    assert seen[-1].timed_out == {"slow"}
+    assert c.active_request_count() == 0
+    assert not c.collect_signals().timed_out  # reported once
+
+
+def test_timeout_restarts_on_each_arrival(runtimes: list, namespace: str) -> None:
+    p = make_runtime(0, namespace, **STREAM)
+    c = make_runtime(1, namespace, async_chunk=True, recv_timeout_s=0.5)
+    runtimes += [p, c]
+    c.register_chunk_recv(Req("r"))
+    req = Req("r")
+    for _ in range(4):
+        p.send_chunk(req, {"ids": {"prompt": [1]}})
+        time.sleep(0.2)  # total 0.8 s > timeout, but never 0.5 s without an arrival
+    sig = c.collect_signals()
+    assert not sig.timed_out and "r" in c.debug_state()["requests"]
+
+
+def test_undecodable_payload_fails_the_request(runtimes: list, namespace: str) -> None:
+    conn = RawConnector(MemoryConfig(namespace=namespace))
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    runtimes.append(c)
+    c.register_chunk_recv(Req("r"))
+    conn.inject_bad("r_0_0")
+    seen = collect_until(c, lambda s: bool(s.failed))
+    assert seen[-1].failed == {"r"}
+    assert c.active_request_count() == 0 and conn.keys() == []
+
+
+def test_shutdown_stops_threads_and_closes_connector(namespace: str) -> None:
+    c = make_runtime(1, namespace, async_chunk=True, tuning=RuntimeTuning(join_timeout_s=2.0))
+    c.register_chunk_recv(Req("r"))
+    names = {t.name for t in threading.enumerate()}
+    assert {"omni-send-stage1-r0", "omni-recv-stage1-r0"} <= names
+    c.shutdown()
+    c.shutdown()
+    names = {t.name for t in threading.enumerate()}
+    assert "omni-recv-stage1-r0" not in names and "omni-send-stage1-r0" not in names
+    assert c.connector is not None and c.connector.closed
+    assert c.send_chunk(Req("r"), {}) is False
+
+
+def test_shutdown_lets_queued_sends_finish(namespace: str) -> None:
+    p = make_runtime(0, namespace, tuning=FAST, **STREAM)
+    from omni_plugins.memory import MemoryConnector
+
+    reader = MemoryConnector(MemoryConfig(namespace=namespace))
+    for i in range(50):
+        p.send_chunk(Req("r"), {"t": torch.ones(64, 64), "i": [i]})
+    p.connector.close = lambda: None  # keep the namespace readable after shutdown
+    p.shutdown()
+    assert len(reader.keys()) == 50
+    for k in reader.keys():
+        reader.cleanup(k)
+
+
+def test_many_requests_aborted_and_finished_leave_nothing(runtimes: list, namespace: str) -> None:
+    p = make_runtime(0, namespace, **STREAM)
+    c = make_runtime(1, namespace, async_chunk=True)
+    runtimes += [p, c]
+    for n in range(30):
+        rid = f"r{n}"
+        c.register_chunk_recv(Req(rid))
+        req = Req(rid)
+        req.done = n % 3 == 0
+        p.send_chunk(req, {"ids": {"prompt": [n]}})
+    p.wait_sends()
+    for n in range(30):
+        if n % 2:
+            c.cleanup_finished_request(f"r{n}", aborted=True)
+    even_finished = {f"r{n}" for n in range(30) if n % 2 == 0 and n % 3 == 0}
+    wait_until(lambda: all(c.debug_state()["requests"][r]["stream_finished"] for r in even_finished))
+    c.collect_signals()
+    # finished and reported -> pruned; unfinished streams are still waiting -> protected
+    assert c.prune_inactive_requests(set()) == even_finished
+    for n in range(30):
+        c.cleanup_finished_request(f"r{n}")
+        p.cleanup_finished_request(f"r{n}")
+    assert c.active_request_count() == 0 and p.active_request_count() == 0
+    assert p.connector.keys() == []

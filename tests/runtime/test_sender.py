@@ -1,0 +1,98 @@
+"""The send thread: ordering, retries at the front, drops after 3 retries, deferred cleanup."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from rt_helpers import FlakyConnector, GatedConnector, Req, make_runtime, wait_until
+
+from omni_plugins.memory import MemoryConfig, MemoryConnector
+
+STREAM = {"async_chunk": True, "custom_process_next_stage_input_func": "rt_builders.stream"}
+
+
+def _read_all(namespace: str, keys: list[str]) -> list:
+    reader = MemoryConnector(MemoryConfig(namespace=namespace))
+    out = []
+    for k in keys:
+        got = reader.get("0", "1", k)
+        out.append(None if got is None else got.data)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["refuse", "raise"])
+def test_failed_put_is_retried_in_order(mode: str, runtimes: list, namespace: str) -> None:
+    conn = FlakyConnector(namespace, fail_puts=3, mode=mode, fail_keys=lambda k: k == "r_0_1")
+    p = make_runtime(0, namespace, connector=conn, **STREAM)
+    runtimes.append(p)
+    for i in range(4):
+        p.send_chunk(Req("r"), {"ids": {"prompt": [i]}})
+    assert p.wait_sends()
+    # chunk 1 failed three times and was retried at the front: chunk 2 was never put before it
+    assert conn.attempts == ["r_0_0", "r_0_1", "r_0_1", "r_0_1", "r_0_1", "r_0_2", "r_0_3"]
+    got = _read_all(namespace, [f"r_0_{i}" for i in range(4)])
+    assert [g["ids"]["prompt"] for g in got] == [[0], [1], [2], [3]]
+    assert not p.collect_signals().failed
+
+
+def test_put_dropped_after_three_retries_and_reported(runtimes: list, namespace: str, caplog: pytest.LogCaptureFixture) -> None:
+    conn = FlakyConnector(namespace, fail_puts=100, fail_keys=lambda k: k == "r_0_0")
+    p = make_runtime(0, namespace, connector=conn, **STREAM)
+    runtimes.append(p)
+    p.send_chunk(Req("r"), {"x": [0]})
+    p.send_chunk(Req("r"), {"x": [1]})
+    assert p.wait_sends()
+    assert conn.attempts.count("r_0_0") == 4  # first try + 3 retries
+    assert any("giving up on r_0_0" in r.getMessage() for r in caplog.records)
+    assert p.collect_signals().failed == {"r"}
+    assert p.debug_state()["requests"]["r"]["in_flight"] == 0
+    assert p.debug_state()["sender"]["dropped"] == 1
+    assert _read_all(namespace, ["r_0_1"])[0] == {"x": [1], "meta": {"finished": False}}
+
+
+def test_other_requests_are_not_blocked_by_a_failing_one(runtimes: list, namespace: str) -> None:
+    conn = FlakyConnector(namespace, fail_puts=3, fail_keys=lambda k: k.startswith("bad_"))
+    p = make_runtime(0, namespace, connector=conn, **STREAM)
+    runtimes.append(p)
+    p.send_chunk(Req("bad"), {"x": [0]})
+    p.send_chunk(Req("good"), {"x": [0]})
+    assert p.wait_sends()
+    assert conn.attempts.index("good_0_0") < len(conn.attempts) - 1  # good went out between bad's retries
+
+
+def test_cleanup_is_deferred_while_sends_are_in_flight(runtimes: list, namespace: str) -> None:
+    conn = GatedConnector(namespace)
+    p = make_runtime(0, namespace, connector=conn, **STREAM)
+    runtimes.append(p)
+    p.send_chunk(Req("r"), {"x": [0]})
+    p.send_chunk(Req("r"), {"x": [1]})
+    assert conn.entered.wait(5)
+    assert p.cleanup_finished_request("r")
+    state = p.debug_state()["requests"]["r"]
+    assert state["released"] and state["in_flight"] == 2  # send-side state kept for the sends
+    conn.gate.set()
+    wait_until(lambda: p.active_request_count() == 0)
+    assert sorted(conn.keys()) == ["r_0_0", "r_0_1"]  # both still delivered
+    for k in ("r_0_0", "r_0_1"):
+        conn.cleanup(k)
+
+
+def test_concurrent_senders_keep_per_request_order(runtimes: list, namespace: str) -> None:
+    p = make_runtime(0, namespace, **STREAM)
+    runtimes.append(p)
+
+    def produce(rid: str) -> None:
+        for i in range(20):
+            p.send_chunk(Req(rid), {"ids": {"prompt": [i]}, "t": torch.ones(1)})
+
+    threads = [threading.Thread(target=produce, args=(f"r{j}",)) for j in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert p.wait_sends()
+    for j in range(4):
+        got = _read_all(namespace, [f"r{j}_0_{i}" for i in range(20)])
+        assert [g["ids"]["prompt"][0] for g in got] == list(range(20))
