@@ -138,7 +138,7 @@ def test_shutdown_lets_queued_sends_finish(namespace: str) -> None:
     p.connector.close = lambda: None  # keep the namespace readable after shutdown
     p.shutdown()
     assert len(reader.keys()) == 50
-    for k in reader.keys():
+    for k in list(reader.keys()):
         reader.cleanup(k)
 
 
