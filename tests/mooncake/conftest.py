@@ -6,7 +6,6 @@ from collections.abc import Iterator
 
 import psutil
 import pytest
-
 from omni_plugins_mooncake.testing import MooncakeMaster, loopback_environment
 
 loopback_environment()

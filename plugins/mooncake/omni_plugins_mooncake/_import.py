@@ -23,9 +23,7 @@ def explain_import_failure(module: str, exc: BaseException) -> str:
     text = str(exc)
     parts = [f"cannot import {module!r} ({type(exc).__name__}: {text})."]
     if "libibverbs" in text or ctypes.util.find_library("ibverbs") is None:
-        parts.append(
-            "Mooncake needs libibverbs.so.1 even for TCP; on Debian/Ubuntu: apt-get install -y libibverbs1."
-        )
+        parts.append("Mooncake needs libibverbs.so.1 even for TCP; on Debian/Ubuntu: apt-get install -y libibverbs1.")
     if "libcuda" in text or "libcudart" in text:
         parts.append(
             "The CUDA build of Mooncake is installed on a machine without CUDA: "

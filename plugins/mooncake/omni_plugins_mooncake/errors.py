@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 OBJECT_NOT_FOUND = -704
+LEASE_EXPIRED = -707
 
 _NAMES = {
     -1: "transfer failed",
@@ -10,6 +11,7 @@ _NAMES = {
     -600: "buffer too small",
     -704: "object not found",
     -706: "object has a lease (remove with force)",
+    -707: "lease expired during the read: the transfer took longer than the master's default_kv_lease_ttl",
     -900: "RPC to the master failed (master down or restarting)",
 }
 

@@ -57,7 +57,7 @@ class Slab:
 
     def view(self, nbytes: int) -> memoryview:
         """A writable view of the first ``nbytes`` (valid only while the slab is held)."""
-        return memoryview(self._array[:nbytes])
+        return self._array[:nbytes].data
 
     def exporter(self, nbytes: int) -> np.ndarray:
         """A fresh array object over the first ``nbytes``; every view derived from it keeps it alive."""
@@ -142,7 +142,7 @@ class SlabPool:
         """A view of ``slab``'s first ``nbytes`` that releases the slab when it and all views/tensors over it die."""
         exporter = slab.exporter(nbytes)
         weakref.finalize(exporter, self.release, slab)
-        return memoryview(exporter)
+        return exporter.data  # a memoryview whose exporter is `exporter`
 
     # -- accounting ----------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -172,9 +172,7 @@ class SlabPool:
         cap = self.max_total_bytes
         for bucket_size in sorted(self._idle, reverse=True):
             bucket = self._idle[bucket_size]
-            while bucket and (
-                (cap is not None and self._total_bytes + size > cap) or self._idle_bytes > self.max_idle_bytes
-            ):
+            while bucket and ((cap is not None and self._total_bytes + size > cap) or self._idle_bytes > self.max_idle_bytes):
                 victims.append(bucket.pop())
                 self._idle_bytes -= bucket_size
                 self._total_bytes -= bucket_size

@@ -20,15 +20,16 @@ from typing import Any
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorError
-
 from omni_plugins_mooncake._backoff import poll
 from omni_plugins_mooncake._env import prepare_environment
 from omni_plugins_mooncake._import import import_mooncake
 from omni_plugins_mooncake.config import MooncakeStoreConfig, parse_host_port
-from omni_plugins_mooncake.errors import OBJECT_NOT_FOUND, describe
+from omni_plugins_mooncake.errors import LEASE_EXPIRED, OBJECT_NOT_FOUND, describe
 from omni_plugins_mooncake.memory import SlabPool
 
 logger = logging.getLogger(__name__)
+
+_READ_ATTEMPTS = 3
 
 
 def check_master_reachable(address: str, timeout: float) -> None:
@@ -39,8 +40,7 @@ def check_master_reachable(address: str, timeout: float) -> None:
             pass
     except OSError as exc:
         raise ConnectorError(
-            f"mooncake master at {address} is not reachable ({exc}); start it, e.g. "
-            f"mooncake_master --rpc_address={host} --rpc_port={port}"
+            f"mooncake master at {address} is not reachable ({exc}); start it, e.g. mooncake_master --rpc_address={host} --rpc_port={port}"
         ) from exc
 
 
@@ -93,7 +93,9 @@ class MooncakeStoreConnector(Connector):
         finally:
             self._pool.release(slab)
         if rc != 0:
-            raise ConnectorError(f"mooncake store (master {self.config.master_address}): put of key {key!r} ({n} bytes) failed: {describe(rc)}")
+            raise ConnectorError(
+                f"mooncake store (master {self.config.master_address}): put of key {key!r} ({n} bytes) failed: {describe(rc)}"
+            )
         self._count(puts=1, bytes_put=n)
         return PutResult(True, n, None)
 
@@ -109,7 +111,11 @@ class MooncakeStoreConnector(Connector):
             raise ConnectorError(f"mooncake store (master {self.config.master_address}): lookup of key {key!r} failed: {describe(size)}")
         slab = self._pool.acquire(size)
         try:
-            got = self._store.get_into(key, slab.address, slab.size)
+            for _ in range(_READ_ATTEMPTS):
+                got = self._store.get_into(key, slab.address, slab.size)
+                if got != LEASE_EXPIRED:  # a slow read outlived the lease; the object is still there
+                    break
+                logger.info("mooncake store: read of key %r outlived its lease; retrying", key)
         except BaseException:
             self._pool.release(slab)
             raise
@@ -159,7 +165,9 @@ class MooncakeStoreConnector(Connector):
         rc = self._store.remove(key, True)
         if rc not in (0, OBJECT_NOT_FOUND):
             self._count(remove_failures=1)
-            logger.warning("mooncake store (master %s): consumed key %r could not be removed: %s", self.config.master_address, key, describe(rc))
+            logger.warning(
+                "mooncake store (master %s): consumed key %r could not be removed: %s", self.config.master_address, key, describe(rc)
+            )
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:

@@ -17,7 +17,6 @@ from typing import Any
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorError, WireFormatError
-
 from omni_plugins_mooncake._backoff import poll
 from omni_plugins_mooncake._env import prepare_environment
 from omni_plugins_mooncake._import import import_mooncake
@@ -55,7 +54,10 @@ class MooncakeTransferEngineConnector(Connector):
             max_total_bytes=int(cfg.pool_size),
         )
         self._recv_pool = SlabPool(
-            te.register_memory, te.unregister_memory, name=f"mooncake-te receive buffers of {self.segment}", max_idle_bytes=int(cfg.max_idle_buffer_bytes)
+            te.register_memory,
+            te.unregister_memory,
+            name=f"mooncake-te receive buffers of {self.segment}",
+            max_idle_bytes=int(cfg.max_idle_buffer_bytes),
         )
         self._table = StagingTable(self._send_pool, ttl=cfg.payload_ttl, claim_timeout=cfg.claim_timeout)
         self._clients: dict[str, ControlClient] = {}
@@ -183,7 +185,9 @@ class MooncakeTransferEngineConnector(Connector):
         try:
             rc = self._te.transfer_sync_read(segment, slab.address, remote_addr, size) if self._te is not None else -1
             if rc != 0:
-                raise ConnectorError(f"mooncake-te: reading key {key!r} ({size} bytes) from {segment} (peer {client.address}) failed: code {rc}")
+                raise ConnectorError(
+                    f"mooncake-te: reading key {key!r} ({size} bytes) from {segment} (peer {client.address}) failed: code {rc}"
+                )
         except BaseException:
             self._recv_pool.release(slab)
             self._unclaim(client, token)
@@ -258,7 +262,14 @@ class MooncakeTransferEngineConnector(Connector):
             entry = self._table.claim(key)
             if entry is None:
                 return {"ok": True, "found": False}
-            return {"ok": True, "found": True, "segment": self.segment, "addr": entry.slab.address, "size": entry.nbytes, "token": entry.token}
+            return {
+                "ok": True,
+                "found": True,
+                "segment": self.segment,
+                "addr": entry.slab.address,
+                "size": entry.nbytes,
+                "token": entry.token,
+            }
         if op in ("finish", "unclaim"):
             token = request.get("token")
             if not isinstance(token, int):
@@ -284,4 +295,6 @@ class MooncakeTransferEngineConnector(Connector):
                 logger.exception("mooncake-te %s: reaping expired payloads failed", self.segment)
                 continue
             if freed:
-                logger.warning("mooncake-te %s: reclaimed %d payload(s) nobody consumed within %.0f s", self.segment, freed, self.config.payload_ttl)
+                logger.warning(
+                    "mooncake-te %s: reclaimed %d payload(s) nobody consumed within %.0f s", self.segment, freed, self.config.payload_ttl
+                )

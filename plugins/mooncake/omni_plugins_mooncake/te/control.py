@@ -28,7 +28,6 @@ from typing import Any
 import msgpack
 
 from omni_plugins.errors import ConnectorError
-
 from omni_plugins_mooncake.config import parse_host_port
 
 logger = logging.getLogger(__name__)

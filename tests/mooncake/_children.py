@@ -1,0 +1,39 @@
+"""Child-process body for the cross-process test (importable by ``spawn``)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+BIG = 64 << 20
+
+
+def big_payload(seed: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {"blob": torch.randint(0, 256, (BIG,), dtype=torch.uint8, generator=g), "meta": {"seed": seed}}
+
+
+def digest(payload: dict[str, Any]) -> str:
+    return hashlib.sha256(payload["blob"].numpy().tobytes()).hexdigest()
+
+
+def produce(specs: dict[str, dict[str, Any]], key: str, seed: int, ready: Any, done: Any, report: Any) -> None:
+    """Put one 64 MiB payload through each connector in ``specs``; stay alive until told; report health."""
+    from omni_plugins_mooncake.testing import loopback_environment
+
+    loopback_environment()
+    from omni_plugins import create_connector
+
+    conns = {name: create_connector(name, config) for name, config in specs.items()}
+    try:
+        payload = big_payload(seed)
+        for conn in conns.values():
+            assert conn.put(0, 1, key, payload).ok
+        ready.put(({name: getattr(c, "address", None) for name, c in conns.items()}, digest(payload)))
+        done.wait(120)
+        report.put({name: c.health() for name, c in conns.items()})
+    finally:
+        for conn in conns.values():
+            conn.close()

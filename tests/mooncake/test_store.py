@@ -1,0 +1,77 @@
+"""``mooncake-store`` against a real ``mooncake_master``: failure modes and a 64 MiB cross-process move."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+import torch
+from omni_plugins_mooncake.testing import MooncakeMaster, free_port
+
+from omni_plugins import create_connector
+from omni_plugins.errors import ConnectorError
+
+from .conftest import store_config
+
+
+def test_missing_master_fails_fast_with_its_address() -> None:
+    address = f"127.0.0.1:{free_port()}"
+    with pytest.raises(ConnectorError, match=f"master at {address} is not reachable"):
+        create_connector("mooncake-store", {"master_address": address, "connect_timeout": 1.0})
+
+
+def test_put_overwrites_and_get_consumes(master: MooncakeMaster) -> None:
+    key = f"ow-{uuid.uuid4().hex}"
+    with create_connector("mooncake-store", store_config(master)) as conn:
+        assert conn.put(0, 1, key, {"v": torch.zeros(4)}).ok
+        assert conn.put(0, 1, key, {"v": torch.ones(4)}).ok  # raw store put would keep the zeros
+        got = conn.get(0, 1, key)
+        assert got is not None and torch.equal(got.data["v"], torch.ones(4))
+        assert conn.get(0, 1, key) is None
+        health = conn.health()
+        assert health["ok"] is True and health["master"] == master.address
+
+
+def test_received_tensors_outlive_later_gets(master: MooncakeMaster) -> None:
+    """Zero-copy gets must not hand out memory that the next get overwrites."""
+    with create_connector("mooncake-store", store_config(master)) as conn:
+        keys = [f"zc-{i}-{uuid.uuid4().hex}" for i in range(3)]
+        for i, key in enumerate(keys):
+            conn.put(0, 1, key, {"v": torch.full((1000,), float(i))})
+        got = [conn.get(0, 1, k) for k in keys]
+        for i, g in enumerate(got):
+            assert g is not None and torch.equal(g.data["v"], torch.full((1000,), float(i)))
+        del got, g
+        assert conn.health()["buffers"]["in_use_bytes"] == 0  # leases came back
+
+
+def _retry(fn: Any, attempts: int = 150) -> Any:
+    last: Exception | None = None
+    for _ in range(attempts):
+        try:
+            return fn()
+        except ConnectorError as exc:
+            last = exc
+            time.sleep(0.2)
+    raise AssertionError(f"no recovery: {last}")
+
+
+def test_master_killed_mid_run_errors_then_recovers(own_master: MooncakeMaster) -> None:
+    conn = create_connector("mooncake-store", store_config(own_master))
+    try:
+        assert conn.put(0, 1, "before", {"v": torch.arange(3)}).ok
+        own_master.kill()
+        with pytest.raises(ConnectorError, match=own_master.address):
+            conn.put(0, 1, "during", {"v": torch.arange(3)})
+        with pytest.raises(ConnectorError, match=own_master.address):
+            conn.get(0, 1, "before")
+        own_master.restart()
+        # the client re-registers with the new master by itself; no new connector needed
+        assert _retry(lambda: conn.put(0, 1, "after", {"v": torch.arange(5)})).ok
+        got = conn.get(0, 1, "after", timeout=10)
+        assert got is not None and torch.equal(got.data["v"], torch.arange(5))
+        assert conn.get(0, 1, "before") is None  # a restarted master has forgotten old objects
+    finally:
+        conn.close()

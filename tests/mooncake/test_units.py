@@ -1,0 +1,208 @@
+"""Unit-level tests (no Mooncake engine): import errors, slab leasing, staging table, control framing."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import struct
+import sys
+import time
+
+import pytest
+import torch
+from omni_plugins_mooncake._import import explain_import_failure
+from omni_plugins_mooncake.config import MooncakeStoreConfig, MooncakeTEConfig
+from omni_plugins_mooncake.memory import SlabPool, size_class
+from omni_plugins_mooncake.te.control import ControlClient, ControlServer
+from omni_plugins_mooncake.te.pool import StagingTable
+
+from omni_plugins import create_connector, wire
+from omni_plugins.errors import ConfigError, PluginLoadError
+
+
+def _pool(**kw: object) -> tuple[SlabPool, list[int]]:
+    registered: list[int] = []
+
+    def register(addr: int, size: int) -> int:
+        registered.append(addr)
+        return 0
+
+    def unregister(addr: int) -> int:
+        registered.remove(addr)
+        return 0
+
+    return SlabPool(register, unregister, name="test", **kw), registered  # type: ignore[arg-type]
+
+
+# -- friendly import errors ------------------------------------------------------
+def test_missing_module_names_the_extra() -> None:
+    msg = explain_import_failure("mooncake.store", ModuleNotFoundError("No module named 'mooncake'", name="mooncake"))
+    assert "omni-plugins-mooncake[cpu]" in msg and "[cuda]" in msg
+
+
+def test_missing_libibverbs_names_the_debian_package() -> None:
+    msg = explain_import_failure("mooncake.engine", ImportError("libibverbs.so.1: cannot open shared object file"))
+    assert "apt-get install -y libibverbs1" in msg
+
+
+def test_cuda_wheel_without_cuda_says_to_switch() -> None:
+    msg = explain_import_failure("mooncake.engine", ImportError("libcuda.so.1: cannot open shared object file"))
+    assert "mooncake-transfer-engine-non-cuda" not in msg or "[cpu]" in msg
+    assert "pip uninstall -y mooncake-transfer-engine" in msg
+
+
+@pytest.mark.parametrize("name", ["mooncake-store", "mooncake-te"])
+def test_connector_without_mooncake_raises_plugin_load_error(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mooncake.store", None)  # makes `import mooncake.store` fail
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(PluginLoadError, match=r"omni-plugins-mooncake\[cpu\]"):
+        create_connector(name, {"master_address": "127.0.0.1:1"} if name == "mooncake-store" else {})
+
+
+# -- config ----------------------------------------------------------------------
+def test_vllm_omni_field_names_are_accepted() -> None:
+    cfg = MooncakeStoreConfig.model_validate(
+        {"host": "127.0.0.1", "master": "127.0.0.1:50051", "segment": 1 << 28, "localbuf": "16MiB", "proto": "tcp", "rdma": ""}
+    )
+    assert cfg.master_address == "127.0.0.1:50051" and cfg.global_segment_size == 1 << 28 and cfg.local_buffer_size == 16 << 20
+
+
+@pytest.mark.parametrize(
+    "name,bad",
+    [
+        ("mooncake-store", {"protocol": "udp"}),
+        ("mooncake-store", {"master_address": "127.0.0.1:99999"}),
+        ("mooncake-store", {"global_segment_size": -1}),
+        ("mooncake-te", {"peers": ["nohost"]}),
+        ("mooncake-te", {"listen_address": "127.0.0.1"}),
+        ("mooncake-te", {"payload_ttl": 0}),
+    ],
+)
+def test_bad_configs_are_config_errors(name: str, bad: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match=name):
+        create_connector(name, bad)
+
+
+def test_te_config_defaults_listen_on_loopback() -> None:
+    assert MooncakeTEConfig().listen_address == "127.0.0.1:0"
+
+
+# -- slabs -----------------------------------------------------------------------------
+def test_size_classes_waste_at_most_a_quarter() -> None:
+    for n in (1, 4096, 1 << 20, (1 << 20) + 1, 3 << 20, (64 << 20) + 512, 100 << 20):
+        c = size_class(n, 1 << 20)
+        assert c >= n and c % 4096 == 0 and c <= max(n, 1 << 20) * 1.25
+
+
+def test_pool_reuses_released_slabs() -> None:
+    pool, registered = _pool(max_idle_bytes=8 << 20)
+    a = pool.acquire(1000)
+    pool.release(a)
+    b = pool.acquire(2000)
+    assert b is a and len(registered) == 1
+    pool.release(b)
+    pool.close()
+    assert registered == []
+
+
+def test_leased_slab_returns_when_decoded_tensors_die() -> None:
+    pool, _ = _pool(max_idle_bytes=8 << 20)
+    enc = wire.encode({"t": torch.arange(1000, dtype=torch.int64)})
+    slab = pool.acquire(enc.nbytes)
+    enc.write_into(slab.view(enc.nbytes))
+    view = pool.lease(slab, enc.nbytes)
+    out = wire.decode(view)
+    del view
+    gc.collect()
+    assert pool.stats()["in_use_bytes"] == slab.size  # the tensor still points into the slab
+    assert pool.acquire(1) is not slab
+    assert torch.equal(out["t"], torch.arange(1000))
+    del out
+    gc.collect()
+    assert pool.stats()["in_use_bytes"] == 1 << 20  # only the second acquire is out now
+
+
+def test_pool_cap_is_a_clear_error() -> None:
+    pool, _ = _pool(max_idle_bytes=0, max_total_bytes=2 << 20)
+    pool.acquire(1 << 20)
+    pool.acquire(1 << 20)
+    with pytest.raises(Exception, match="registered memory exhausted"):
+        pool.acquire(1)
+
+
+# -- staging table ---------------------------------------------------------------------------
+def test_claim_is_exclusive_and_finish_frees() -> None:
+    pool, _ = _pool(max_idle_bytes=0)
+    table = StagingTable(pool, ttl=60, claim_timeout=60)
+    table.stage("k", pool.acquire(10), 10)
+    first = table.claim("k")
+    assert first is not None and first.token is not None
+    assert table.claim("k") is None  # a second reader must not get it
+    assert table.take("k") is None
+    assert table.finish(first.token) is True
+    assert table.claim("k") is None and pool.stats()["total_bytes"] == 0
+
+
+def test_lapsed_claim_becomes_available_and_late_finish_is_refused() -> None:
+    pool, _ = _pool(max_idle_bytes=0)
+    table = StagingTable(pool, ttl=60, claim_timeout=0.01)
+    table.stage("k", pool.acquire(10), 10)
+    stale = table.claim("k")
+    assert stale is not None and stale.token is not None
+    stale_token = stale.token
+    time.sleep(0.05)
+    table.reap()
+    fresh = table.claim("k")  # the reader died: the payload can be claimed again
+    assert fresh is not None and fresh.token is not None and fresh.token != stale_token
+    assert table.finish(stale_token) is False  # the late reader learns its bytes may be stale
+    assert table.finish(fresh.token) is True
+
+
+def test_ttl_reclaims_unconsumed_payloads() -> None:
+    pool, _ = _pool(max_idle_bytes=0)
+    table = StagingTable(pool, ttl=0.01, claim_timeout=60)
+    table.stage("k", pool.acquire(10), 10)
+    time.sleep(0.05)
+    assert table.reap() == 1
+    assert table.stats()["staged"] == 0 and pool.stats()["total_bytes"] == 0
+
+
+def test_replacing_a_payload_being_read_defers_the_free() -> None:
+    pool, _ = _pool(max_idle_bytes=0)
+    table = StagingTable(pool, ttl=60, claim_timeout=60)
+    old_slab = pool.acquire(10)
+    table.stage("k", old_slab, 10)
+    claim = table.claim("k")
+    assert claim is not None and claim.token is not None
+    table.stage("k", pool.acquire(20), 20)
+    assert pool.stats()["total_bytes"] == 2 << 20  # the old slab is still being read
+    assert table.finish(claim.token) is True
+    assert pool.stats()["total_bytes"] == 1 << 20
+    new = table.take("k")
+    assert new is not None and new.nbytes == 20
+
+
+# -- control channel ---------------------------------------------------------------------------------
+def test_control_server_survives_garbage_and_answers() -> None:
+    server = ControlServer("127.0.0.1:0", lambda req: {"ok": True, "echo": req.get("op")}, io_timeout=2)
+    try:
+        host, port = server.address.split(":")
+        for junk in (b"\xff\xff\xff\xff", struct.pack(">I", 3) + b"\xc1\xc1\xc1", struct.pack(">I", 1) + b"\x01"):
+            with socket.create_connection((host, int(port)), timeout=2) as s:
+                s.sendall(junk)
+                s.settimeout(2)
+                assert s.recv(16) == b""  # the server hangs up on a bad frame
+        client = ControlClient(server.address, timeout=2)
+        assert client.request({"op": "ping"})["echo"] == "ping"
+        client.close()
+    finally:
+        server.close()
+
+
+def test_silent_peer_times_out_instead_of_hanging() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog) but never answers
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        client = ControlClient(address, timeout=0.3)
+        with pytest.raises(Exception, match="unreachable"):
+            client.request({"op": "claim", "key": "k"})
+        client.close()
