@@ -22,6 +22,7 @@ block ids in order and truncated to ``seq_len``.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -64,6 +65,7 @@ class PagedCaches:
     def gather(self, block_ids: Sequence[int], seq_len: int) -> tuple[LayerList, LayerList]:
         """Return per-layer key and value tensors ``[seq_len, heads, head_dim]`` for one request."""
         ids = _check_request(block_ids, seq_len, self.block_size, self.layers)
+        seq_len = int(seq_len)
         keys: LayerList = []
         values: LayerList = []
         for layer in self.layers:
@@ -82,17 +84,27 @@ def _gather(blocks: torch.Tensor, idx: torch.Tensor, seq_len: int) -> torch.Tens
     return picked.flatten(0, 1)[:seq_len].contiguous()
 
 
+def _as_int(value: Any, what: str) -> int:
+    """``value`` as an int (Python, numpy or 0-d torch integers); bools and floats are rejected."""
+    if isinstance(value, (bool, float)):
+        raise KVPayloadError(f"{what} must be an int, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise KVPayloadError(f"{what} must be an int, got {value!r}") from None
+
+
 def _check_request(block_ids: Sequence[int] | torch.Tensor, seq_len: int, block_size: int, layers: list[PagedLayer | None]) -> torch.Tensor:
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
-        raise KVPayloadError(f"seq_len must be a positive int, got {seq_len!r}")
-    ids_list = block_ids.tolist() if isinstance(block_ids, torch.Tensor) else list(block_ids)
-    if any(isinstance(b, bool) or not isinstance(b, int) for b in ids_list):
-        raise KVPayloadError(f"block_ids must be ints, got {ids_list[:8]!r}")
-    needed = -(-seq_len // block_size)
+    seq = _as_int(seq_len, "seq_len")
+    if seq <= 0:
+        raise KVPayloadError(f"seq_len must be positive, got {seq}")
+    if isinstance(block_ids, (str, bytes, Mapping)) or not hasattr(block_ids, "__iter__"):
+        raise KVPayloadError(f"block_ids must be a sequence of ints, got {type(block_ids).__name__}")
+    raw = block_ids.tolist() if hasattr(block_ids, "tolist") else list(block_ids)  # tensors and numpy arrays
+    ids_list = [_as_int(b, "block_ids entries") for b in raw]
+    needed = -(-seq // block_size)
     if len(ids_list) < needed:
-        raise KVPayloadError(
-            f"seq_len={seq_len} needs {needed} blocks of {block_size} tokens but only {len(ids_list)} block ids were given"
-        )
+        raise KVPayloadError(f"seq_len={seq} needs {needed} blocks of {block_size} tokens but only {len(ids_list)} block ids were given")
     ids_list = ids_list[:needed]
     num_blocks = min((layer.num_blocks for layer in layers if layer is not None), default=0)
     bad = [b for b in ids_list if not 0 <= b < num_blocks]

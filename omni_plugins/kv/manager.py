@@ -28,7 +28,7 @@ import torch
 
 from omni_plugins.config import RankMapping
 from omni_plugins.contract import Connector, PutResult
-from omni_plugins.errors import ConfigError, ConnectorClosedError, OmniPluginsError
+from omni_plugins.errors import ConfigError, ConnectorClosedError, OmniPluginsError, WireFormatError
 from omni_plugins.kv import ranks
 from omni_plugins.kv.errors import KVPayloadError
 from omni_plugins.kv.layout import LAYOUTS, KVLayout, normalize_caches
@@ -222,7 +222,7 @@ class KVTransferManager:
         metadata: dict[str, Any] = dict(custom)
         metadata.update(
             request_id=external_id,
-            seq_len=seq_len,
+            seq_len=next(int(t.shape[0]) for t in keys if t is not None),
             block_size=block_size,
             num_layers=len(keys),
             cache_dtype=str(cache_dtype),
@@ -261,8 +261,8 @@ class KVTransferManager:
                     logger.debug("KV put %s (%d bytes)", key, result.size)
                     return True
                 reason = (result.metadata or {}).get("error", "put returned ok=False")
-            except ConnectorClosedError as exc:
-                logger.error("KV put %s: connector closed: %s", key, exc)
+            except (ConnectorClosedError, WireFormatError) as exc:  # retrying cannot help
+                logger.error("KV put %s failed: %s: %s", key, type(exc).__name__, exc)
                 return False
             except OmniPluginsError as exc:
                 reason = f"{type(exc).__name__}: {exc}"
@@ -327,28 +327,25 @@ class KVTransferManager:
             try:
                 result = connector.get(self.from_stage, self.stage_id, key, timeout=remaining)
                 if result is not None:
-                    shard = _Shard(key, validate_payload(result.data, f"KV shard {key}"), int(result.size))
                     if not connector.capabilities.consume_on_get:
-                        self._cleanup_key(connector, key)
-            except (OmniPluginsError, KVPayloadError) as exc:
+                        self._cleanup_key(connector, key)  # read once, like a consuming backend
+                    shard = _Shard(key, validate_payload(result.data, f"KV shard {key}"), int(result.size))
+            except OmniPluginsError as exc:
                 logger.error("KV receive %s (stage %s rank %s): %s", request_id, self.stage_id, self.local_rank, exc)
-                self._drop_shards(connector, shards)
                 return None, 0
             if result is None:
                 if keep_partial and shards:
                     with self._lock:
                         st = self._find(request_id) or self._requests.setdefault(request_id, _RequestKV(request_id, request_id))
                         st.partial.update(shards)
-                else:
-                    if shards:
-                        logger.warning(
-                            "KV receive %s: timed out waiting for %s after %d of %d shards; dropping them",
-                            request_id,
-                            key,
-                            len(shards),
-                            len(sources),
-                        )
-                    self._drop_shards(connector, shards)
+                elif shards:
+                    logger.warning(
+                        "KV receive %s: timed out waiting for %s after %d of %d shards; dropping them",
+                        request_id,
+                        key,
+                        len(shards),
+                        len(sources),
+                    )
                 logger.info("KV receive %s (stage %s rank %s): timed out waiting for %s", request_id, self.stage_id, self.local_rank, key)
                 return None, 0
             shards[src] = shard
@@ -363,11 +360,6 @@ class KVTransferManager:
         total = sum(s.size for s in shards.values())
         logger.debug("KV receive %s: %d shard(s), %d bytes", request_id, len(shards), total)
         return payload, total
-
-    def _drop_shards(self, connector: Connector, shards: Mapping[int, _Shard]) -> None:
-        if not connector.capabilities.consume_on_get:
-            for shard in shards.values():
-                self._cleanup_key(connector, shard.key)
 
     def receive_cfg_companion(
         self, cfg_request_ids: Mapping[str, str], target_device: torch.device | str | None = None, *, timeout_s: float | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,8 +119,11 @@ def test_bad_block_size_and_layout_name() -> None:
         ([0, 9], 5, "out of range"),
         ([0, -1], 5, "out of range"),
         ([0, 1], 0, "positive"),
-        ([0, 1.5], 5, "ints"),
-        ([0, 1], "5", "positive"),
+        ([0, 1.5], 5, "must be an int"),
+        ([0, True], 5, "must be an int"),
+        ([0, 1], "5", "must be an int"),
+        ([0, 1], 5.0, "must be an int"),
+        ("01", 5, "sequence"),
     ],
 )
 def test_bad_request_rejected(block_ids: list, seq_len: object, match: str) -> None:
@@ -128,8 +132,11 @@ def test_bad_request_rejected(block_ids: list, seq_len: object, match: str) -> N
         paged.gather(block_ids, seq_len)  # type: ignore[arg-type]
 
 
-def test_block_ids_as_tensor() -> None:
+def test_block_ids_and_seq_len_as_tensor_or_numpy() -> None:
     entries = {"r": full_kv("r", num_layers=1, seq_len=7, num_heads=3, head_dim=2)}
     caches, finished = build_paged_caches(entries, block_size=BLOCK)
-    keys, _ = normalize_caches(caches, BLOCK).gather(torch.tensor(finished["r"]["block_ids"]), 7)
-    assert torch.equal(keys[0], entries["r"][0][0])
+    paged = normalize_caches(caches, BLOCK)
+    ids = finished["r"]["block_ids"]
+    for block_ids, seq_len in ((torch.tensor(ids), torch.tensor(7)), (np.array(ids), np.int64(7))):
+        keys, _ = paged.gather(block_ids, seq_len)  # type: ignore[arg-type]
+        assert torch.equal(keys[0], entries["r"][0][0])
