@@ -24,10 +24,11 @@ from omni_plugins.wire._format import (
     DEFAULT_LIMITS,
     EXT_REF,
     EXT_TUPLE,
+    FORMAT_VERSION,
+    MAGIC,
     PREFIX,
     PREFIX_SIZE,
     Limits,
-    align,
     check_prefix,
 )
 
@@ -90,10 +91,11 @@ def _check_table(raw: Any, data_start: int, total: int, limits: Limits) -> list[
 class _Builder:
     """Turns the header tree into the payload: checks depth and items, resolves buffer refs."""
 
-    __slots__ = ("copy", "items", "limits", "mv", "next_ref", "table")
+    __slots__ = ("copy", "items", "limits", "mv", "next_ref", "readonly", "table")
 
     def __init__(self, mv: memoryview, table: list[_Row], copy: bool, limits: Limits) -> None:
         self.mv = mv
+        self.readonly = mv.readonly
         self.table = table
         self.copy = copy
         self.limits = limits
@@ -123,7 +125,9 @@ class _Builder:
                 if type(k) is not str:
                     raise WireFormatError(f"dict key of type {type(k).__name__} (only str keys are allowed)")
                 tv = type(v)
-                if tv is dict or tv is list or tv is _ExtType:
+                if tv is _ExtType:
+                    node[k] = self._ext(v)
+                elif tv is dict or tv is list:
                     node[k] = walk(v, depth)
                 elif tv not in _LEAVES:
                     raise WireFormatError(f"header holds an unsupported msgpack value of type {tv.__name__}")
@@ -135,7 +139,9 @@ class _Builder:
             node = node[1:]
         for i, v in enumerate(node):
             tv = type(v)
-            if tv is dict or tv is list or tv is _ExtType:
+            if tv is _ExtType:
+                node[i] = self._ext(v)
+            elif tv is dict or tv is list:
                 node[i] = walk(v, depth)
             elif tv not in _LEAVES:
                 raise WireFormatError(f"header holds an unsupported msgpack value of type {tv.__name__}")
@@ -162,7 +168,7 @@ class _Builder:
             arr = arr.copy()
         if spec.kind is Kind.NUMPY:
             return arr
-        tensor = torch.from_numpy(arr) if arr.flags.writeable else _from_readonly(arr)
+        tensor = _from_readonly(arr) if self.readonly and not self.copy else torch.from_numpy(arr)
         if spec.torch_dtype is not None and spec.needs_view:
             tensor = tensor.view(spec.torch_dtype)
         return tensor
@@ -214,12 +220,13 @@ def _decode(buffer: Any, copy: bool, limits: Limits) -> Any:
     if size < PREFIX_SIZE:
         raise WireFormatError(f"truncated message: {size} bytes is shorter than the {PREFIX_SIZE}-byte prefix")
     magic, version, flags, reserved, hlen, crc, total = PREFIX.unpack_from(mv)
-    check_prefix(magic, version, flags, reserved)
+    if magic != MAGIC or version != FORMAT_VERSION or flags or reserved:
+        check_prefix(magic, version, flags, reserved)
     if hlen > limits.max_header_bytes:
         raise WireFormatError(f"header length {hlen} exceeds max_header_bytes={limits.max_header_bytes}")
     if total > size:
         raise WireFormatError(f"truncated message: prefix declares {total} bytes but the buffer holds {size}")
-    data_start = align(PREFIX_SIZE + hlen)
+    data_start = (PREFIX_SIZE + hlen + ALIGNMENT - 1) & -ALIGNMENT
     if data_start > total:
         raise WireFormatError(f"header length {hlen} does not fit in the declared message length {total}")
     if total < size:

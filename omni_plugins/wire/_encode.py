@@ -15,6 +15,7 @@ from omni_plugins.errors import WireFormatError
 from omni_plugins.wire._dtypes import BY_NUMPY, BY_TORCH, BYTES_SPEC, DtypeSpec
 from omni_plugins.wire._encoded import Encoded, Segment
 from omni_plugins.wire._format import (
+    ALIGNMENT,
     DEFAULT_LIMITS,
     EXT_REF,
     EXT_TUPLE,
@@ -37,6 +38,7 @@ OOB_BYTES_THRESHOLD = 4096
 _INT_MIN = -(1 << 63)
 _INT_MAX = (1 << 64) - 1
 _SCALARS = frozenset({str, float, bool, type(None)})
+_ZERO_PAD = bytes(ALIGNMENT)
 
 
 _local = threading.local()
@@ -60,27 +62,21 @@ class _Refused(Exception):
         self.path: list[str] = []
 
 
-class _Entry:
-    """One buffer-table entry before offsets are assigned."""
-
-    __slots__ = ("nbytes", "shape", "source", "spec")
-
-    def __init__(self, spec: DtypeSpec, shape: list[int], nbytes: int, source: Any) -> None:
-        self.spec = spec
-        self.shape = shape
-        self.nbytes = nbytes
-        self.source = source
-
-
 class _Encoder:
-    """State of one ``encode`` call: the buffer table and the item budget."""
+    """State of one ``encode`` call: the buffer table, its segments and the item budget.
 
-    __slots__ = ("entries", "items", "limits")
+    Buffer offsets are relative to the start of the data section, so the table does not
+    depend on the header's own length.
+    """
+
+    __slots__ = ("cursor", "items", "limits", "segments", "table")
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
-        self.entries: list[_Entry] = []
+        self.table: list[list[Any]] = []  # [code, offset, nbytes, shape] per buffer
+        self.segments: list[Segment] = []
         self.items = 0
+        self.cursor = 0  # end of the data section so far
 
     def walk(self, obj: Any, depth: int) -> Any:
         t = type(obj)
@@ -102,17 +98,21 @@ class _Encoder:
 
     def _container(self, obj: Any, t: type, depth: int) -> Any:
         depth += 1
-        if depth > self.limits.max_depth:
-            raise _Refused(f"nesting deeper than max_depth={self.limits.max_depth}")
+        limits = self.limits
+        if depth > limits.max_depth:
+            raise _Refused(f"nesting deeper than max_depth={limits.max_depth}")
         self.items += len(obj)
-        if self.items > self.limits.max_items:
-            raise _Refused(f"more than max_items={self.limits.max_items} elements")
+        if self.items > limits.max_items:
+            raise _Refused(f"more than max_items={limits.max_items} elements")
         walk = self.walk
         if t is dict:
             out: dict[str, Any] = {}
             for k, v in obj.items():
                 if type(k) is not str:
                     raise _Refused(f"dict key {k!r} is a {type(k).__name__}; only str keys are supported")
+                if type(v) in _SCALARS:  # fast path: no call for plain scalars
+                    out[k] = v
+                    continue
                 try:
                     out[k] = walk(v, depth)
                 except _Refused as exc:
@@ -121,6 +121,9 @@ class _Encoder:
             return out
         items: list[Any] = [TUPLE] if t is tuple else []
         for i, v in enumerate(obj):
+            if type(v) in _SCALARS:
+                items.append(v)
+                continue
             try:
                 items.append(walk(v, depth))
             except _Refused as exc:
@@ -132,14 +135,17 @@ class _Encoder:
         n = len(obj)
         if n < OOB_BYTES_THRESHOLD:
             return obj
-        self._add(_Entry(BYTES_SPEC, [n], n, obj))
-        return REF
+        return self._add(BYTES_SPEC, [n], n, obj)
 
-    def _add(self, entry: _Entry) -> None:
+    def _add(self, spec: DtypeSpec, shape: list[int], nbytes: int, source: Any) -> Any:
         self.items += 1
         if self.items > self.limits.max_items:
             raise _Refused(f"more than max_items={self.limits.max_items} elements")
-        self.entries.append(entry)
+        off = align(self.cursor)
+        self.table.append([spec.code, off, nbytes, shape])
+        self.segments.append(Segment(off, nbytes, source))
+        self.cursor = off + nbytes
+        return REF
 
     def _tensor(self, t: torch.Tensor) -> Any:
         spec = BY_TORCH.get(t.dtype)
@@ -165,8 +171,7 @@ class _Encoder:
             raise _Refused(f"tensor has {len(shape)} dimensions > max_ndim={self.limits.max_ndim}")
         if spec.carrier_torch is not None:
             t = t.view(spec.carrier_torch)
-        self._add(_Entry(spec, shape, t.nbytes, t))
-        return REF
+        return self._add(spec, shape, t.nbytes, t)
 
     def _ndarray(self, a: np.ndarray) -> Any:
         dt = a.dtype
@@ -180,8 +185,7 @@ class _Encoder:
             raise _Refused(f"array has {a.ndim} dimensions > max_ndim={self.limits.max_ndim}")
         if not a.flags.c_contiguous:
             a = np.ascontiguousarray(a)
-        self._add(_Entry(spec, list(a.shape), a.nbytes, a))
-        return REF
+        return self._add(spec, list(a.shape), a.nbytes, a)
 
     def _other(self, obj: Any, depth: int) -> Any:
         # Subclasses of the builtin types travel as the builtin type (IntEnum -> int,
@@ -215,24 +219,14 @@ def encode(obj: Any, *, limits: Limits = DEFAULT_LIMITS) -> Encoded:
     except _Refused as exc:
         path = "payload" + "".join(reversed(exc.path))
         raise WireFormatError(f"cannot encode {path}: {exc.message}") from None
-    table: list[list[Any]] = []
-    offsets: list[int] = []
-    rel = data_len = 0
-    for e in enc.entries:
-        table.append([e.spec.code, rel, e.nbytes, e.shape])
-        offsets.append(rel)
-        data_len = rel + e.nbytes
-        rel = align(data_len)
     try:
-        header = _packer().pack([tree, table])
+        header = _packer().pack([tree, enc.table])
     except (ValueError, OverflowError, UnicodeError) as exc:
         raise WireFormatError(f"cannot encode payload header: {exc}") from None
     hlen = len(header)
     if hlen > limits.max_header_bytes:
         raise WireFormatError(f"encoded header is {hlen} bytes > max_header_bytes={limits.max_header_bytes}")
-    data_start = align(PREFIX_SIZE + hlen)
-    total = data_start + data_len
-    prefix = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, hlen, zlib.crc32(header), total)
-    head = b"".join((prefix, header, bytes(data_start - PREFIX_SIZE - hlen)))
-    segments = [Segment(data_start + off, e.nbytes, e.source) for off, e in zip(offsets, enc.entries, strict=True)]
-    return Encoded(head, segments, total)
+    data_start = (PREFIX_SIZE + hlen + ALIGNMENT - 1) & -ALIGNMENT
+    total = data_start + enc.cursor
+    head = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, hlen, zlib.crc32(header), total) + header + _ZERO_PAD[: data_start - PREFIX_SIZE - hlen]
+    return Encoded(head, data_start, enc.segments, total)

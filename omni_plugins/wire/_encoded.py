@@ -18,7 +18,7 @@ class Segment:
     __slots__ = ("nbytes", "offset", "source")
 
     def __init__(self, offset: int, nbytes: int, source: Any) -> None:
-        self.offset = offset  # absolute offset inside the message
+        self.offset = offset  # offset relative to the start of the data section
         self.nbytes = nbytes
         self.source = source  # contiguous CPU torch.Tensor (numpy-compatible dtype), C-contiguous np.ndarray, or bytes
 
@@ -39,10 +39,11 @@ class Encoded:
     must therefore not be modified before the bytes are written out.
     """
 
-    __slots__ = ("_head", "_segments", "nbytes")
+    __slots__ = ("_data_start", "_head", "_segments", "nbytes")
 
-    def __init__(self, head: bytes, segments: list[Segment], nbytes: int) -> None:
-        self._head = head
+    def __init__(self, head: bytes, data_start: int, segments: list[Segment], nbytes: int) -> None:
+        self._head = head  # prefix + header + zero padding, len(head) == data_start
+        self._data_start = data_start
         self._segments = segments
         self.nbytes = nbytes
 
@@ -63,7 +64,7 @@ class Encoded:
         Padding between buffers is included as views of a static zero block.
         """
         out = [memoryview(self._head)]
-        cursor = len(self._head)
+        cursor = 0
         zeros = memoryview(_ZEROS)
         for seg in self._segments:
             if seg.offset > cursor:
@@ -95,15 +96,16 @@ class Encoded:
                 raise WireFormatError(f"write_into destination is not C-contiguous: {exc}") from exc
         if mv.nbytes < self.nbytes:
             raise WireFormatError(f"write_into destination too small: {mv.nbytes} bytes < {self.nbytes} needed")
-        head = self._head
-        cursor = len(head)
-        mv[:cursor] = head
+        base = self._data_start
+        mv[:base] = self._head
+        cursor = base
         for seg in self._segments:
-            if seg.offset > cursor:
-                mv[cursor : seg.offset] = _ZEROS[: seg.offset - cursor]
+            start = base + seg.offset
+            if start > cursor:
+                mv[cursor:start] = _ZEROS[: start - cursor]
             if seg.nbytes:
-                mv[seg.offset : seg.offset + seg.nbytes] = seg.view()
-            cursor = seg.offset + seg.nbytes
+                mv[start : start + seg.nbytes] = seg.view()
+            cursor = start + seg.nbytes
         return self.nbytes
 
     def to_bytes(self) -> bytes:
