@@ -1,0 +1,14 @@
+"""``omni-plugins run``: a pipeline of synthetic stages over real connectors, checked end to end.
+
+Modules: ``spec`` (the ``synthetic`` schema and the chain plan), ``checksums``
+(deterministic values), ``builders`` (the payload builder), ``inputs`` and
+``kvsynth`` (receive-side checks), ``stage`` (one stage process),
+``launcher`` (the orchestrator), ``stats``/``report`` (numbers and the
+table), ``leaks`` (backend leftovers), ``servers`` (``--start-servers``).
+"""
+
+from omni_plugins.pipeline.launcher import RunOptions, run_pipeline
+from omni_plugins.pipeline.report import RunReport
+from omni_plugins.pipeline.spec import PipelinePlan, SyntheticSpec, build_plan
+
+__all__ = ["PipelinePlan", "RunOptions", "RunReport", "SyntheticSpec", "build_plan", "run_pipeline"]

@@ -1,0 +1,293 @@
+"""The orchestrator of ``omni-plugins run``: spawn stage processes, feed requests, collect, check, report.
+
+The orchestrator never touches payloads. It sends request ids to stage 0's
+control queue (at most ``concurrency`` in flight), counts completions the last
+stage reports on the results queue, then stops every stage, checks for leaks
+and builds a :class:`RunReport`. Every wait is bounded; a stage process that
+dies is reported with its stage id and exit reason and the others are stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omni_plugins.pipeline.leaks import backend_leaks, health_leaks
+from omni_plugins.pipeline.report import RunReport, edge_summary
+from omni_plugins.pipeline.spec import PipelinePlan
+from omni_plugins.pipeline.stage import StageLaunch, stage_main
+from omni_plugins.pipeline.stats import EdgeStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    requests: int = 8
+    concurrency: int = 2
+    timeout_s: float = 600.0  # the whole run
+    stall_s: float = 120.0  # no completion for this long: give up
+    start_timeout_s: float = 120.0  # every stage ready
+    stop_timeout_s: float = 60.0  # every stage reported its final state
+    progress: bool = True
+    log_level: int = logging.WARNING
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def exit_reason(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@dataclass
+class _Proc:
+    stage: int
+    rank: int
+    process: Any
+    ready: bool = False
+    final: dict[str, Any] | None = None
+    error: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"stage {self.stage} rank {self.rank}"
+
+
+class Orchestrator:
+    def __init__(self, plan: PipelinePlan, options: RunOptions) -> None:
+        self.plan = plan
+        self.opts = options
+        self.ctx = mp.get_context("spawn")
+        self.results: Any = self.ctx.Queue()
+        self.inboxes: dict[int, Any] = {s.stage_id: self.ctx.Queue() for s in plan.stages}
+        self.procs: list[_Proc] = []
+        self.report = RunReport(pipeline=plan.filename, requests=options.requests, concurrency=options.concurrency)
+        self.in_flight: set[str] = set()
+        self.done: set[str] = set()
+        self.run_tag = uuid.uuid4().hex[:6]
+
+    # ------------------------------------------------------------------ processes
+    def spawn(self) -> None:
+        data = self.plan.config.model_dump(mode="python")
+        for sp in self.plan.stages:
+            port = _free_port() if sp.stage.tp_size > 1 else None
+            for rank in range(sp.stage.tp_size):
+                launch = StageLaunch(data, self.plan.filename, sp.stage_id, rank, port, self.opts.log_level)
+                inbox = self.inboxes[sp.stage_id] if rank == 0 else None
+                down = self.inboxes[sp.downstream] if rank == 0 and sp.downstream is not None else None
+                p = self.ctx.Process(
+                    target=stage_main, args=(launch, inbox, down, self.results), name=f"omni-stage{sp.stage_id}-r{rank}", daemon=True
+                )
+                p.start()
+                self.procs.append(_Proc(sp.stage_id, rank, p))
+
+    def _proc(self, stage: int, rank: int) -> _Proc | None:
+        return next((p for p in self.procs if p.stage == stage and p.rank == rank), None)
+
+    def _handle(self, msg: dict[str, Any], bar: Any) -> None:
+        kind = msg.get("kind")
+        proc = self._proc(int(msg.get("stage", -1)), int(msg.get("rank", -1)))
+        if kind == "ready" and proc:
+            proc.ready = True
+        elif kind == "done":
+            rid = str(msg["rid"])
+            if rid in self.in_flight:
+                self.in_flight.discard(rid)
+                self.done.add(rid)
+                self.report.completed += 1
+                bar.update(1)
+            else:
+                self.report.problems.append(f"completion of unknown or duplicate request {rid}")
+        elif kind == "failed":
+            rid = str(msg["rid"])
+            self.report.failed.setdefault(rid, str(msg.get("reason")))
+            if rid in self.in_flight:
+                self.in_flight.discard(rid)
+                self.done.add(rid)
+                bar.update(1)
+        elif kind == "error" and proc:
+            proc.error = str(msg.get("error"))
+            logger.debug("%s traceback:\n%s", proc.label, msg.get("traceback"))
+        elif kind == "final" and proc:
+            proc.final = msg
+
+    def _pump(self, timeout: float, bar: Any) -> None:
+        try:
+            msg = self.results.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._handle(msg, bar)
+        while True:
+            try:
+                msg = self.results.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(msg, bar)
+
+    def _dead(self, *, expected: bool = False) -> list[str]:
+        """Processes that ended (unexpectedly unless ``expected``), described."""
+        out = []
+        for p in self.procs:
+            code = p.process.exitcode
+            if code is None or (expected and code == 0 and p.final is not None):
+                continue
+            if code == 0 and p.final is not None:
+                continue
+            why = exit_reason(code)
+            if p.error:
+                why += f" ({p.error})"
+            out.append(f"{p.label} (pid {p.process.pid}) died: {why}")
+        return out
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> RunReport:
+        from tqdm import tqdm
+
+        started = time.monotonic()
+        bar = tqdm(total=self.opts.requests, desc="requests", unit="req", file=sys.stderr, disable=not self.opts.progress, leave=False)
+        try:
+            self.spawn()
+            if self._wait_ready(bar):
+                self._feed(bar, started)
+        finally:
+            bar.close()
+            self._stop_all(bar)
+            self.report.duration_s = time.monotonic() - started
+        self._collect()
+        return self.report
+
+    def _wait_ready(self, bar: Any) -> bool:
+        deadline = time.monotonic() + self.opts.start_timeout_s
+        while not all(p.ready for p in self.procs):
+            dead = self._dead()
+            if dead:
+                self.report.deaths += dead
+                return False
+            if time.monotonic() > deadline:
+                slow = [p.label for p in self.procs if not p.ready]
+                self.report.problems.append(f"stages not ready after {self.opts.start_timeout_s:.0f}s: {', '.join(slow)}")
+                return False
+            self._pump(0.1, bar)
+        return True
+
+    def _feed(self, bar: Any, started: float) -> None:
+        ids = [f"req-{self.run_tag}-{i:05d}" for i in range(self.opts.requests)]
+        pending = list(reversed(ids))
+        first = self.inboxes[self.plan.first.stage_id]
+        last_progress = time.monotonic()
+        while pending or self.in_flight:
+            while pending and len(self.in_flight) < self.opts.concurrency:
+                rid = pending.pop()
+                self.in_flight.add(rid)
+                first.put(("admit", rid))
+            before = len(self.done)
+            self._pump(0.05, bar)
+            now = time.monotonic()
+            if len(self.done) != before:
+                last_progress = now
+            dead = self._dead()
+            if dead:
+                self.report.deaths += dead
+                break
+            if now - started > self.opts.timeout_s:
+                self.report.problems.append(f"run timed out after {self.opts.timeout_s:.0f}s")
+                break
+            if now - last_progress > self.opts.stall_s:
+                self.report.problems.append(f"no request completed for {self.opts.stall_s:.0f}s")
+                break
+        self.report.lost = sorted(self.in_flight) + list(reversed(pending))
+
+    def _stop_all(self, bar: Any) -> None:
+        for q in self.inboxes.values():
+            q.put(("stop",))
+        deadline = time.monotonic() + self.opts.stop_timeout_s
+        while time.monotonic() < deadline:
+            if all(p.final is not None or p.process.exitcode is not None for p in self.procs):
+                break
+            self._pump(0.1, bar)
+        for p in self.procs:
+            p.process.join(max(0.1, min(10.0, deadline - time.monotonic())))
+        self._pump(0.05, bar)
+        for p in self.procs:
+            if p.process.exitcode is None:
+                self.report.problems.append(f"{p.label} did not stop; killed")
+                p.process.kill()
+                p.process.join(5)
+        known = set(self.report.deaths)
+        for d in self._dead(expected=True):
+            if d not in known:
+                self.report.deaths.append(d)
+        for q in [*self.inboxes.values(), self.results]:
+            q.close()
+            q.join_thread()
+
+    # ------------------------------------------------------------------ report
+    def _collect(self) -> None:
+        edges: dict[str, EdgeStats] = {}
+        order: list[str] = []
+        for p in self.procs:
+            final = p.final
+            if final is None:
+                continue
+            where = p.label
+            self.report.stages.append(
+                {
+                    "stage": p.stage,
+                    "rank": p.rank,
+                    "leftover_requests": final["leftover_requests"],
+                    "kv_tracked": final["kv_tracked"],
+                    "health": final["health"],
+                }
+            )
+            if final["leftover_requests"]:
+                self.report.leaks.append(
+                    f"{where}: runtime still holds {final['leftover_requests']} request state(s): {final['leftover_ids']}"
+                )
+            if final["kv_tracked"]:
+                self.report.leaks.append(f"{where}: KV manager still tracks {final['kv_tracked']}")
+            if not final["sends_drained"]:
+                self.report.problems.append(f"{where}: queued sends did not drain")
+            self.report.leaks += health_leaks(where, final["health"])
+            for i, raw in enumerate(final["stats"]):
+                if i == 1 and not final["kv"]:
+                    continue
+                if i == 0 and p.rank != 0:
+                    continue  # non-KV payloads are moved by rank 0; followers see the same broadcast
+                st = EdgeStats.from_json(raw)
+                if st.edge not in edges:
+                    edges[st.edge] = EdgeStats(st.edge)
+                    order.append(st.edge)
+                edges[st.edge].merge(st)
+        used = {s.connector for s in self.plan.stages if s.connector}
+        self.report.leaks += backend_leaks(self.plan.config, used)  # type: ignore[arg-type]
+        self.report.edges = [edge_summary(edges[name]) for name in order]
+
+
+def run_pipeline(path: str | Path, options: RunOptions) -> RunReport:
+    """Load, validate and run ``path``; the report says whether everything arrived intact and nothing leaked."""
+    from omni_plugins.config import load_pipeline_config
+    from omni_plugins.pipeline.spec import build_plan
+
+    config = load_pipeline_config(path)
+    plan = build_plan(config, filename=str(path))
+    return Orchestrator(plan, options).run()
