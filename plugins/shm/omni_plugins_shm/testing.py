@@ -35,3 +35,100 @@ def unique_namespace(prefix: str = "t") -> str:
 def shm_config(namespace: str, **overrides: object) -> dict[str, object]:
     """A config dict for ``create_connector("shm", ...)`` in ``namespace``."""
     return {"namespace": namespace, **overrides}
+
+
+# -- multi-process workers (picklable by reference, for ``multiprocessing.get_context("spawn")``) ----------
+
+
+def make_payload(seed: int, nbytes: int) -> dict[str, object]:
+    """A deterministic payload of about ``nbytes`` bytes of tensor data (rebuild it to verify a get)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n = max(1, nbytes // 4)
+    return {"x": torch.randn(n, generator=g), "seed": seed, "tag": f"payload-{seed}"}
+
+
+def payload_matches(data: object, seed: int, nbytes: int) -> bool:
+    import torch
+
+    want = make_payload(seed, nbytes)
+    return (
+        isinstance(data, dict)
+        and data.get("seed") == seed
+        and data.get("tag") == want["tag"]
+        and isinstance(data.get("x"), torch.Tensor)
+        and torch.equal(data["x"], want["x"])  # type: ignore[arg-type]
+    )
+
+
+def producer_worker(config: dict[str, object], items: list[tuple[str, int, int]], ready: object = None, hold: object = None) -> None:
+    """Put ``(key, seed, nbytes)`` items; then signal ``ready`` (a queue) and wait on ``hold`` (an event) before closing."""
+    from omni_plugins import create_connector
+
+    with create_connector("shm", config) as conn:
+        for key, seed, nbytes in items:
+            if not conn.put(0, 1, key, make_payload(seed, nbytes)).ok:
+                raise SystemExit(f"put {key} failed")
+        if ready is not None:
+            ready.put(len(items))  # type: ignore[attr-defined]
+        if hold is not None:
+            hold.wait(120)  # type: ignore[attr-defined]
+
+
+def consumer_worker(config: dict[str, object], items: list[tuple[str, int, int]], out: object, timeout: float = 30.0) -> None:
+    """Blocking-get each item; report ``(key, "ok" | "missing" | "mismatch")`` tuples to the queue ``out``."""
+    from omni_plugins import create_connector
+
+    results = []
+    with create_connector("shm", config) as conn:
+        for key, seed, nbytes in items:
+            res = conn.get(0, 1, key, timeout=timeout)
+            results.append((key, "missing" if res is None else ("ok" if payload_matches(res.data, seed, nbytes) else "mismatch")))
+    out.put(results)  # type: ignore[attr-defined]
+
+
+def pipeline_consumer_worker(
+    config: dict[str, object], race_keys: list[str], items: list[tuple[str, int, int]], out: object, timeout: float = 60.0
+) -> None:
+    """First try to take each of ``race_keys`` without waiting (other consumers race for them), then
+    blocking-get ``items``. Reports ``{"won": [...], "items": [(key, status), ...]}`` to the queue ``out``."""
+    from omni_plugins import create_connector
+
+    won, results = [], []
+    with create_connector("shm", config) as conn:
+        for key in race_keys:
+            if conn.get(0, 1, key) is not None:
+                won.append(key)
+        for key, seed, nbytes in items:
+            res = conn.get(0, 1, key, timeout=timeout)
+            results.append((key, "missing" if res is None else ("ok" if payload_matches(res.data, seed, nbytes) else "mismatch")))
+            del res
+    out.put({"won": won, "items": results})  # type: ignore[attr-defined]
+
+
+def stalled_producer_worker(config: dict[str, object], count: int, nbytes: int, ready: object) -> None:
+    """Put ``count`` payloads (keys ``stalled-<i>``, seeds ``i``), signal ``ready``, then hang (for SIGKILL tests)."""
+    import time
+
+    from omni_plugins import create_connector
+
+    conn = create_connector("shm", config)
+    for i in range(count):
+        conn.put(0, 1, f"stalled-{i}", make_payload(i, nbytes))
+    ready.put(count)  # type: ignore[attr-defined]
+    while True:
+        time.sleep(1)
+
+
+def view_holder_worker(config: dict[str, object], key: str, ready: object) -> None:
+    """Take a zero-copy view of ``key`` and hold it forever (for SIGKILL tests of a consumer)."""
+    import time
+
+    from omni_plugins import create_connector
+
+    conn = create_connector("shm", config)
+    res = conn.get_views(0, 1, key, timeout=60)  # type: ignore[attr-defined]
+    ready.put(res is not None)  # type: ignore[attr-defined]
+    while True:
+        time.sleep(1)

@@ -1,0 +1,44 @@
+"""Fixtures for the shm connector tests: a unique namespace per test and leak checks.
+
+Every test gets its own namespace ``tshm<session>-<n>``; after each test the
+namespace must be empty, and after the session nothing with the session's
+prefix may remain in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from omni_plugins_shm.naming import PREFIX
+from omni_plugins_shm.testing import assert_namespace_empty
+
+SESSION = uuid.uuid4().hex[:8]
+_counter = itertools.count()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_shm_leftovers_after_session() -> Iterator[None]:
+    yield
+    prefix = f"{PREFIX}.tshm{SESSION}-"
+    left = sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefix))
+    assert not left, f"shm tests left {len(left)} file(s) in /dev/shm: {left[:10]}"
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    """A fresh namespace; the test fails if anything of it is left in /dev/shm afterwards."""
+    ns = f"tshm{SESSION}-{next(_counter)}"
+    yield ns
+    assert_namespace_empty(ns)
+
+
+@pytest.fixture
+def spawn():  # type: ignore[no-untyped-def]
+    import multiprocessing as mp
+
+    return mp.get_context("spawn")
