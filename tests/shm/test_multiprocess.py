@@ -53,7 +53,9 @@ def test_two_producers_two_consumers_one_namespace(namespace: str, spawn: Any) -
             assert parent.put(0, 1, key, {"i": torch.tensor(i)}).ok
         ready, hold, out = spawn.Queue(), spawn.Event(), spawn.Queue()
         producers = [spawn.Process(target=producer_worker, args=(config, items[(p, 0)] + items[(p, 1)], ready, hold)) for p in range(2)]
-        consumers = [spawn.Process(target=pipeline_consumer_worker, args=(config, race_keys, items[(0, c)] + items[(1, c)], out)) for c in range(2)]
+        consumers = [
+            spawn.Process(target=pipeline_consumer_worker, args=(config, race_keys, items[(0, c)] + items[(1, c)], out)) for c in range(2)
+        ]
         procs = producers + consumers
         for proc in procs:
             proc.start()
