@@ -134,8 +134,9 @@ def _run_pipe(size: int, n: int, ctl: Connection, data: Connection) -> list[floa
 
 
 def _run_shm(kind: str, size: int, n: int, ctl: Connection, data: Connection, payload: torch.Tensor) -> list[float]:
-    from omni_plugins import create_connector
     from omni_plugins_shm.testing import assert_namespace_empty, unique_namespace
+
+    from omni_plugins import create_connector
 
     ns = unique_namespace("bench")
     obj = {"x": payload}

@@ -13,7 +13,6 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-
 from omni_plugins_shm.naming import PREFIX
 from omni_plugins_shm.testing import assert_namespace_empty
 

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 import torch
-
-from omni_plugins import create_connector
-from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
 from omni_plugins_shm import gc, notify
 from omni_plugins_shm.connector import ShmConnector
 from omni_plugins_shm.naming import NAME_MAX, Names, parse_name
 from omni_plugins_shm.segments.header import PAYLOAD_OFFSET, Header
 from omni_plugins_shm.segments.pool import size_class
 from omni_plugins_shm.testing import make_payload, namespace_segments, payload_matches
+
+from omni_plugins import create_connector
+from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -117,13 +117,17 @@ def test_cleanup_frees_and_returns_the_segment(pair: Any, namespace: str) -> Non
 
 
 def test_large_payload_gets_its_own_segment_which_the_get_unlinks(namespace: str) -> None:
-    with create_connector("shm", {"namespace": namespace, "pool_max_segment_bytes": MIB}) as producer:
-        with create_connector("shm", {"namespace": namespace}) as consumer:
-            producer.put(0, 1, "big", make_payload(3, 3 * MIB))
-            assert producer.health()["pooled_segments"] == 0
-            got = consumer.get(0, 1, "big")
-            assert got is not None and payload_matches(got.data, 3, 3 * MIB)
-            assert [n for n in namespace_segments(namespace) if ".o." not in n] == []
+    producer = create_connector("shm", {"namespace": namespace, "pool_max_segment_bytes": MIB})
+    consumer = create_connector("shm", {"namespace": namespace})
+    try:
+        producer.put(0, 1, "big", make_payload(3, 3 * MIB))
+        assert producer.health()["pooled_segments"] == 0
+        got = consumer.get(0, 1, "big")
+        assert got is not None and payload_matches(got.data, 3, 3 * MIB)
+        assert [n for n in namespace_segments(namespace) if ".o." not in n] == []
+    finally:
+        producer.close()
+        consumer.close()
 
 
 # -- zero copy ----------------------------------------------------------------------------------
@@ -189,7 +193,7 @@ def _plant(namespace: str, key: str, content: bytes) -> str:
 def test_garbage_at_a_key_is_a_connector_error_and_removed(pair: Any, namespace: str, content: bytes) -> None:
     _, consumer = pair
     path = _plant(namespace, "bad", content)
-    with pytest.raises(ConnectorError, match="'bad'.*invalid"):
+    with pytest.raises(ConnectorError, match=r"'bad'.*invalid"):
         consumer.get(0, 1, "bad", timeout=1)
     assert not os.path.exists(path)
     assert consumer.get(0, 1, "bad") is None

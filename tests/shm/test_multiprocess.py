@@ -12,8 +12,6 @@ import signal
 from typing import Any
 
 import torch
-
-from omni_plugins import create_connector
 from omni_plugins_shm import gc
 from omni_plugins_shm.testing import (
     make_payload,
@@ -24,6 +22,8 @@ from omni_plugins_shm.testing import (
     stalled_producer_worker,
     view_holder_worker,
 )
+
+from omni_plugins import create_connector
 
 KIB, MIB = 1 << 10, 1 << 20
 JOIN = 120
