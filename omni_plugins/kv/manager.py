@@ -192,11 +192,16 @@ class KVTransferManager:
         caches = normalize_caches(kv_caches, block_size, layout or self.layout)
         done: list[str] = []
         for req_id, info in finished_reqs.items():
-            external_id = request_id_resolver(req_id) if request_id_resolver is not None else req_id
             try:
+                external_id = request_id_resolver(req_id) if request_id_resolver is not None else req_id
                 payload = self._extract(external_id, info, caches, block_size, cache_dtype)
             except KVPayloadError as exc:
                 logger.error("KV send (stage %s rank %s): request %s skipped: %s", self.stage_id, self.local_rank, req_id, exc)
+                self._record_failed(req_id)
+                done.append(req_id)
+                continue
+            except Exception:  # a resolver or torch failure must not strand the rest of the batch
+                logger.exception("KV send (stage %s rank %s): request %s failed", self.stage_id, self.local_rank, req_id)
                 self._record_failed(req_id)
                 done.append(req_id)
                 continue
@@ -264,7 +269,7 @@ class KVTransferManager:
             except (ConnectorClosedError, WireFormatError) as exc:  # retrying cannot help
                 logger.error("KV put %s failed: %s: %s", key, type(exc).__name__, exc)
                 return False
-            except OmniPluginsError as exc:
+            except Exception as exc:  # plugin boundary: ConnectorError, or a plugin's own bug
                 reason = f"{type(exc).__name__}: {exc}"
             if attempt < self._put_attempts:
                 logger.warning("KV put %s failed (attempt %d/%d): %s; retrying", key, attempt, self._put_attempts, reason)
@@ -330,8 +335,11 @@ class KVTransferManager:
                     if not connector.capabilities.consume_on_get:
                         self._cleanup_key(connector, key)  # read once, like a consuming backend
                     shard = _Shard(key, validate_payload(result.data, f"KV shard {key}"), int(result.size))
-            except OmniPluginsError as exc:
+            except OmniPluginsError as exc:  # ConnectorError, WireFormatError, KVPayloadError
                 logger.error("KV receive %s (stage %s rank %s): %s", request_id, self.stage_id, self.local_rank, exc)
+                return None, 0
+            except Exception:  # plugin boundary: a plugin's own bug must not kill the caller's thread
+                logger.exception("KV receive %s (stage %s rank %s): get of %s failed", request_id, self.stage_id, self.local_rank, key)
                 return None, 0
             if result is None:
                 if keep_partial and shards:
@@ -462,8 +470,8 @@ class KVTransferManager:
     def _cleanup_key(self, connector: Connector, key: str) -> bool:
         try:
             return bool(connector.cleanup(key))
-        except OmniPluginsError as exc:
-            logger.warning("KV cleanup of %s failed: %s", key, exc)
+        except Exception as exc:  # plugin boundary; cleanup is best effort
+            logger.warning("KV cleanup of %s failed: %s: %s", key, type(exc).__name__, exc)
             return False
 
     def _check_open(self) -> None:

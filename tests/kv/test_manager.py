@@ -372,3 +372,31 @@ def test_constructor_validation(memory_connector: MemoryConnector) -> None:
     m = KVTransferManager(memory_connector, stage_id=0, from_stage=0, to_stage=1, rank_mapping={"from_tp": 1, "to_tp": 2}, local_rank=1)
     with pytest.raises(ConfigError, match="from_tp"):  # rank 1 of the receiving side cannot send
         m.handle_finished_requests_kv_transfer({"a": {}}, [], BLOCK, "auto")
+
+
+def test_resolver_failure_fails_only_that_request(memory_connector: MemoryConnector) -> None:
+    s = _sender(memory_connector, 1, 1, 0)
+    entries = {rid: shard_kv(_full(rid, 2), slice(0, 2)) for rid in ("a", "b")}
+    caches, finished = build_paged_caches(entries, block_size=BLOCK)
+
+    def resolver(rid: str) -> str:
+        if rid == "a":
+            raise KeyError(rid)
+        return f"ext-{rid}"
+
+    assert s.handle_finished_requests_kv_transfer(finished, caches, BLOCK, "auto", request_id_resolver=resolver) == ["a", "b"]
+    assert s.drain_failed_sends() == ["a"]
+    assert memory_connector.keys() == s.send_keys("ext-b")
+    s.close()
+
+
+class _Buggy(_NonConsuming):
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        raise OSError("plugin bug")
+
+
+def test_plugin_bug_in_get_gives_none(caplog: pytest.LogCaptureFixture) -> None:
+    r = _receiver(_Buggy(), 1, 1, 0)
+    with caplog.at_level(logging.ERROR):
+        assert r.receive_kv_cache_for_request("a", timeout_s=0) == (None, 0)
+    assert "plugin bug" in caplog.text
