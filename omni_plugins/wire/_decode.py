@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from omni_plugins.errors import WireFormatError
+from omni_plugins.wire._alloc import copy_out
 from omni_plugins.wire._dtypes import BY_CODE, DtypeSpec, Kind
 from omni_plugins.wire._format import (
     ALIGNMENT,
@@ -165,7 +166,7 @@ class _Builder:
         if spec.is_bool and nbytes and bool((arr.view(np.uint8) > 1).any()):
             raise WireFormatError(f"buffer {i}: bool data holds bytes other than 0 and 1")
         if self.copy:
-            arr = arr.copy()
+            arr = copy_out(arr)
         if spec.kind is Kind.NUMPY:
             return arr
         tensor = _from_readonly(arr) if self.readonly and not self.copy else torch.from_numpy(arr)

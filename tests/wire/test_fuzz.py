@@ -22,7 +22,7 @@ from omni_plugins.wire import WireFormatError, decode, encode
 
 from .payloads import assert_same, payloads
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 SAMPLE = {
     "t": torch.arange(12, dtype=torch.float32).reshape(3, 4),
     "n": np.arange(5, dtype=np.int64),
