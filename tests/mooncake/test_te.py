@@ -117,3 +117,12 @@ def test_full_staging_pool_is_a_clear_error() -> None:
         with pytest.raises(ConnectorError, match="registered memory exhausted"):
             conn.put(0, 1, "b", {"v": torch.zeros(1 << 19)})  # 2 MiB more
         assert conn.get(0, 1, "a") is not None  # the earlier payload is intact
+
+
+def test_short_claim_timeout_uses_acknowledged_finish() -> None:
+    """With little claim time left the reader must ask whether its claim held (no one-way finish)."""
+    with create_connector(TE, {"claim_timeout": 0.5}) as producer, consumer_of(producer) as consumer:
+        producer.put(0, 1, "k", {"v": torch.arange(7)})
+        got = consumer.get(0, 1, "k", timeout=5)
+        assert got is not None and torch.equal(got.data["v"], torch.arange(7))
+        assert producer.health()["staged"] == 0

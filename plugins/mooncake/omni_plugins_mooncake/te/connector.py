@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from omni_plugins import wire
@@ -27,6 +28,8 @@ from omni_plugins_mooncake.te.discovery import PeerDirectory
 from omni_plugins_mooncake.te.pool import Staged, StagingTable
 
 logger = logging.getLogger(__name__)
+
+_CLAIM_MARGIN = 1.0  # seconds of claim left below which the reader asks whether its claim held
 
 
 class MooncakeTransferEngineConnector(Connector):
@@ -155,6 +158,7 @@ class MooncakeTransferEngineConnector(Connector):
             return self._decode_local(local)
         failures: list[str] = []
         for address, client in self._peer_clients():
+            claimed_at = time.monotonic()
             try:
                 reply = client.request({"op": "claim", "key": key})
             except PeerUnreachableError as exc:
@@ -162,7 +166,7 @@ class MooncakeTransferEngineConnector(Connector):
                     failures.append(str(exc))
                 continue
             if reply.get("found"):
-                return self._read_remote(client, key, reply)
+                return self._read_remote(client, key, reply, claimed_at)
         if failures:
             raise ConnectorError(f"mooncake-te: key {key!r} not found and some peers are down: " + "; ".join(failures))
         return None
@@ -174,9 +178,10 @@ class MooncakeTransferEngineConnector(Connector):
         finally:
             del view
 
-    def _read_remote(self, client: ControlClient, key: str, reply: dict[str, Any]) -> GetResult:
+    def _read_remote(self, client: ControlClient, key: str, reply: dict[str, Any], claimed_at: float) -> GetResult:
         try:
             segment, remote_addr, size, token = str(reply["segment"]), int(reply["addr"]), int(reply["size"]), int(reply["token"])
+            claim_ttl = float(reply["claim_ttl"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ConnectorError(f"mooncake-te peer {client.address} sent a malformed claim for key {key!r}: {exc}") from None
         if size <= 0:
@@ -193,16 +198,10 @@ class MooncakeTransferEngineConnector(Connector):
             self._unclaim(client, token)
             raise
         try:
-            finished = bool(client.request({"op": "finish", "token": token}).get("released"))
+            self._finish(client, key, token, claim_ttl - (time.monotonic() - claimed_at))
         except BaseException:
             self._recv_pool.release(slab)
             raise
-        if not finished:
-            self._recv_pool.release(slab)
-            raise ConnectorError(
-                f"mooncake-te: the claim on key {key!r} at peer {client.address} lapsed during the read "
-                f"(claim_timeout={self.config.claim_timeout}s); the bytes read were discarded"
-            )
         view = self._recv_pool.lease(slab, size)
         try:
             return GetResult(wire.decode(view), size)
@@ -210,6 +209,26 @@ class MooncakeTransferEngineConnector(Connector):
             raise ConnectorError(f"mooncake-te: payload of key {key!r} from peer {client.address} is corrupt: {exc}") from exc
         finally:
             del view
+
+    def _finish(self, client: ControlClient, key: str, token: int, claim_left: float) -> None:
+        """Tell the producer to free the payload; when the claim surely outlived the read, without waiting.
+
+        ``claim_left`` counts from before the claim request was sent, so it underestimates
+        the producer's remaining claim time: positive (with a margin) means no one else can
+        have been handed the slab, and the one-way message saves a round trip.
+        """
+        if claim_left > _CLAIM_MARGIN:
+            try:
+                client.notify({"op": "finish", "token": token})
+                return
+            except PeerUnreachableError as exc:
+                logger.warning("mooncake-te: finishing key %r at %s failed (%s); payload reclaimed by its TTL", key, client.address, exc)
+                return
+        if not client.request({"op": "finish", "token": token}).get("released"):
+            raise ConnectorError(
+                f"mooncake-te: the claim on key {key!r} at peer {client.address} lapsed during the read "
+                f"(claim_timeout); the bytes read were discarded"
+            )
 
     def _unclaim(self, client: ControlClient, token: int) -> None:
         try:
@@ -269,6 +288,7 @@ class MooncakeTransferEngineConnector(Connector):
                 "addr": entry.slab.address,
                 "size": entry.nbytes,
                 "token": entry.token,
+                "claim_ttl": self._table.claim_timeout,
             }
         if op in ("finish", "unclaim"):
             token = request.get("token")

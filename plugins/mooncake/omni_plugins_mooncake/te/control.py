@@ -5,6 +5,7 @@ Frame: 4-byte big-endian length, then a msgpack map (at most 64 KiB). Requests::
     {"op": "claim",   "key": K}            -> {"ok": true, "found": false}
                                             | {"ok": true, "found": true, "segment": S, "addr": A, "size": N, "token": T}
     {"op": "finish",  "token": T}          -> {"ok": true, "released": bool}   (false: the claim had lapsed)
+    {"op": "finish",  "token": T, "noreply": true}   (one-way: the reader knows its claim was live)
     {"op": "unclaim", "token": T}          -> {"ok": true}
     {"op": "discard", "key": K}            -> {"ok": true, "released": bool}
     {"op": "ping"}                         -> {"ok": true, "segment": S}
@@ -145,6 +146,8 @@ class ControlServer:
                 except Exception as exc:  # a handler bug must not kill the channel silently
                     logger.exception("%s %s: request %r failed", self._name, self.address, request.get("op"))
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                if request.get("noreply") is True:
+                    continue
                 conn.settimeout(self._io_timeout)
                 try:
                     send_frame(conn, reply)
@@ -190,6 +193,26 @@ class ControlClient:
         if reply.get("ok") is not True:
             raise ConnectorError(f"mooncake-te peer {self.address} refused {message.get('op')!r}: {reply.get('error', reply)}")
         return reply
+
+    def notify(self, message: dict[str, Any]) -> None:
+        """Send a one-way request (``noreply``); raise :class:`PeerUnreachableError` if it cannot be sent."""
+        message = {"v": PROTOCOL_VERSION, **message, "noreply": True}
+        sock, reused = self._checkout()
+        try:
+            sock.settimeout(self._timeout)
+            send_frame(sock, message)
+        except (OSError, ConnectionError) as exc:
+            sock.close()
+            if not reused:
+                raise self._unreachable(exc) from exc
+            sock = self._connect()
+            try:
+                sock.settimeout(self._timeout)
+                send_frame(sock, message)
+            except (OSError, ConnectionError) as exc2:
+                sock.close()
+                raise self._unreachable(exc2) from exc2
+        self._checkin(sock)
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,289 @@
+"""Mooncake connectors against the raw Mooncake APIs, measured in the same run.
+
+One process, a fresh loopback ``mooncake_master`` (or ``--master host:port``), two
+endpoints per backend (producer and consumer, each its own engine/client, talking
+over TCP on 127.0.0.1). Per payload size (1, 16, 64 MiB of uint8), iterations
+interleave the four variants so machine noise hits them alike:
+
+- ``store_raw``: ``put_from`` a pre-filled registered buffer, then ``get_into``
+  another registered buffer (the object is removed afterwards, untimed).
+- ``store``: ``mooncake-store`` ``put`` then ``get`` of ``{"x": tensor}`` (encode,
+  ``upsert_from``, ``get_into``, forced remove, zero-copy decode).
+- ``te_raw_read`` / ``te_raw_write``: one ``transfer_sync_read`` (consumer pulls)
+  and one ``transfer_sync_write`` (producer pushes) between registered buffers.
+- ``te``: ``mooncake-te`` ``put`` then ``get`` (encode into the staging pool, claim
+  over the control channel, one-sided read, finish, zero-copy decode).
+
+Ratios are raw time / connector time (1.0 = as fast as raw; target >= 0.8):
+``store`` vs ``store_raw`` (put_from + get_into); ``te`` vs ``te_raw_read`` (the
+single transfer a pull needs: strict) and vs ``te_raw_write + te_raw_read``
+(the issue's "write/read"). Segments and buffers are warmed first.
+
+    python benchmarks/bench_mooncake.py [--quick] [--json FILE] [--plot FILE.png] [--master HOST:PORT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import json
+import mmap
+import os
+import platform
+import statistics
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from omni_plugins_mooncake.testing import MooncakeMaster, loopback_environment
+
+MIB = 1 << 20
+SIZES = [1 * MIB, 16 * MIB, 64 * MIB]
+
+
+def _iters(size: int, quick: bool) -> tuple[int, int]:
+    """(warmup, timed) iterations for a payload size."""
+    budget = (256 * MIB) if quick else (2048 * MIB)
+    timed = int(max(4 if quick else 12, min(200, budget // size)))
+    return 2, timed
+
+
+class _Buffer:
+    """A page-aligned, pre-touched buffer (what a raw Mooncake user would register)."""
+
+    def __init__(self, size: int, fill: int = 0) -> None:
+        self.mm = mmap.mmap(-1, size)
+        self.mm.write(bytes([fill]) * size) if fill else self.mm.write(b"\x01" * size)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self.size = size
+
+
+@contextlib.contextmanager
+def _master(address: str | None) -> Iterator[str]:
+    if address:
+        yield address
+        return
+    with MooncakeMaster() as m:
+        yield m.address
+
+
+def _store_client(master: str, segment: int) -> Any:
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    rc = s.setup("127.0.0.1", "P2PHANDSHAKE", segment, 16 * MIB, "tcp", "", master)
+    if rc != 0:
+        raise SystemExit(f"store setup failed: {rc}")
+    return s
+
+
+def _engine() -> Any:
+    from mooncake.engine import TransferEngine
+
+    te = TransferEngine()
+    if te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+        raise SystemExit("TransferEngine initialise failed")
+    return te
+
+
+class Bench:
+    def __init__(self, master: str, max_size: int, segment: int) -> None:
+        from omni_plugins import create_connector
+
+        self.master = master
+        # raw store: producer with a segment, consumer without (as in the connector runs)
+        self.raw_prod = _store_client(master, segment)
+        self.raw_cons = _store_client(master, 0)
+        self.src = _Buffer(max_size + MIB, fill=7)
+        self.dst = _Buffer(max_size + MIB)
+        assert self.raw_prod.register_buffer(self.src.addr, self.src.size) == 0
+        assert self.raw_cons.register_buffer(self.dst.addr, self.dst.size) == 0
+        # raw TE
+        self.te_a, self.te_b = _engine(), _engine()
+        self.te_src = _Buffer(max_size + MIB, fill=7)
+        self.te_dst = _Buffer(max_size + MIB)
+        assert self.te_a.register_memory(self.te_src.addr, self.te_src.size) == 0
+        assert self.te_b.register_memory(self.te_dst.addr, self.te_dst.size) == 0
+        self.te_peer_a = f"127.0.0.1:{self.te_a.get_rpc_port()}"
+        self.te_peer_b = f"127.0.0.1:{self.te_b.get_rpc_port()}"
+        # connectors
+        store_cfg = {"master_address": master, "global_segment_size": segment, "local_buffer_size": 16 * MIB}
+        self.store_prod = create_connector("mooncake-store", store_cfg)
+        self.store_cons = create_connector("mooncake-store", {**store_cfg, "global_segment_size": 0})
+        self.te_prod = create_connector("mooncake-te", {"pool_size": 4 * (max_size + MIB)})
+        self.te_cons = create_connector("mooncake-te", {"listen_address": None, "peers": [self.te_prod.address]})  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        for conn in (self.store_prod, self.store_cons, self.te_prod, self.te_cons):
+            conn.close()
+        self.raw_prod.unregister_buffer(self.src.addr)
+        self.raw_cons.unregister_buffer(self.dst.addr)
+        self.raw_prod.close()
+        self.raw_cons.close()
+
+    # -- one timed round per variant ----------------------------------------------
+    def store_raw(self, size: int) -> float:
+        key = f"raw-{uuid.uuid4().hex}"
+        t0 = time.perf_counter()
+        rc = self.raw_prod.put_from(key, self.src.addr, size)
+        got = self.raw_cons.get_into(key, self.dst.addr, self.dst.size)
+        dt = time.perf_counter() - t0
+        if rc != 0 or got != size:
+            raise RuntimeError(f"raw store round failed: put {rc}, get {got}")
+        self.raw_cons.remove(key, True)
+        return dt
+
+    def store(self, payload: dict[str, torch.Tensor]) -> tuple[float, float]:
+        key = f"conn-{uuid.uuid4().hex}"
+        t0 = time.perf_counter()
+        self.store_prod.put(0, 1, key, payload)
+        t1 = time.perf_counter()
+        got = self.store_cons.get(0, 1, key)
+        t2 = time.perf_counter()
+        if got is None:
+            raise RuntimeError("store connector lost a payload")
+        del got
+        return t1 - t0, t2 - t1
+
+    def te_raw_read(self, size: int) -> float:
+        t0 = time.perf_counter()
+        rc = self.te_b.transfer_sync_read(self.te_peer_a, self.te_dst.addr, self.te_src.addr, size)
+        dt = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"raw TE read failed: {rc}")
+        return dt
+
+    def te_raw_write(self, size: int) -> float:
+        t0 = time.perf_counter()
+        rc = self.te_a.transfer_sync_write(self.te_peer_b, self.te_src.addr, self.te_dst.addr, size)
+        dt = time.perf_counter() - t0
+        if rc != 0:
+            raise RuntimeError(f"raw TE write failed: {rc}")
+        return dt
+
+    def te(self, payload: dict[str, torch.Tensor]) -> tuple[float, float]:
+        key = f"te-{uuid.uuid4().hex}"
+        t0 = time.perf_counter()
+        self.te_prod.put(0, 1, key, payload)
+        t1 = time.perf_counter()
+        got = self.te_cons.get(0, 1, key)
+        t2 = time.perf_counter()
+        if got is None:
+            raise RuntimeError("te connector lost a payload")
+        del got
+        return t1 - t0, t2 - t1
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    loopback_environment()
+    sizes = SIZES
+    rounds = {s: _iters(s, args.quick) for s in sizes}
+    total = sum(w + n for w, n in rounds.values())
+    results: list[dict[str, Any]] = []
+    with _master(args.master) as master:
+        bench = Bench(master, max(sizes), segment=args.segment_mib * MIB)
+        try:
+            with tqdm(total=total, desc="mooncake", unit="round") as bar:
+                for size in sizes:
+                    payload = {"x": torch.randint(0, 256, (size,), dtype=torch.uint8)}
+                    warm, n = rounds[size]
+                    samples: dict[str, list[float]] = {k: [] for k in ("store_raw", "store_put", "store_get", "te_raw_read", "te_raw_write", "te_put", "te_get")}
+                    for i in range(warm + n):
+                        bar.set_postfix(size=f"{size // MIB}MiB")
+                        gc.collect()
+                        sr = bench.store_raw(size)
+                        sp, sg = bench.store(payload)
+                        tr = bench.te_raw_read(size)
+                        tw = bench.te_raw_write(size)
+                        tp, tg = bench.te(payload)
+                        if i >= warm:
+                            for k, v in zip(samples, (sr, sp, sg, tr, tw, tp, tg), strict=True):
+                                samples[k].append(v)
+                        bar.update(1)
+                    med = {k: _median(v) for k, v in samples.items()}
+                    store_conn = med["store_put"] + med["store_get"]
+                    te_conn = med["te_put"] + med["te_get"]
+                    results.append(
+                        {
+                            "size_bytes": size,
+                            "iterations": n,
+                            "median_s": med,
+                            "gbps": {
+                                "store_raw": size / med["store_raw"] / 1e9,
+                                "store": size / store_conn / 1e9,
+                                "te_raw_read": size / med["te_raw_read"] / 1e9,
+                                "te_raw_write": size / med["te_raw_write"] / 1e9,
+                                "te": size / te_conn / 1e9,
+                            },
+                            "ratio": {
+                                "store_vs_raw_put_from_get_into": med["store_raw"] / store_conn,
+                                "te_vs_raw_read": med["te_raw_read"] / te_conn,
+                                "te_vs_raw_write_plus_read": (med["te_raw_read"] + med["te_raw_write"]) / te_conn,
+                                "te_get_vs_raw_read": med["te_raw_read"] / med["te_get"],
+                            },
+                        }
+                    )
+        finally:
+            bench.close()
+    return {
+        "benchmark": "bench_mooncake",
+        "quick": args.quick,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
+        "definition": "ratio = raw median time / connector median time (put+get); >= 0.8 is the target",
+        "results": results,
+    }
+
+
+def _plot(report: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["results"]
+    labels = [f"{r['size_bytes'] // MIB} MiB" for r in rows]
+    keys = ["store_vs_raw_put_from_get_into", "te_vs_raw_read", "te_vs_raw_write_plus_read"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(keys)
+    for i, k in enumerate(keys):
+        ax.bar([x + i * width for x in range(len(rows))], [r["ratio"][k] for r in rows], width, label=k)
+    ax.axhline(0.8, color="red", linestyle="--", linewidth=1, label="target 0.8")
+    ax.set_xticks([x + width for x in range(len(rows))], labels)
+    ax.set_ylabel("raw time / connector time")
+    ax.set_title("Mooncake connectors vs raw Mooncake (loopback TCP)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--json", metavar="FILE", help="write the report here")
+    parser.add_argument("--plot", metavar="FILE.png", help="bar chart of the ratios")
+    parser.add_argument("--master", metavar="HOST:PORT", help="use a running mooncake_master instead of starting one")
+    parser.add_argument("--segment-mib", type=int, default=512, help="producer global segment size")
+    args = parser.parse_args(argv)
+    report = run(args)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    if args.plot:
+        _plot(report, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
