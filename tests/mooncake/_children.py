@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any
 
 BIG = 64 << 20
@@ -33,6 +34,10 @@ def produce(specs: dict[str, dict[str, Any]], key: str, seed: int, ready: Any, d
             assert conn.put(0, 1, key, payload).ok
         ready.put(({name: getattr(c, "address", None) for name, c in conns.items()}, digest(payload)))
         done.wait(120)
+        for _ in range(200):  # a reader's one-way "finish" may still be in flight
+            if all(c.health().get("staged", 0) == 0 for c in conns.values()):
+                break
+            time.sleep(0.05)
         report.put({name: c.health() for name, c in conns.items()})
     finally:
         for conn in conns.values():
