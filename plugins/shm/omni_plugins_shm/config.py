@@ -40,4 +40,9 @@ class ShmConfig(ConnectorSettings):
     hugepage_copies: bool = Field(
         default=True, description="back owned copies of large payloads with transparent huge pages (4x faster to fault in)"
     )
+    recycle_bytes: int = Field(
+        default=1 * GIB,
+        ge=0,
+        description="private memory of garbage-collected owned results kept for reuse (already faulted in); 0 = never recycle",
+    )
     reclaim_on_start: bool = Field(default=True, description="free segments of dead producers in this namespace when an instance starts")
