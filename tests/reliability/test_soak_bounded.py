@@ -1,0 +1,40 @@
+"""The soak's code path (``benchmarks/soak.py``) with a few hundred requests: zero leaks, every stream intact.
+
+RSS growth is reported by the benchmark but not asserted here (too noisy for a
+short run on a shared machine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
+
+
+def _load_soak() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("omni_soak_bench", SOAK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+soak = _load_soak()
+
+
+@pytest.mark.parametrize("backend", ["shm", "redis"])
+def test_bounded_soak_leaves_nothing(backend: str, redis_server: object) -> None:
+    b = soak.make_backend(backend, server=redis_server) if backend == "redis" else soak.make_backend(backend)
+    result = soak.run_soak(b, requests=200, abort_fraction=0.1, chunks=4, window=50, window_timeout=60.0)
+    assert result.bad == {}
+    assert (result.finished, result.aborted) == (180, 20)
+    assert result.consumer_active == 0, "per-request state left in the consumer runtime"
+    assert result.producer_active == 0, "per-request state left in the producer runtime"
+    assert result.leftovers_open == [], f"payloads left in the backend while open: {result.leftovers_open[:5]}"
+    assert result.leftovers_closed == [], f"left after close: {result.leftovers_closed[:5]}"
