@@ -45,24 +45,33 @@ venv() {
     say "creating virtual environment $VENV"
     "$PY" -m venv "$VENV"
   fi
-  PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
+  if ! "$VENV/bin/python" -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 68)" 2>/dev/null; then
+    pip_install "setuptools>=68" wheel
+  fi
   if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '2.13.0')" 2>/dev/null; then
     say "installing $TORCH_PIN (CPU build where available)"
-    "${PIP[@]}" "$TORCH_PIN"
+    pip_install "$TORCH_PIN"
   fi
+}
+
+# pip, quiet, no bytecode compilation (torch alone has thousands of modules), our own
+# packages built without an isolated build env (setuptools is already in the venv).
+pip_install() {
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile --no-build-isolation "$@" \
+    2> >(grep -v "is neither a file nor a directory" >&2)
 }
 
 install_core_shm() {
   venv
   say "installing omni-plugins and omni-plugins-shm"
-  "${PIP[@]}" "$TORCH_PIN" -e "$ROOT" -e "$ROOT/plugins/shm"
+  pip_install "$TORCH_PIN" -e "$ROOT" -e "$ROOT/plugins/shm"
 }
 
 install_all() {
   apt_packages
   venv
   say "installing omni-plugins, every plugin and the dev tools"
-  "${PIP[@]}" "$TORCH_PIN" -e "$ROOT[dev,plot]" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake[cpu]"
+  pip_install "$TORCH_PIN" -e "$ROOT[dev,plot]" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake[cpu]"
 }
 
 case "$MODE" in

@@ -91,6 +91,9 @@ class StageConfig(_Strict):
     rank_mapping: RankMapping | None = None
     tp_size: PositiveInt = 1
     kv_transfer: bool = False
+    kv_layout: Literal["auto", "nhd", "hnd"] = Field(
+        default="auto", description="paged KV cache layout; 'auto' refuses to guess when heads per rank equal the block size"
+    )
     recv_timeout_s: float = Field(default=300.0, gt=0)
     synthetic: dict[str, Any] | None = Field(default=None, description="synthetic model description used by 'omni-plugins run'")
 
