@@ -35,6 +35,18 @@ from omni_plugins_redis.waiting import Claimer
 
 log = logging.getLogger(__name__)
 
+#: Every command the connector sends; an ACL user needs these (plus ``cluster|slots`` in
+#: cluster mode) and the key pattern ``~<key_prefix>*``. Without ``blmove``,
+#: ``get(timeout=)`` falls back to polling.
+ACL_COMMANDS = ("get", "set", "rpush", "lmove", "blmove", "pexpire", "exists", "del", "unlink", "multi", "exec", "lrange", "lindex", "ping")
+
+
+def acl_rule(key_prefix: str, *, cluster: bool = False, commands: tuple[str, ...] = ACL_COMMANDS) -> str:
+    """The ACL rule (keys and commands) a least-privilege user of this connector needs."""
+    extra = " +cluster|slots" if cluster else ""
+    return f"~{key_prefix}* resetchannels -@all " + " ".join(f"+{c}" for c in commands) + extra
+
+
 # Parts outlive their manifest by this much, so a reader that claims a manifest
 # just before it expires still finds every part.
 PART_TTL_GRACE_MS = 60_000

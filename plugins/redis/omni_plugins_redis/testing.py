@@ -176,6 +176,14 @@ class RedisServer:
         params.update(kwargs)
         return redis.Redis(**params)
 
+    def keys(self, pattern: str = "*") -> list[bytes]:
+        """Keys matching ``pattern`` (for leak assertions)."""
+        client = self.client()
+        try:
+            return count_keys([client], pattern)
+        finally:
+            client.close()
+
     # -- lifecycle --------------------------------------------------------------
     def _args(self) -> list[str]:
         args = [REDIS_SERVER, "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "", "--logfile", "redis.log"]
@@ -224,7 +232,7 @@ class RedisServer:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
                 raise RuntimeError(f"redis-server exited with {self.process.returncode}: {err.strip()} {self._log_tail(offset)}")
-            if log_file.exists() and "Ready to accept connections" in log_file.read_text(errors="replace")[offset:]:
+            if log_file.exists() and "ready to accept connections" in log_file.read_text(errors="replace")[offset:].lower():
                 return self
             time.sleep(0.02)
         self.stop(remove=False)
@@ -309,6 +317,14 @@ class RedisCluster:
 
     def clients(self) -> list[redis.Redis]:
         return [n.client() for n in self.nodes]
+
+    def keys(self, pattern: str = "*") -> list[bytes]:
+        """Keys matching ``pattern`` on every master (for leak assertions)."""
+        return [k for node in self.nodes for k in node.keys(pattern)]
+
+    @property
+    def pids(self) -> list[int]:
+        return [n.pid for n in self.nodes if n.pid is not None]
 
     def start(self) -> RedisCluster:
         try:

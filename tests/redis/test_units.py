@@ -1,0 +1,161 @@
+"""Unit tests without a server: config validation, key naming, manifest parsing, RESP framing."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from omni_plugins_redis import manifest as mf
+from omni_plugins_redis.config import RedisConfig
+from omni_plugins_redis.framing import Pieces, ProtocolError, ReplyError, ReplyReader, pack, send_buffers
+from omni_plugins_redis.keys import PayloadKeys
+from pydantic import ValidationError
+from redis.crc import key_slot
+
+from omni_plugins.errors import ConfigError
+from omni_plugins.factory import validate_connector_config
+
+# -- config -------------------------------------------------------------------
+
+
+def test_url_is_parsed_and_password_hidden() -> None:
+    cfg = RedisConfig(url="rediss://app:p%40ss@127.0.0.1:7001/3")
+    assert (cfg.host, cfg.port, cfg.db, cfg.username, cfg.tls) == ("127.0.0.1", 7001, 3, "app", True)
+    assert cfg.password is not None and cfg.password.get_secret_value() == "p@ss"
+    assert "p@ss" not in repr(cfg) and "p%40ss" not in repr(cfg)
+    assert "p@ss" not in cfg.server_label() and "pss" not in str(cfg.url)
+
+
+def test_unix_url() -> None:
+    cfg = RedisConfig(url="unix:///run/redis/redis.sock?db=2")
+    assert cfg.unix_socket == "/run/redis/redis.sock" and cfg.db == 2
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"url": "http://127.0.0.1:6379"},
+        {"url": "redis://127.0.0.1:6379/x"},
+        {"url": "redis://127.0.0.1:1/0", "port": 2},
+        {"chunk_bytes": 1024},
+        {"chunk_bytes": 1 << 30},
+        {"inline_bytes": 8 << 20},
+        {"ttl_seconds": -1},
+        {"key_prefix": "a{b}:"},
+        {"key_prefix": "a b"},
+        {"cluster": True, "unix_socket": "/tmp/x.sock"},
+        {"cluster": True, "db": 1},
+        {"startup_nodes": ["nohost"]},
+        {"tls": True, "tls_ca_file": "/definitely/missing/ca.crt"},
+        {"tls_ca_file": "/etc/hostname"},
+        {"tls": True, "tls_cert_file": "/etc/hostname"},
+        {"pool_size": 0},
+        {"socket_timeout": 0},
+        {"no_such_field": 1},
+    ],
+)
+def test_bad_configs_rejected(bad: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        RedisConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_registry_error_names_connector_and_field() -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_connector_config("redis", {"chunk_bytes": 3})
+    assert "redis" in str(info.value) and "chunk_bytes" in str(info.value)
+
+
+def test_password_never_in_validation_error() -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_connector_config("redis", {"url": "redis://u:hunter2@127.0.0.1:1/0", "pool_size": 0})
+    assert "hunter2" not in str(info.value)
+
+
+# -- keys ---------------------------------------------------------------------
+
+
+@given(st.text(min_size=1, max_size=40))
+@settings(max_examples=200, deadline=None)
+def test_all_keys_of_a_payload_share_one_slot(key: str) -> None:
+    keys = PayloadKeys("pfx:", key)
+    names = [keys.manifest, keys.part("ab" * 8, 0), keys.part("cd" * 8, 17), keys.marker("ab" * 8), keys.claim("ef" * 8)]
+    assert len({key_slot(n) for n in names}) == 1
+    assert all(n.startswith(b"pfx:") for n in names)
+
+
+def test_escaping_keeps_keys_distinct() -> None:
+    assert PayloadKeys("p:", "a}b").manifest != PayloadKeys("p:", "a%7Db").manifest
+    with pytest.raises(ValueError):
+        PayloadKeys("p:", "")
+
+
+# -- manifest -------------------------------------------------------------------
+
+
+def test_manifest_roundtrip() -> None:
+    m = mf.for_parts(10 * 1024 * 1024 + 5, 4 * 1024 * 1024, mf.new_put_id())
+    assert mf.parse(m.header(), 1 << 40) == m
+    assert m.part_sizes() == [4 << 20, 4 << 20, (2 << 20) + 5]
+    inline = mf.for_inline(3, mf.new_put_id())
+    assert mf.parse(inline.header() + b"abc", 1 << 40).inline
+
+
+@given(st.binary(max_size=120))
+@settings(max_examples=300, deadline=None)
+def test_random_manifest_bytes_raise_only_manifest_error(raw: bytes) -> None:
+    try:
+        mf.parse(raw, 1 << 30)
+    except mf.ManifestError:
+        pass
+
+
+def test_manifest_size_cap_and_consistency() -> None:
+    pid = b"0123456789abcdef"
+    huge = struct.pack("<4sB3xQII16s", b"ORM1", 0, 1 << 50, 1 << 20, 1 << 30, pid)
+    with pytest.raises(mf.ManifestError, match="max_payload_bytes"):
+        mf.parse(huge, 1 << 40)
+    wrong_count = struct.pack("<4sB3xQII16s", b"ORM1", 0, 10 << 20, 4 << 20, 2, pid)
+    with pytest.raises(mf.ManifestError, match="inconsistent"):
+        mf.parse(wrong_count, 1 << 40)
+
+
+# -- framing -------------------------------------------------------------------
+
+
+def _joined(buffers: list[bytes | bytearray | memoryview]) -> bytes:
+    return b"".join(bytes(b) for b in buffers)
+
+
+def test_pack_matches_resp() -> None:
+    big = memoryview(bytes(range(256)) * 512)
+    frames = pack("SET", b"k", Pieces([b"ab", big]), "PX", 5)
+    assert _joined(frames) == b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\nab" % (2 + big.nbytes) + bytes(big) + b"\r\n$2\r\nPX\r\n$1\r\n5\r\n"
+    assert any(f is big or (isinstance(f, memoryview) and f.obj is big.obj) for f in frames), "big value must not be copied"
+
+
+def test_reader_parses_replies_and_streams_bulk_into_buffer() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        payload = bytes(range(256)) * 1000
+        frames = [b"+OK\r\n:42\r\n*2\r\n$1\r\nx\r\n$-1\r\n-NOPERM no\r\n$%d\r\n" % len(payload), payload, b"\r\n$3\r\nabc\r\n$-1\r\n"]
+        writer = threading.Thread(target=send_buffers, args=(a, frames))
+        writer.start()
+        reader = ReplyReader(b)
+        assert reader.read() == "OK"
+        assert reader.read() == 42
+        assert reader.read() == [b"x", None]
+        err = reader.read()
+        assert isinstance(err, ReplyError) and err.code == "NOPERM"
+        dest = bytearray(len(payload))
+        assert reader.read_bulk_into(memoryview(dest)) is True and bytes(dest) == payload
+        with pytest.raises(ProtocolError):
+            reader.read_bulk_into(memoryview(bytearray(5)))
+        writer.join(10)
+    c, d = socket.socketpair()
+    with c, d:
+        c.sendall(b"$-1\r\n")
+        assert ReplyReader(d).read_bulk_into(memoryview(bytearray(3))) is False
