@@ -33,7 +33,6 @@ from omni_plugins.wire._format import (
     check_prefix,
 )
 
-_ExtType = msgpack.ExtType
 _unpackb = msgpack.unpackb  # defaults: raw=False (str is utf-8), strict_map_key=True (str/bytes keys only)
 _LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
 
@@ -107,11 +106,11 @@ class _Builder:
         t = type(node)
         if t is dict or t is list:
             return self._container(node, t, depth)
-        if t is _ExtType:
-            return self._ext(node)
+        if node is _REF:
+            return self._ref()
         if t in _LEAVES:
             return node
-        raise WireFormatError(f"header holds an unsupported msgpack value of type {t.__name__}")
+        raise _unsupported(node)
 
     def _container(self, node: Any, t: type, depth: int) -> Any:
         depth += 1
@@ -125,54 +124,89 @@ class _Builder:
             for k, v in node.items():
                 if type(k) is not str:
                     raise WireFormatError(f"dict key of type {type(k).__name__} (only str keys are allowed)")
+                if v is _REF:
+                    node[k] = self._ref()
+                    continue
                 tv = type(v)
-                if tv is _ExtType:
-                    node[k] = self._ext(v)
-                elif tv is dict or tv is list:
+                if tv is dict or tv is list:
                     node[k] = walk(v, depth)
                 elif tv not in _LEAVES:
-                    raise WireFormatError(f"header holds an unsupported msgpack value of type {tv.__name__}")
+                    raise _unsupported(v)
             return node
-        is_tuple = bool(node) and type(node[0]) is _ExtType and node[0].code == EXT_TUPLE
+        is_tuple = bool(node) and node[0] is _TUPLE
         if is_tuple:
-            if node[0].data:
-                raise WireFormatError("tuple marker carries data")
             node = node[1:]
         for i, v in enumerate(node):
+            if v is _REF:
+                node[i] = self._ref()
+                continue
             tv = type(v)
-            if tv is _ExtType:
-                node[i] = self._ext(v)
-            elif tv is dict or tv is list:
+            if tv is dict or tv is list:
                 node[i] = walk(v, depth)
             elif tv not in _LEAVES:
-                raise WireFormatError(f"header holds an unsupported msgpack value of type {tv.__name__}")
+                raise _unsupported(v)
         return tuple(node) if is_tuple else node
 
-    def _ext(self, node: Any) -> Any:
-        if node.code != EXT_REF:
-            if node.code == EXT_TUPLE:
-                raise WireFormatError("tuple marker outside the first position of an array")
-            raise WireFormatError(f"unknown msgpack extension type {node.code}")
-        if node.data:
-            raise WireFormatError("buffer reference carries data")
+    def _ref(self) -> Any:
+        """Build the value of the next buffer-table row (a view, or a copy with ``copy=True``)."""
         i = self.next_ref
         if i >= len(self.table):
             raise WireFormatError(f"header references buffer {i} but the table has {len(self.table)}")
         self.next_ref = i + 1
         spec, off, nbytes, shape = self.table[i]
-        if spec.kind is Kind.BYTES:
+        if spec.is_bytes:
             return bytes(self.mv[off : off + nbytes])
         arr = np.frombuffer(self.mv, spec.carrier, nbytes // spec.itemsize, off).reshape(shape)
         if spec.is_bool and nbytes and bool((arr.view(np.uint8) > 1).any()):
             raise WireFormatError(f"buffer {i}: bool data holds bytes other than 0 and 1")
         if self.copy:
             arr = copy_out(arr)
-        if spec.kind is Kind.NUMPY:
+        elif self.readonly:
+            if spec.torch_dtype is None:
+                return arr
+            return _view_as(_from_readonly(arr), spec)
+        if spec.torch_dtype is None:
             return arr
-        tensor = _from_readonly(arr) if self.readonly and not self.copy else torch.from_numpy(arr)
-        if spec.torch_dtype is not None and spec.needs_view:
-            tensor = tensor.view(spec.torch_dtype)
-        return tensor
+        return _view_as(torch.from_numpy(arr), spec)
+
+
+class _Marker:
+    """A header extension value (buffer reference or tuple marker) after ``_ext_hook``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+_REF = _Marker("<buffer ref>")
+_TUPLE = _Marker("<tuple marker>")
+
+
+def _ext_hook(code: int, data: bytes) -> _Marker:
+    """msgpack ext_hook: map our two extension values to singletons, refuse anything else."""
+    if not data:
+        if code == EXT_REF:
+            return _REF
+        if code == EXT_TUPLE:
+            return _TUPLE
+    raise WireFormatError(f"unknown msgpack extension type {code} ({len(data)} data bytes)")
+
+
+def _unsupported(v: Any) -> WireFormatError:
+    if v is _TUPLE:
+        return WireFormatError("tuple marker outside the first position of an array")
+    return WireFormatError(f"header holds an unsupported msgpack value of type {type(v).__name__}")
+
+
+def _view_as(tensor: torch.Tensor, spec: DtypeSpec) -> torch.Tensor:
+    if spec.needs_view:
+        assert spec.torch_dtype is not None
+        return tensor.view(spec.torch_dtype)
+    return tensor
 
 
 def _from_readonly(arr: np.ndarray) -> torch.Tensor:
@@ -236,7 +270,9 @@ def _decode(buffer: Any, copy: bool, limits: Limits) -> Any:
     if zlib.crc32(header) != crc:
         raise WireFormatError("header checksum mismatch (corrupted or truncated header)")
     try:
-        doc = _unpackb(header, max_array_len=limits.max_items, max_map_len=limits.max_items, max_ext_len=0)
+        doc = _unpackb(header, max_array_len=limits.max_items, max_map_len=limits.max_items, max_ext_len=0, ext_hook=_ext_hook)
+    except WireFormatError:
+        raise
     except Exception as exc:
         raise WireFormatError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
     if type(doc) is not list or len(doc) != 2:

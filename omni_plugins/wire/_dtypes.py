@@ -39,12 +39,14 @@ class DtypeSpec:
     needs_view: bool  # carrier is not the final dtype: .view(torch_dtype) after from_numpy
     itemsize: int = field(init=False)
     is_bool: bool = field(init=False)
+    is_bytes: bool = field(init=False)
     is_complex: bool = field(init=False)
     carrier_torch: torch.dtype | None = field(init=False)  # set when needs_view: torch dtype of the carrier
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "itemsize", int(self.carrier.itemsize))
         object.__setattr__(self, "is_bool", self.carrier.kind == "b")
+        object.__setattr__(self, "is_bytes", self.kind is Kind.BYTES)
         object.__setattr__(self, "is_complex", self.carrier.kind == "c")
         object.__setattr__(self, "carrier_torch", _CARRIER_TORCH[self.carrier.str] if self.needs_view else None)
 
