@@ -10,20 +10,28 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
 - ``shm``: ``put`` in the parent, blocking ``get(timeout=...)`` (owned tensors) in the child, ack over the pipe.
 - ``shm_views``: the same with ``get_views`` (zero-copy views, dropped before the ack).
 - ``pipe_pingpong`` / ``shm_pingpong`` (small sizes): a round trip -- payload there and back -- over a
-  pipe vs. ``put``/``get`` both ways.
+  pipe (raw bytes) vs. ``put``/``get`` both ways.
+- ``pipe_wire_pingpong``: the pipe round trip carrying the same payload encoded and decoded with
+  ``omni_plugins.wire`` each way (the transport-only comparison: same codec cost as ``shm``).
 
-Times are medians per operation; ratios are against ``raw`` (throughput) and ``pipe_pingpong`` (round trip).
+Modes are interleaved in rounds so drift on a noisy machine hits all of them alike. Times are
+medians per operation; ratios are against ``raw`` (throughput) and ``pipe_pingpong`` (round trip).
 
     python benchmarks/bench_shm.py [--quick] [--json FILE] [--plot FILE.png]
 """
 
 from __future__ import annotations
 
+import os
+
+# Two processes on two cores: OpenMP threads that spin after each parallel copy steal the
+# other process's core (every mode slowed 5-10x in a probe). Passive waiting, for all modes alike.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import gc
 import json
 import multiprocessing as mp
-import os
 import platform
 import statistics
 import sys
@@ -79,6 +87,12 @@ def _child(ctl: Connection, data: Connection) -> None:
             for _ in range(n):
                 msg = data.recv_bytes()
                 data.send_bytes(msg)
+        elif kind == "pipe_wire_pingpong":
+            from omni_plugins import wire
+
+            for _ in range(n):
+                obj = wire.decode(data.recv_bytes(), copy=True)
+                data.send_bytes(wire.encode(obj).to_bytes())
         elif kind in ("shm", "shm_views", "shm_pingpong"):
             with create_connector("shm", {"namespace": ns}) as conn:
                 for i in range(n):
@@ -133,6 +147,21 @@ def _run_pipe(size: int, n: int, ctl: Connection, data: Connection) -> list[floa
     return times
 
 
+def _run_pipe_wire(size: int, n: int, ctl: Connection, data: Connection, payload: torch.Tensor) -> list[float]:
+    from omni_plugins import wire
+
+    ctl.send(("pipe_wire_pingpong", size, n, ""))
+    obj = {"x": payload}
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        data.send_bytes(wire.encode(obj).to_bytes())
+        wire.decode(data.recv_bytes(), copy=True)
+        times.append(time.perf_counter() - t0)
+    assert ctl.recv() == "done"
+    return times
+
+
 def _run_shm(kind: str, size: int, n: int, ctl: Connection, data: Connection, payload: torch.Tensor) -> list[float]:
     from omni_plugins_shm.testing import assert_namespace_empty, unique_namespace
 
@@ -159,7 +188,17 @@ def _run_shm(kind: str, size: int, n: int, ctl: Connection, data: Connection, pa
     return times
 
 
-def measure(sizes: list[int], quick: bool) -> dict[str, Any]:
+def _batch(kind: str, size: int, n: int, ctl: Connection, data: Connection, payload: torch.Tensor) -> list[float]:
+    if kind.startswith("raw"):
+        return _run_raw(kind, size, n, ctl, data, payload)
+    if kind == "pipe_pingpong":
+        return _run_pipe(size, n, ctl, data)
+    if kind == "pipe_wire_pingpong":
+        return _run_pipe_wire(size, n, ctl, data, payload)
+    return _run_shm(kind, size, n, ctl, data, payload)
+
+
+def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     ctl_a, ctl_b = ctx.Pipe()
     data_a, data_b = ctx.Pipe()
@@ -170,36 +209,38 @@ def measure(sizes: list[int], quick: bool) -> dict[str, Any]:
     for size in sizes:
         kinds = ["raw", "raw_fresh", "shm", "shm_views"]
         if size <= PINGPONG_MAX:
-            kinds += ["pipe_pingpong", "shm_pingpong"]
-        plan += [(size, k) for k in kinds]
+            kinds += ["pipe_pingpong", "pipe_wire_pingpong", "shm_pingpong"]
+        plan += [(size, r, k) for r in range(rounds) for k in kinds]
+    samples: dict[tuple[int, str], list[float]] = {}
+    payloads: dict[int, torch.Tensor] = {}
     try:
-        with tqdm(total=len(plan), desc="bench_shm", unit="case") as bar:
-            for size, kind in plan:
+        with tqdm(total=len(plan), desc="bench_shm", unit="batch") as bar:
+            for size, _round, kind in plan:
                 warm, n = _iters(size, quick)
-                payload = torch.randn(size // 4)
-                bar.set_postfix_str(f"{kind} {size // KIB} KiB x{n}")
-                if kind.startswith("raw"):
-                    times = _run_raw(kind, size, warm + n, ctl_a, data_a, payload)
-                elif kind == "pipe_pingpong":
-                    times = _run_pipe(size, warm + n, ctl_a, data_a)
-                else:
-                    times = _run_shm(kind, size, warm + n, ctl_a, data_a, payload)
-                med = statistics.median(times[warm:])
-                entry = results["sizes"].setdefault(str(size), {})
-                entry[kind] = {"median_s": med, "gbps": size / med / 1e9, "iters": n}
-                del payload
-                gc.collect()
+                per_round = max(2, n // rounds)
+                if size not in payloads:
+                    payloads.clear()
+                    gc.collect()
+                    payloads[size] = torch.randn(size // 4)
+                bar.set_postfix_str(f"{kind} {size // KIB} KiB x{per_round}")
+                times = _batch(kind, size, warm + per_round, ctl_a, data_a, payloads[size])
+                samples.setdefault((size, kind), []).extend(times[warm:])
                 bar.update()
     finally:
         ctl_a.send(None)
         child.join(30)
         if child.is_alive():
             child.kill()
+    for (size, kind), times in samples.items():
+        med = statistics.median(times)
+        entry = results["sizes"].setdefault(str(size), {})
+        entry[kind] = {"median_s": med, "gbps": size / med / 1e9, "iters": len(times)}
     for entry in results["sizes"].values():
         raw = entry["raw"]["median_s"]
         entry["ratio_vs_raw"] = {k: raw / v["median_s"] for k, v in entry.items() if isinstance(v, dict) and "median_s" in v}
         if "pipe_pingpong" in entry:
             entry["roundtrip_ratio_vs_pipe"] = entry["shm_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
+            entry["roundtrip_ratio_vs_pipe_wire"] = entry["shm_pingpong"]["median_s"] / entry["pipe_wire_pingpong"]["median_s"]
     return results
 
 
@@ -212,6 +253,7 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
     small = results["sizes"].get(str(4 * KIB))
     if small:
         out["roundtrip_4KiB_vs_pipe"] = {"value": small["roundtrip_ratio_vs_pipe"], "target": "<= 1.5"}
+        out["roundtrip_4KiB_vs_pipe_with_wire_codec"] = {"value": small["roundtrip_ratio_vs_pipe_wire"], "target": "(context)"}
     return out
 
 
@@ -240,13 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="write results as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="plot GB/s per size")
     parser.add_argument("--sizes", help="comma-separated sizes in bytes (default: 4K,1M,16M,64M,256M)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (default 3)")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (QUICK_SIZES if args.quick else SIZES)
-    results = measure(sizes, args.quick)
+    results = measure(sizes, args.quick, max(1, args.rounds))
     report = {
         "benchmark": "shm",
         "machine": {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform()},
         "quick": args.quick,
+        "env": {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "torch_threads": torch.get_num_threads()},
         "targets": _targets(results),
         **results,
     }
