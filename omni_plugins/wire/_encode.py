@@ -24,7 +24,6 @@ from omni_plugins.wire._format import (
     PREFIX,
     PREFIX_SIZE,
     Limits,
-    align,
 )
 
 logger = logging.getLogger(__name__)
@@ -38,6 +37,7 @@ OOB_BYTES_THRESHOLD = 4096
 _INT_MIN = -(1 << 63)
 _INT_MAX = (1 << 64) - 1
 _SCALARS = frozenset({str, float, bool, type(None)})
+_Tensor = torch.Tensor
 _ZERO_PAD = bytes(ALIGNMENT)
 
 
@@ -110,11 +110,12 @@ class _Encoder:
             for k, v in obj.items():
                 if type(k) is not str:
                     raise _Refused(f"dict key {k!r} is a {type(k).__name__}; only str keys are supported")
-                if type(v) in _SCALARS:  # fast path: no call for plain scalars
+                tv = type(v)
+                if tv in _SCALARS:  # fast paths: plain scalars and tensors skip the dispatch in walk()
                     out[k] = v
                     continue
                 try:
-                    out[k] = walk(v, depth)
+                    out[k] = self._tensor(v) if tv is _Tensor else walk(v, depth)
                 except _Refused as exc:
                     exc.path.append(f"[{k!r}]")
                     raise
@@ -141,7 +142,7 @@ class _Encoder:
         self.items += 1
         if self.items > self.limits.max_items:
             raise _Refused(f"more than max_items={self.limits.max_items} elements")
-        off = align(self.cursor)
+        off = (self.cursor + ALIGNMENT - 1) & -ALIGNMENT
         self.table.append([spec.code, off, nbytes, shape])
         self.segments.append(Segment(off, nbytes, source))
         self.cursor = off + nbytes
