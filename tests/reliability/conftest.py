@@ -16,20 +16,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-_started: list[int] = []
-
-
-def track(pid: int | None) -> None:
-    """Record a process this suite started; the session asserts it is gone at the end."""
-    if pid is not None:
-        _started.append(pid)
+from rel_pipeline import STARTED, track  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _no_leftover_processes() -> Iterator[None]:
     yield
     alive = []
-    for pid in _started:
+    for pid in STARTED:
         try:
             if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
                 alive.append(pid)

@@ -42,6 +42,16 @@ from omni_plugins.runtime import RuntimeTuning, StageTransferRuntime
 BUILDER = "omni_plugins.testing.builders.passthrough"
 HERE = Path(__file__).resolve()
 
+#: pids of every process this module (or a test, via :func:`track`) started; the suite checks they are gone
+STARTED: list[int] = []
+
+
+def track(pid: int | None) -> None:
+    """Record a process started for a test (checked at the end of the session)."""
+    if pid is not None:
+        STARTED.append(pid)
+
+
 #: quick joins and retries: a fault test must not sit in 5 s joins
 TUNING = {"join_timeout_s": 3.0, "drain_timeout_s": 3.0, "retry_backoff_s": 0.01}
 
@@ -250,6 +260,7 @@ class StageProcess:
             bufsize=1,
             env=env,
         )
+        track(self.proc.pid)
         self._events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.seen: list[dict[str, Any]] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
