@@ -9,8 +9,10 @@ dies is reported with its stage id and exit reason and the others are stopped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
+import os
 import queue
 import signal
 import socket
@@ -228,9 +230,15 @@ class Orchestrator:
         for p in self.procs:
             p.process.join(max(0.1, min(10.0, deadline - time.monotonic())))
         self._pump(0.05, bar)
-        for p in self.procs:
+        stuck = [p for p in self.procs if p.process.exitcode is None]
+        for p in stuck:
+            with contextlib.suppress(OSError):
+                os.kill(p.process.pid, signal.SIGUSR1)  # its thread stacks go to stderr
+        if stuck:
+            time.sleep(0.5)
+        for p in stuck:
             if p.process.exitcode is None:
-                self.report.problems.append(f"{p.label} did not stop; killed")
+                self.report.problems.append(f"{p.label} did not stop; killed (thread stacks on stderr)")
                 p.process.kill()
                 p.process.join(5)
         known = set(self.report.deaths)

@@ -10,9 +10,11 @@ the ranks call the runtime's collective methods in lockstep.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import queue
+import signal
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -354,6 +356,7 @@ def _jsonable(obj: Any) -> Any:
 def stage_main(launch: StageLaunch, inbox: Any, downstream: Any, results: Any) -> None:
     """Process entry point (``multiprocessing`` spawn target)."""
     logging.basicConfig(level=launch.log_level, format=f"%(levelname)s stage{launch.stage_id}.r{launch.rank} %(name)s: %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the orchestrator asks for stacks before killing a stuck stage
     try:
         torch.set_num_threads(1)
         config = PipelineConfig.model_validate(launch.config)

@@ -1,0 +1,157 @@
+"""``omni-plugins run``: schema errors, end-to-end checks, dead stages, --start-servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from omni_plugins.config import parse_pipeline_config
+from omni_plugins.errors import ConfigError
+from omni_plugins.pipeline import RunOptions, build_plan
+from omni_plugins.pipeline.checksums import step_output
+from omni_plugins.pipeline.inputs import InputCheck
+from omni_plugins.pipeline.launcher import Orchestrator
+from omni_plugins.pipeline.stats import EdgeStats
+
+from .conftest import tiny_pipeline
+
+
+def _plan(text: str):  # type: ignore[no-untyped-def]
+    return build_plan(parse_pipeline_config(text, filename="p.yaml", check_plugins=False), filename="p.yaml")
+
+
+BASE = """
+connectors: {c: {name: memory}}
+stages:
+  - stage_id: 0
+    async_chunk: true
+    output_connectors: {to_stage_1: c}
+    synthetic: %s
+  - stage_id: 1
+    async_chunk: %s
+    input_connectors: {from_stage_0: c}
+"""
+
+
+@pytest.mark.parametrize(
+    ("synthetic", "receiver_stream", "expected"),
+    [
+        ("{steps: 0, outputs: [{name: a.b, shape: [1, 2]}]}", "true", "p.yaml: stages[0] (stage 0).synthetic.steps:"),
+        ("{outputs: [{name: a.b, shape: [1, 2], dtype: float8}]}", "true", "synthetic.outputs.0.dtype: unknown dtype 'float8'"),
+        ("{outputs: [{name: nodot, shape: [1, 2]}]}", "true", "synthetic.outputs.0.name: name must look like 'section.field'"),
+        ("{outputs: [{name: a.b, shape: [4]}]}", "true", "synthetic.outputs.0.shape"),
+        ("{outputs: [{name: meta.x, shape: [1, 2]}]}", "true", "reserved"),
+        ("{stepz: 3, outputs: [{name: a.b, shape: [1, 2]}]}", "true", "synthetic.stepz: unknown field 'stepz'"),
+        ("{send: stream, outputs: [{name: a.b, shape: [1, 2]}]}", "false", "synthetic.send: 'stream' needs the receiving stage 1"),
+        ("{outputs: [{name: a.b, shape: [1, 2]}], kv: {heads: 8}}", "true", "kv_transfer: must be true on both ends"),
+        ("{steps: 2}", "true", "emits no outputs"),
+    ],
+)
+def test_synthetic_schema_errors_name_file_stage_field(synthetic: str, receiver_stream: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _plan(BASE % (synthetic, receiver_stream))
+    assert expected in str(info.value)
+
+
+def test_plan_is_the_chain_in_order() -> None:
+    plan = _plan(BASE % ("{steps: 3, outputs: [{name: a.b, shape: [1, 2]}]}", "true"))
+    assert [s.stage_id for s in plan.stages] == [0, 1]
+    assert plan.first.downstream == 1 and plan.last.upstream == 0 and plan.last.connector == "c"
+
+
+def _payload(rid: str, steps: list[int], plan, *, corrupt: bool = False) -> dict:  # type: ignore[no-untyped-def]
+    up = plan.first
+    spec = up.synthetic.outputs[0]
+    tensor = torch.cat([step_output(up.synthetic.seed, rid, 0, spec, s) for s in steps])
+    if corrupt:
+        tensor = tensor.clone()
+        tensor.view(-1)[1] += 1
+    return {
+        "a": {"b": tensor},
+        "trace": {"step": torch.tensor([[s] for s in steps]), "sent_at": torch.full((len(steps), 1), time.time(), dtype=torch.float64)},
+    }
+
+
+def test_input_check_accepts_exact_and_flags_corruption_loss_and_dtype() -> None:
+    plan = _plan(BASE % ("{steps: 3, outputs: [{name: a.b, shape: [1, 2]}]}", "true"))
+    stats = EdgeStats("e")
+    check = InputCheck(plan.first, merged=True, stats=stats)
+    assert check.check("r", _payload("r", [0, 1], plan), 0) == 2
+    assert check.check("r", _payload("r", [0, 1, 2], plan), 2) == 3  # merged: only row 2 is new
+    assert stats.payloads == 3 and stats.mismatches == 0
+    assert check.check("x", _payload("x", [0], plan, corrupt=True), 0) == 0
+    assert check.check("y", _payload("y", [1], plan), 0) == 0  # step 0 missing
+    wrong = _payload("z", [0], plan)
+    wrong["a"]["b"] = wrong["a"]["b"].to(torch.float16)
+    assert check.check("z", wrong, 0) == 0
+    assert stats.mismatches == 3
+    assert any("values differ" in e for e in stats.errors) and any("dtype" in e for e in stats.errors)
+    assert any("lost, duplicated or out of order" in e for e in stats.errors)
+
+
+def test_run_reports_a_killed_stage_and_leaves_nothing_running(tmp_path: Path, shm_ns: str) -> None:
+    from omni_plugins.config import load_pipeline_config
+    from omni_plugins_shm.testing import namespace_segments
+
+    path = tiny_pipeline(tmp_path, extra=f"{{namespace: {shm_ns}}}", steps=100000)
+    plan = build_plan(load_pipeline_config(path), filename=str(path))
+    orch = Orchestrator(plan, RunOptions(requests=2, concurrency=1, progress=False, stall_s=60, stop_timeout_s=20))
+    original = orch._wait_ready
+
+    def ready_then_kill(bar):  # type: ignore[no-untyped-def]
+        ok = original(bar)
+        victim = next(p for p in orch.procs if p.stage == 1)
+        os.kill(victim.process.pid, 9)
+        return ok
+
+    orch._wait_ready = ready_then_kill  # type: ignore[method-assign]
+    started = time.monotonic()
+    report = orch.run()
+    assert time.monotonic() - started < 120
+    assert not report.ok
+    assert any("stage 1 rank 0" in d and "SIGKILL" in d for d in report.deaths), report.deaths
+    assert report.lost  # the request in flight never completed
+    for p in orch.procs:
+        assert p.process.exitcode is not None
+        assert not psutil.pid_exists(p.process.pid) or psutil.Process(p.process.pid).status() == psutil.STATUS_ZOMBIE
+    # the killed consumer's producer closed cleanly; a crashed process's files are reclaimable by gc
+    left = namespace_segments(shm_ns)
+    if left:
+        from omni_plugins_shm import gc as shm_gc
+
+        shm_gc.collect(namespace=shm_ns)
+        assert namespace_segments(shm_ns) == []
+
+
+def test_cli_run_bad_file_exits_1_naming_the_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((BASE % ("{steps: -1, outputs: [{name: a.b, shape: [1, 2]}]}", "true")).replace("memory", "shm"))
+    proc = subprocess.run([sys.executable, "-m", "omni_plugins", "run", str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "bad.yaml: stages[0] (stage 0).synthetic.steps" in proc.stderr
+
+
+def test_cli_run_start_servers_redis(tmp_path: Path) -> None:
+    pytest.importorskip("omni_plugins_redis.testing")
+
+    def redis_pids() -> set[int]:
+        return {p.pid for p in psutil.process_iter(["name"]) if "redis-server" in (p.info["name"] or "")}
+
+    before = redis_pids()
+    path = tiny_pipeline(tmp_path, name="redis", extra='{url: "${OMNI_REDIS_URL:-redis://127.0.0.1:1/0}", key_prefix: "cli-t:"}')
+    report = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "omni_plugins", "run", str(path), "-n", "3", "-c", "2", "--start-servers", "--no-progress"]
+    proc = subprocess.run([*cmd, "--report", str(report)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["ok"] and data["edges"][0]["payloads"] == 3 * 4
+    assert any("redis-server" in s for s in data["servers"])
+    assert redis_pids() - before == set(), "the private redis-server is still running"
