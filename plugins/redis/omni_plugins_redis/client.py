@@ -16,6 +16,7 @@ import socket
 import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -59,7 +60,7 @@ class Connection:
     def __init__(self, address: Address, config: RedisConfig) -> None:
         self.address = address
         self._config = config
-        self._pending = 0
+        self._deferred: deque[tuple[Arg, ...]] = deque()
         self.broken = False
         self._sock = self._open()
         self._reader = ReplyReader(self._sock)
@@ -124,16 +125,30 @@ class Connection:
         send_buffers(self._sock, pack_many(commands))
 
     def defer(self, *args: Arg) -> None:
-        """Send a command and read its reply later (errors are logged, not raised)."""
+        """Send an idempotent command and read its reply later (errors are logged, not raised).
+
+        If the connection dies before the reply is read, :meth:`unconfirmed`
+        hands the command back so the pool can send it again.
+        """
+        self._deferred.append(args)
         self.send(*args)
-        self._pending += 1
 
     def _drain(self) -> None:
-        while self._pending:
-            self._pending -= 1
+        while self._deferred:
             reply = self._reader.read()
+            command = self._deferred.popleft()
             if isinstance(reply, ReplyError):
-                log.warning("Redis %s: deferred command failed: %s", self.address, reply)
+                log.warning("Redis %s: deferred %s failed: %s", self.address, command[0], reply)
+
+    def settle(self) -> None:
+        """Read the replies of all deferred commands now."""
+        self._drain()
+
+    def unconfirmed(self) -> list[tuple[Arg, ...]]:
+        """Deferred commands whose replies were never read (taken out of this connection)."""
+        commands = list(self._deferred)
+        self._deferred.clear()
+        return commands
 
     def read(self, timeout: float | None = None) -> Reply:
         """Read the next reply; ``timeout`` overrides the socket timeout for this read."""
@@ -171,6 +186,7 @@ class NodePool:
         self.address = address
         self._config = config
         self._idle: list[Connection] = []
+        self._redo: list[tuple[Arg, ...]] = []  # deferred commands of connections that died
         self._slots = threading.BoundedSemaphore(config.pool_size)
         self._lock = threading.Lock()
         self._closed = False
@@ -187,9 +203,12 @@ class NodePool:
             if conn is None:
                 conn = Connection(self.address, self._config)
             try:
+                self._resend(conn)
                 yield conn
             except BaseException:
                 conn.close()  # state unknown (half-read reply?): never reuse
+                with self._lock:
+                    self._redo.extend(conn.unconfirmed())
                 raise
             with self._lock:
                 if self._closed or conn.broken:
@@ -199,12 +218,29 @@ class NodePool:
         finally:
             self._slots.release()
 
+    def _resend(self, conn: Connection) -> None:
+        with self._lock:
+            redo, self._redo = self._redo, []
+        for command in redo:
+            conn.defer(*command)
+
     def close(self) -> None:
+        """Close idle connections after confirming their deferred commands (best effort)."""
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            redo, self._redo = self._redo, []
         for conn in idle:
+            try:
+                for command in redo:
+                    conn.defer(*command)
+                redo = []
+                conn.settle()
+            except OSError as exc:
+                log.debug("Redis %s: deferred cleanup not confirmed at close: %s (keys expire by TTL)", self.address, exc)
             conn.close()
+        if redo:
+            log.debug("Redis %s: %d deferred cleanup command(s) dropped at close (keys expire by TTL)", self.address, len(redo))
 
 
 class RedisClient:

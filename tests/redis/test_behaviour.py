@@ -1,0 +1,189 @@
+"""Chunked payloads, atomic visibility, exactly-once consumption, TTL, untrusted bytes."""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from typing import Any
+
+import pytest
+import redis
+import torch
+from omni_plugins_redis import manifest as mf
+from omni_plugins_redis.keys import PayloadKeys
+from omni_plugins_redis.testing import RedisCluster, RedisServer
+
+from omni_plugins import create_connector, wire
+from omni_plugins.errors import ConnectorError, WireFormatError
+
+PREFIX = "omnitest:"
+SMALL_CHUNK = 64 * 1024
+
+
+def _raw(server: RedisServer) -> redis.Redis:
+    return server.client()
+
+
+def test_multi_part_payload_roundtrip_into_one_writable_buffer(server_config: dict[str, Any], redis_server: RedisServer) -> None:
+    x = torch.randn(1_000_003)  # ~4 MB, not a multiple of the chunk size
+    y = torch.arange(77, dtype=torch.int16)
+    with create_connector("redis", {**server_config, "chunk_bytes": SMALL_CHUNK}) as conn:
+        res = conn.put(0, 1, "parts", {"x": x, "y": y, "s": "meta"})
+        assert res.ok and res.metadata is not None and res.metadata["parts"] > 50
+        # parts exist before the get; the manifest is one list element
+        raw = _raw(redis_server)
+        assert raw.llen(PayloadKeys(PREFIX, "parts").manifest) == 1
+        got = conn.get(0, 1, "parts")
+    assert got is not None and got.size == res.size
+    assert torch.equal(got.data["x"], x) and torch.equal(got.data["y"], y) and got.data["s"] == "meta"
+    got.data["x"][0] = 42.0  # tensors own writable memory
+    assert redis_server.keys(PREFIX + "*") == []
+
+
+def test_reader_never_sees_half_a_payload(server_config: dict[str, Any]) -> None:
+    big = torch.arange(4_000_000, dtype=torch.float32)  # 16 MB in 256 parts
+    config = {**server_config, "chunk_bytes": SMALL_CHUNK}
+    seen: list[Any] = []
+    with create_connector("redis", config) as writer, create_connector("redis", config) as reader:
+
+        def poll() -> None:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                got = reader.get(0, 1, "half")  # non-blocking: races the writer's parts
+                if got is not None:
+                    seen.append(got.data)
+                    return
+
+        thread = threading.Thread(target=poll)
+        thread.start()
+        assert writer.put(0, 1, "half", {"v": big}).ok
+        thread.join(90)
+    assert not thread.is_alive()
+    assert len(seen) == 1 and torch.equal(seen[0]["v"], big)
+
+
+@pytest.mark.parametrize("target", ["standalone", "cluster"])
+def test_exactly_one_of_many_blocked_readers_wins(target: str, request: pytest.FixtureRequest) -> None:
+    config = request.getfixturevalue("server_config" if target == "standalone" else "cluster_config")
+    results: list[Any] = []
+    lock = threading.Lock()
+    with create_connector("redis", config) as conn:
+
+        def wait() -> None:
+            got = conn.get(0, 1, "contested", timeout=3)
+            with lock:
+                results.append(got)
+
+        threads = [threading.Thread(target=wait) for _ in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        assert conn.put(0, 1, "contested", {"v": torch.arange(9)}).ok
+        for t in threads:
+            t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    winners = [r for r in results if r is not None]
+    assert len(results) == 4 and len(winners) == 1
+    assert torch.equal(winners[0].data["v"], torch.arange(9))
+
+
+def test_two_puts_of_one_key_are_read_in_order(server_config: dict[str, Any]) -> None:
+    with create_connector("redis", {**server_config, "chunk_bytes": SMALL_CHUNK}) as conn:
+        assert conn.put(0, 1, "twice", {"v": 1}).ok
+        assert conn.put(0, 1, "twice", {"v": torch.zeros(100_000)}).ok
+        first, second = conn.get(0, 1, "twice"), conn.get(0, 1, "twice")
+        assert first is not None and first.data == {"v": 1}
+        assert second is not None and torch.equal(second.data["v"], torch.zeros(100_000))
+        assert conn.get(0, 1, "twice") is None
+
+
+def test_unread_payloads_expire(redis_server: RedisServer, server_config: dict[str, Any]) -> None:
+    with create_connector("redis", {**server_config, "ttl_seconds": 0.5, "chunk_bytes": SMALL_CHUNK}) as conn:
+        assert conn.put(0, 1, "orphan", {"v": torch.zeros(50_000)}).ok
+        keys = redis_server.keys(PREFIX + "*orphan*")
+        assert any(k.endswith(b":m") for k in keys) and any(b":p:" in k for k in keys)
+        ttls = [_raw(redis_server).pttl(k) for k in keys]
+        assert all(t > 0 for t in ttls), "every key of a payload carries a TTL"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _raw(redis_server).exists(PayloadKeys(PREFIX, "orphan").manifest):
+            time.sleep(0.05)
+        assert conn.get(0, 1, "orphan") is None
+    _raw(redis_server).delete(*redis_server.keys(PREFIX + "*orphan*") or [b"-"])
+
+
+def test_cleanup_removes_every_part_on_cluster(redis_cluster: RedisCluster, cluster_config: dict[str, Any]) -> None:
+    with create_connector("redis", {**cluster_config, "chunk_bytes": SMALL_CHUNK}) as conn:
+        for key in ("a{b}c", "ünï/cøde", "%7B"):
+            assert conn.put(0, 1, key, {"v": torch.ones(100_000)}).ok
+        assert len(redis_cluster.keys(PREFIX + "*")) > 3 * 6
+        assert conn.cleanup("a{b}c") is True
+        got = conn.get(0, 1, "ünï/cøde", timeout=1)
+        assert got is not None and torch.equal(got.data["v"], torch.ones(100_000))
+        assert conn.cleanup("%7B") is True
+        assert conn.cleanup("%7B") is False
+    assert redis_cluster.keys(PREFIX + "*") == []
+
+
+def test_corrupt_manifest_is_a_clear_error_and_nothing_leaks(redis_server: RedisServer, server_config: dict[str, Any]) -> None:
+    raw = _raw(redis_server)
+    keys = PayloadKeys(PREFIX, "evil")
+    with create_connector("redis", server_config) as conn:
+        raw.rpush(keys.manifest, b"not a manifest")
+        with pytest.raises(ConnectorError, match=r"'evil'.*corrupt manifest"):
+            conn.get(0, 1, "evil")
+        # a manifest announcing an absurd size is refused before any allocation
+        raw.rpush(keys.manifest, struct.pack("<4sB3xQII16s", b"ORM1", 0, 1 << 60, 1 << 20, 1 << 31, b"0" * 16))
+        with pytest.raises(ConnectorError, match="max_payload_bytes"):
+            conn.get(0, 1, "evil")
+        # a well-formed manifest around bytes that are not a wire message
+        raw.rpush(keys.manifest, mf.for_inline(5, "0" * 16).header() + b"junk!")
+        with pytest.raises(WireFormatError):
+            conn.get(0, 1, "evil")
+    assert redis_server.keys(PREFIX + "*") == []
+
+
+def test_missing_or_wrong_size_part(redis_server: RedisServer, server_config: dict[str, Any]) -> None:
+    raw = _raw(redis_server)
+    with create_connector("redis", {**server_config, "chunk_bytes": SMALL_CHUNK}) as conn:
+        assert conn.put(0, 1, "holey", {"v": torch.ones(100_000)}).ok
+        raw.delete(next(k for k in redis_server.keys(PREFIX + "*holey*") if b":p:" in k and k.endswith(b":2")))
+        with pytest.raises(ConnectorError, match=r"'holey'.*part 2 is missing"):
+            conn.get(0, 1, "holey")
+        assert conn.put(0, 1, "short", {"v": torch.ones(100_000)}).ok
+        part = next(k for k in redis_server.keys(PREFIX + "*short*") if k.endswith(b":1") and b":p:" in k)
+        raw.set(part, b"x" * 10)
+        with pytest.raises(ConnectorError, match="part 1 is corrupt"):
+            conn.get(0, 1, "short")
+    assert redis_server.keys(PREFIX + "*") == []
+
+
+def test_wire_encoding_is_the_only_format(server_config: dict[str, Any], redis_server: RedisServer) -> None:
+    payload = {"t": torch.arange(10), "n": [1, "x"]}
+    with create_connector("redis", server_config) as conn:
+        conn.put(0, 1, "fmt", payload)
+        element = _raw(redis_server).lindex(PayloadKeys(PREFIX, "fmt").manifest, 0)
+        assert isinstance(element, bytes)
+        decoded = wire.decode(bytearray(element[mf.HEADER_SIZE :]))
+        assert torch.equal(decoded["t"], payload["t"]) and decoded["n"] == [1, "x"]
+        assert b"pickle" not in element and b"\x80\x05" not in element[: mf.HEADER_SIZE + 2]
+        assert conn.get(0, 1, "fmt") is not None
+
+
+def test_unreachable_server_error_names_server_and_key() -> None:
+    from omni_plugins_redis.testing import free_port
+
+    port = free_port()
+    config = {"port": port, "password": "pw-never-shown", "retry_attempts": 1, "retry_backoff": 0.01, "key_prefix": PREFIX}
+    with create_connector("redis", config) as conn:
+        with pytest.raises(ConnectorError) as info:
+            conn.put(0, 1, "nowhere", {"v": 1})
+        assert f"127.0.0.1:{port}" in str(info.value) and "'nowhere'" in str(info.value)
+        assert "pw-never-shown" not in str(info.value)
+        status = conn.health()
+        assert status["ok"] is False and str(port) in status["error"]
+
+
+def test_invalid_key_is_a_typed_error(server_config: dict[str, Any]) -> None:
+    with create_connector("redis", server_config) as conn, pytest.raises(ConnectorError, match="non-empty"):
+        conn.put(0, 1, "", {"v": 1})

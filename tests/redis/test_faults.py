@@ -1,0 +1,186 @@
+"""Server restarts and lost replies: nothing acknowledged is lost, nothing is duplicated, nothing hangs.
+
+The restart tests use a real persistent server (AOF, ``appendfsync always``).
+Lost replies are injected at unit level: the command really runs on the real
+server, then the client pretends the connection died before the reply came.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from omni_plugins_redis.client import Connection
+from omni_plugins_redis.keys import PayloadKeys
+from omni_plugins_redis.testing import RedisServer
+
+from omni_plugins import create_connector
+from omni_plugins.errors import ConnectorError
+
+PREFIX = "omnitest:"
+CHUNK = 64 * 1024
+FAST_RETRY = {"retry_attempts": 30, "retry_backoff": 0.02, "retry_backoff_max": 0.5, "socket_timeout": 5.0, "connect_timeout": 2.0}
+
+
+@pytest.fixture
+def durable_server(track_server: Any) -> Iterator[RedisServer]:
+    with RedisServer(persistent=True) as server:
+        track_server(server)
+        yield server
+        assert server.keys(PREFIX + "*") == [], "keys left behind after restarts"
+
+
+def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str, after_reads: int) -> list[int]:
+    """The first time ``command`` is sent, read ``after_reads`` replies for real, then fail as if the link died."""
+    real_send, real_read = Connection.send_many, Connection.read
+    state = {"armed": False, "reads": 0}
+    fired: list[int] = []
+
+    def send_many(self: Connection, commands: Any) -> None:
+        if not fired and any(c[0] == command for c in commands):
+            state["armed"] = True
+        real_send(self, commands)
+
+    def read(self: Connection, timeout: float | None = None) -> Any:
+        reply = real_read(self, timeout)
+        if state["armed"]:
+            state["reads"] += 1
+            if state["reads"] == after_reads:
+                state["armed"] = False
+                fired.append(1)
+                raise ConnectionResetError(f"injected: reply to {command} lost")
+        return reply
+
+    monkeypatch.setattr(Connection, "send_many", send_many)
+    monkeypatch.setattr(Connection, "read", read)
+    return fired
+
+
+@pytest.mark.parametrize("size", [100, 300_000])
+def test_lost_commit_reply_commits_exactly_once(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, server_config: dict[str, Any], size: int
+) -> None:
+    fired = _lose_reply(monkeypatch, "EXEC", after_reads=5)  # MULTI, RPUSH, PEXPIRE, SET marker, EXEC
+    with create_connector("redis", {**server_config, "chunk_bytes": CHUNK, **FAST_RETRY}) as conn:
+        assert conn.put(0, 1, "once", {"v": torch.ones(size)}).ok
+        assert fired, "the fault was not injected"
+        assert redis_server.client().llen(PayloadKeys(PREFIX, "once").manifest) == 1
+        got = conn.get(0, 1, "once")
+        assert got is not None and torch.equal(got.data["v"], torch.ones(size))
+        assert conn.get(0, 1, "once") is None
+    assert redis_server.keys(PREFIX + "*") == []
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_lost_claim_reply_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, server_config: dict[str, Any], blocking: bool
+) -> None:
+    with create_connector("redis", {**server_config, **FAST_RETRY}) as conn:
+        assert conn.put(0, 1, "claimed", {"v": torch.arange(7)}).ok
+        fired = _lose_reply(monkeypatch, "BLMOVE" if blocking else "LMOVE", after_reads=2)  # move + PEXPIRE
+        got = conn.get(0, 1, "claimed", timeout=5 if blocking else None)
+        assert fired, "the fault was not injected"
+        assert got is not None and torch.equal(got.data["v"], torch.arange(7))
+        assert conn.get(0, 1, "claimed") is None
+    assert redis_server.keys(PREFIX + "*") == []
+
+
+def test_restarts_mid_stream_lose_no_acknowledged_payload(durable_server: RedisServer) -> None:
+    config = durable_server.connector_config(key_prefix=PREFIX, chunk_bytes=CHUNK, **FAST_RETRY)
+    count = 60
+    sizes = [10, 5_000, 70_000, 200_000]  # inline and 1..13 parts
+    acked: dict[int, bool] = {}
+    put_errors: list[str] = []
+    received: dict[int, Any] = {}
+    get_errors: list[str] = []
+    progress = threading.Semaphore(0)
+
+    def expected(i: int) -> torch.Tensor:
+        return torch.full((sizes[i % len(sizes)],), float(i))
+
+    def write() -> None:
+        with create_connector("redis", config) as conn:
+            for i in range(count):
+                try:
+                    acked[i] = conn.put(0, 1, f"s{i}", {"i": i, "v": expected(i)}).ok
+                except ConnectorError as exc:
+                    put_errors.append(str(exc))
+                progress.release()
+                time.sleep(0.01)
+
+    def read() -> None:
+        with create_connector("redis", config) as conn:
+            for i in range(count):
+                try:
+                    got = conn.get(0, 1, f"s{i}", timeout=30)
+                except ConnectorError as exc:
+                    get_errors.append(str(exc))
+                    continue
+                if got is not None:
+                    received[i] = got.data
+
+    threads = [threading.Thread(target=write), threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    for restart_at, kill in ((count // 3, False), (2 * count // 3, True)):
+        for _ in range(restart_at - (0 if not kill else count // 3)):
+            assert progress.acquire(timeout=60)
+        durable_server.restart(kill=kill)
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads), "a thread hung across the restarts"
+    assert put_errors == [] and get_errors == []
+    lost = [i for i, ok in acked.items() if ok and i not in received]
+    assert lost == [], f"acknowledged payloads lost: {lost}"
+    for i, data in received.items():
+        assert data["i"] == i and torch.equal(data["v"], expected(i))
+
+
+def test_blocked_get_survives_a_restart(durable_server: RedisServer) -> None:
+    config = durable_server.connector_config(key_prefix=PREFIX, **FAST_RETRY)
+    result: list[Any] = []
+    with create_connector("redis", config) as reader, create_connector("redis", config) as writer:
+        thread = threading.Thread(target=lambda: result.append(reader.get(0, 1, "late", timeout=20)))
+        thread.start()
+        time.sleep(0.3)  # the reader is now blocked inside the server
+        durable_server.restart()
+        assert writer.put(0, 1, "late", {"v": torch.arange(4)}).ok
+        thread.join(60)
+    assert not thread.is_alive()
+    assert result and result[0] is not None and torch.equal(result[0].data["v"], torch.arange(4))
+
+
+def test_server_down_fails_in_bounded_time(durable_server: RedisServer) -> None:
+    config = durable_server.connector_config(
+        key_prefix=PREFIX, retry_attempts=3, retry_backoff=0.05, connect_timeout=1.0, socket_timeout=2.0
+    )
+    errors: list[BaseException] = []
+    with create_connector("redis", config) as conn:
+        durable_server._terminate()  # down, data dir kept
+
+        def call(fn: Any) -> None:
+            try:
+                fn()
+            except ConnectorError as exc:
+                errors.append(exc)
+
+        threads = [
+            threading.Thread(target=call, args=(lambda: conn.get(0, 1, "x", timeout=1.0),)),
+            threading.Thread(target=call, args=(lambda: conn.put(0, 1, "x", {"v": 1}),)),
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a call hung on a dead server"
+        assert len(errors) == 2
+        for exc in errors:
+            assert f"127.0.0.1:{durable_server.port}" in str(exc) and "'x'" in str(exc)
+        durable_server.start()
+        assert conn.put(0, 1, "back", {"v": 1}).ok  # reconnects after the outage
+        got = conn.get(0, 1, "back")
+        assert got is not None and got.data == {"v": 1}
