@@ -39,6 +39,12 @@ _INT_MAX = (1 << 64) - 1
 _SCALARS = frozenset({str, float, bool, type(None)})
 _Tensor = torch.Tensor
 _ZERO_PAD = bytes(ALIGNMENT)
+_BASE_CONVERSIONS: tuple[tuple[type, Any], ...] = (
+    (int, int.__int__),
+    (float, float.__float__),
+    (str, str.__str__),
+    (bytes, lambda b: bytes.__getitem__(b, slice(None))),
+)
 
 
 _local = threading.local()
@@ -163,8 +169,10 @@ class _Encoder:
             t = t.detach()
         if type(t) is not torch.Tensor:
             t = t.as_subclass(torch.Tensor)
-        if spec.is_complex:
-            t = t.resolve_conj().resolve_neg()
+        if spec.is_complex and t.is_conj():
+            t = t.resolve_conj()
+        if t.is_neg():
+            t = t.resolve_neg()
         if not t.is_contiguous():
             t = t.contiguous()
         shape = list(t.shape)
@@ -190,11 +198,11 @@ class _Encoder:
 
     def _other(self, obj: Any, depth: int) -> Any:
         # Subclasses of the builtin types travel as the builtin type (IntEnum -> int,
-        # OrderedDict -> dict, namedtuple -> tuple, np.float64 -> float).
-        scalar: Any
-        for scalar in (bool, int, float, str, bytes):
-            if isinstance(obj, scalar):
-                return self.walk(scalar(obj), depth)
+        # OrderedDict -> dict, namedtuple -> tuple, np.float64 -> float). The base type's
+        # own conversion is used, so a subclass's __str__ / __int__ cannot change the value.
+        for base, convert in _BASE_CONVERSIONS:
+            if isinstance(obj, base):
+                return self.walk(convert(obj), depth)
         container: type
         for container in (dict, list, tuple):
             if isinstance(obj, container):

@@ -85,10 +85,18 @@ def test_builtin_subclasses_travel_as_base_types() -> None:
     class Color(IntEnum):
         RED = 1
 
+    class Loud(str):
+        def __str__(self) -> str:
+            return "NOT THE VALUE"
+
+    class Raw(bytes):
+        pass
+
     Point = namedtuple("Point", "x y")
-    out = roundtrip({"od": OrderedDict(a=1), "e": Color.RED, "p": Point(1, 2), "f": np.float64(0.5)})
-    assert out == {"od": {"a": 1}, "e": 1, "p": (1, 2), "f": 0.5}
+    out = roundtrip({"od": OrderedDict(a=1), "e": Color.RED, "p": Point(1, 2), "f": np.float64(0.5), "s": Loud("value"), "b": Raw(b"xy")})
+    assert out == {"od": {"a": 1}, "e": 1, "p": (1, 2), "f": 0.5, "s": "value", "b": b"xy"}
     assert type(out["e"]) is int and type(out["p"]) is tuple and type(out["f"]) is float
+    assert type(out["s"]) is str and type(out["b"]) is bytes
 
 
 @pytest.mark.parametrize(
@@ -113,6 +121,18 @@ def test_encode_refuses_with_clear_error(obj: Any, needle: str) -> None:
     with pytest.raises(WireFormatError, match=None) as info:
         encode(obj)
     assert needle in str(info.value)
+
+
+def test_unencodable_string_leaves_the_encoder_usable() -> None:
+    with pytest.raises(WireFormatError, match="cannot encode payload header"):
+        encode({"s": "\ud800"})  # lone surrogate: not UTF-8 encodable
+    assert_same({"s": "ok", "t": torch.ones(2)}, roundtrip({"s": "ok", "t": torch.ones(2)}))
+
+
+def test_negative_bit_views_are_resolved() -> None:
+    t = torch._neg_view(torch.arange(4.0))
+    assert t.is_neg()
+    assert_same(-torch.arange(4.0), roundtrip(t))
 
 
 def test_encode_refuses_too_deep() -> None:
