@@ -5,8 +5,9 @@ endpoints per backend (producer and consumer, each its own engine/client, talkin
 over TCP on 127.0.0.1). Per payload size (1, 16, 64 MiB of uint8), iterations
 interleave the four variants so machine noise hits them alike:
 
-- ``store_raw``: ``put_from`` a pre-filled registered buffer, then ``get_into``
-  another registered buffer (the object is removed afterwards, untimed).
+- ``store_raw``: ``put_from`` a pre-filled registered buffer (placed in the
+  putter's own segment, as the connector does), then ``get_into`` another
+  registered buffer (the object is removed afterwards, untimed).
 - ``store``: ``mooncake-store`` ``put`` then ``get`` of ``{"x": tensor}`` (encode,
   ``upsert_from``, ``get_into``, forced remove, zero-copy decode).
 - ``te_raw_read`` / ``te_raw_write``: one ``transfer_sync_read`` (consumer pulls)
@@ -35,13 +36,12 @@ import platform
 import statistics
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from tqdm import tqdm
-
 from omni_plugins_mooncake.testing import MooncakeMaster, loopback_environment
+from tqdm import tqdm
 
 MIB = 1 << 20
 SIZES = [1 * MIB, 16 * MIB, 64 * MIB]
@@ -98,8 +98,13 @@ class Bench:
 
         self.master = master
         # raw store: producer with a segment, consumer without (as in the connector runs)
+        from mooncake.store import ReplicateConfig
+
         self.raw_prod = _store_client(master, segment)
         self.raw_cons = _store_client(master, 0)
+        # best raw usage, as the connector does: keep the object in the putter's own segment
+        self.raw_replicate = ReplicateConfig()
+        self.raw_replicate.preferred_segment = self.raw_prod.get_hostname()
         self.src = _Buffer(max_size + MIB, fill=7)
         self.dst = _Buffer(max_size + MIB)
         assert self.raw_prod.register_buffer(self.src.addr, self.src.size) == 0
@@ -131,7 +136,7 @@ class Bench:
     def store_raw(self, size: int) -> float:
         key = f"raw-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
-        rc = self.raw_prod.put_from(key, self.src.addr, size)
+        rc = self.raw_prod.put_from(key, self.src.addr, size, self.raw_replicate)
         got = self.raw_cons.get_into(key, self.dst.addr, self.dst.size)
         dt = time.perf_counter() - t0
         if rc != 0 or got != size:
@@ -197,7 +202,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for size in sizes:
                     payload = {"x": torch.randint(0, 256, (size,), dtype=torch.uint8)}
                     warm, n = rounds[size]
-                    samples: dict[str, list[float]] = {k: [] for k in ("store_raw", "store_put", "store_get", "te_raw_read", "te_raw_write", "te_put", "te_get")}
+                    samples: dict[str, list[float]] = {
+                        k: [] for k in ("store_raw", "store_put", "store_get", "te_raw_read", "te_raw_write", "te_put", "te_get")
+                    }
                     for i in range(warm + n):
                         bar.set_postfix(size=f"{size // MIB}MiB")
                         gc.collect()

@@ -30,10 +30,10 @@ def count_objects(master: MooncakeMaster) -> int:
         probe.close()
 
 
-def _assert_gone(pid: int | None) -> None:
-    if pid is not None and psutil.pid_exists(pid):
-        proc = psutil.Process(pid)
-        assert proc.status() == psutil.STATUS_ZOMBIE, f"mooncake_master pid {pid} still running"
+def _assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        if psutil.pid_exists(pid):
+            assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"mooncake_master pid {pid} still running"
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +44,7 @@ def master() -> Iterator[MooncakeMaster]:
         assert m.pid is not None, "a test stopped the shared master"
         leftover = count_objects(m)
         assert leftover == 0, f"{leftover} store objects left on the shared master"
-        pid = m.pid
-    _assert_gone(pid)
+    _assert_gone(m.launched_pids)
 
 
 @pytest.fixture
@@ -53,9 +52,8 @@ def own_master() -> Iterator[MooncakeMaster]:
     """A master this test may kill and restart."""
     m = MooncakeMaster()
     m.start()
-    pid = m.pid
     try:
         yield m
     finally:
         m.stop()
-        _assert_gone(pid)
+        _assert_gone(m.launched_pids)

@@ -78,6 +78,7 @@ class MooncakeMaster:
         self.metrics_port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path: Path | None = None
+        self.launched_pids: list[int] = []  # every master process this object started (for leak checks)
 
     @property
     def address(self) -> str:
@@ -114,34 +115,36 @@ class MooncakeMaster:
 
     def restart(self) -> MooncakeMaster:
         """Stop and start again on the same ports (clients reconnect by themselves)."""
-        self.stop()
+        self.stop(keep_log=True)
         self._launch()
         return self
 
     def kill(self) -> None:
-        """SIGKILL the master (a crash), without waiting for a clean shutdown."""
+        """SIGKILL the master (a crash), without a clean shutdown; ``restart()`` brings it back."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
         self.proc = None
 
-    def stop(self) -> None:
-        """Terminate by pid and wait (SIGKILL after 5 s)."""
+    def stop(self, *, keep_log: bool = False) -> None:
+        """Terminate by pid and wait (SIGKILL after 5 s); the log file is removed unless ``keep_log``."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if not keep_log and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
 
     def _launch(self) -> None:
         self.log_path = self._log_dir / f"mooncake_master-{os.getpid()}-{self.rpc_port}.log"
         env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+        self.launched_pids.append(self.proc.pid)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -151,13 +154,11 @@ class MooncakeMaster:
             if _answers(LOOPBACK, self.rpc_port):
                 return
             time.sleep(0.02)
-        self.stop()
+        self.stop(keep_log=True)
         raise RuntimeError(f"no answer on {self.address} within {self.start_timeout} s; see {self.log_path}")
 
     def __enter__(self) -> MooncakeMaster:
         return self.start() if self.proc is None else self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
-        if self.log_path is not None and exc is None:
-            self.log_path.unlink(missing_ok=True)
+        self.stop(keep_log=exc is not None)
