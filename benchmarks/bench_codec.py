@@ -93,6 +93,7 @@ def make_ops(payload: dict[str, Any]) -> dict[str, Op]:
 
 def calibrate(op: Op, budget_s: float) -> int:
     """Repetitions so that one timed sample lasts about ``budget_s``."""
+    op()  # warm-up: first-touch page faults, lazy imports
     start = time.perf_counter()
     op()
     once = max(time.perf_counter() - start, 1e-7)

@@ -2,11 +2,13 @@
 
 For large buffers the cost of a copy into fresh memory is dominated by page faults
 (one per 4 KiB page; see docs/backends.md: 2.1 GB/s fresh vs 13 GB/s pre-touched).
-Buffers of at least :data:`HUGE_THRESHOLD` bytes are therefore placed in a private
-anonymous mapping advised ``MADV_HUGEPAGE`` (transparent huge pages are in ``madvise``
-mode on the target machines), which takes one fault per 2 MiB. The mapping is released
-when the last array / tensor over it is garbage collected. Smaller buffers, and
-platforms without ``madvise``, use ``numpy.empty``.
+glibc serves allocations up to its dynamic mmap threshold (at most 32 MiB) from the heap,
+whose pages are reused already faulted, so ``numpy.empty`` is the right choice below
+:data:`HUGE_THRESHOLD`. Above it every ``malloc`` is a fresh ``mmap`` that faults page by
+page; those buffers are placed instead in a private anonymous mapping advised
+``MADV_HUGEPAGE`` (transparent huge pages are in ``madvise`` mode on the target
+machines), which takes one fault per 2 MiB. The mapping is released when the last array /
+tensor over it is garbage collected. Platforms without ``madvise`` use ``numpy.empty``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
-HUGE_THRESHOLD = 4 << 20
+HUGE_THRESHOLD = 32 << 20
 _CAN_ADVISE = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS")
 
 
