@@ -184,7 +184,7 @@ def test_replacing_a_payload_being_read_defers_the_free() -> None:
 
 # -- control channel ---------------------------------------------------------------------------------
 def test_control_server_survives_garbage_and_answers() -> None:
-    server = ControlServer("127.0.0.1:0", lambda req: {"ok": True, "echo": req.get("op")}, io_timeout=2)
+    server = ControlServer("127.0.0.1:0", lambda req: {"ok": True, "echo": req.get("op")}, idle_timeout=2)
     try:
         host, port = server.address.split(":")
         for junk in (b"\xff\xff\xff\xff", struct.pack(">I", 3) + b"\xc1\xc1\xc1", struct.pack(">I", 1) + b"\x01"):

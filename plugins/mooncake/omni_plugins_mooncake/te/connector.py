@@ -268,7 +268,7 @@ class MooncakeTransferEngineConnector(Connector):
     # -- producer ---------------------------------------------------------------
     def _listen(self, address: str) -> ControlServer:
         try:
-            return ControlServer(address, self._handle, io_timeout=self.config.socket_timeout, name=f"mooncake-te {self.segment}")
+            return ControlServer(address, self._handle, name=f"mooncake-te {self.segment}")
         except OSError as exc:
             raise ConnectorError(f"mooncake-te cannot listen on {address}: {exc}") from exc
 

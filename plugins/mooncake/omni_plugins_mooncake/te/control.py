@@ -89,10 +89,9 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
 class ControlServer:
     """A tiny threaded TCP server: one daemon thread accepts, one per connection answers."""
 
-    def __init__(self, address: str, handler: Handler, *, io_timeout: float, idle_timeout: float = 120.0, name: str = "control") -> None:
+    def __init__(self, address: str, handler: Handler, *, idle_timeout: float = 120.0, name: str = "control") -> None:
         host, _, port = address.rpartition(":")
         self._handler = handler
-        self._io_timeout = io_timeout
         self._idle_timeout = idle_timeout
         self._name = name
         self._listener = socket.create_server((host.strip("[]"), int(port)), backlog=64)
@@ -132,8 +131,8 @@ class ControlServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            conn.settimeout(self._idle_timeout)  # bounds both waiting for a request and sending a reply
             while not self._stopping.is_set():
-                conn.settimeout(self._idle_timeout)
                 try:
                     request = recv_frame(conn)
                 except (OSError, ConnectionError):
@@ -148,7 +147,6 @@ class ControlServer:
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 if request.get("noreply") is True:
                     continue
-                conn.settimeout(self._io_timeout)
                 try:
                     send_frame(conn, reply)
                 except OSError:
@@ -199,7 +197,6 @@ class ControlClient:
         message = {"v": PROTOCOL_VERSION, **message, "noreply": True}
         sock, reused = self._checkout()
         try:
-            sock.settimeout(self._timeout)
             send_frame(sock, message)
         except (OSError, ConnectionError) as exc:
             sock.close()
@@ -207,7 +204,6 @@ class ControlClient:
                 raise self._unreachable(exc) from exc
             sock = self._connect()
             try:
-                sock.settimeout(self._timeout)
                 send_frame(sock, message)
             except (OSError, ConnectionError) as exc2:
                 sock.close()
@@ -221,8 +217,7 @@ class ControlClient:
             sock.close()
 
     def _roundtrip(self, sock: socket.socket, message: dict[str, Any]) -> dict[str, Any]:
-        sock.settimeout(self._timeout)
-        send_frame(sock, message)
+        send_frame(sock, message)  # the socket carries `timeout` from create_connection
         return recv_frame(sock)
 
     def _checkout(self) -> tuple[socket.socket, bool]:
