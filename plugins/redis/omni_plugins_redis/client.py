@@ -60,7 +60,8 @@ class Connection:
     def __init__(self, address: Address, config: RedisConfig) -> None:
         self.address = address
         self._config = config
-        self._deferred: deque[tuple[Arg, ...]] = deque()
+        self._deferred: deque[tuple[Arg, ...]] = deque()  # sent or queued, reply not read yet
+        self._outbox: list[tuple[Arg, ...]] = []  # queued, not sent yet
         self.broken = False
         self._sock = self._open()
         self._reader = ReplyReader(self._sock)
@@ -119,19 +120,27 @@ class Connection:
 
     # -- I/O ---------------------------------------------------------------
     def send(self, *args: Arg) -> None:
-        send_buffers(self._sock, pack(*args))
+        self.send_many([args])
 
     def send_many(self, commands: Sequence[Sequence[Arg]]) -> None:
+        """Send commands in one write, preceded by any deferred commands not yet sent."""
+        if self._outbox:
+            commands = [*self._outbox, *commands]
+            self._outbox.clear()
         send_buffers(self._sock, pack_many(commands))
 
-    def defer(self, *args: Arg) -> None:
-        """Send an idempotent command and read its reply later (errors are logged, not raised).
+    def defer(self, *args: Arg, flush: bool = False) -> None:
+        """Queue an idempotent command whose reply is read later (errors are logged, not raised).
 
-        If the connection dies before the reply is read, :meth:`unconfirmed`
-        hands the command back so the pool can send it again.
+        The command rides along with the next write on this connection (no extra
+        system call or server wake-up); ``flush`` sends it now instead (e.g.
+        deleting big parts, to free server memory at once). If the connection
+        dies first, :meth:`unconfirmed` hands it back so the pool re-sends it.
         """
         self._deferred.append(args)
-        self.send(*args)
+        self._outbox.append(args)
+        if flush:
+            self.send_many([])
 
     def _drain(self) -> None:
         while self._deferred:
@@ -141,13 +150,16 @@ class Connection:
                 log.warning("Redis %s: deferred %s failed: %s", self.address, command[0], reply)
 
     def settle(self) -> None:
-        """Read the replies of all deferred commands now."""
+        """Send and confirm all deferred commands now."""
+        if self._outbox:
+            self.send_many([])
         self._drain()
 
     def unconfirmed(self) -> list[tuple[Arg, ...]]:
-        """Deferred commands whose replies were never read (taken out of this connection)."""
+        """Deferred commands not known to have run (taken out of this connection)."""
         commands = list(self._deferred)
         self._deferred.clear()
+        self._outbox.clear()
         return commands
 
     def read(self, timeout: float | None = None) -> Reply:

@@ -229,7 +229,7 @@ class RedisConnector(Connector):
         """Delete a consumed payload's claim list and parts (reply read lazily: no round trip)."""
 
         def step(conn: Connection) -> None:
-            conn.defer("UNLINK", claim_key, *part_keys)
+            conn.defer("UNLINK", claim_key, *part_keys, flush=bool(part_keys))
 
         try:
             self._client.run(keys.slot, step, what="get cleanup", key=keys.key)
