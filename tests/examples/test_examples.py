@@ -19,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-REQUESTS = 3
+REQUESTS = 2
 
 
 def run_example(name: str, tmp_path: Path, env: dict[str, str] | None = None, *extra: str) -> dict[str, Any]:
