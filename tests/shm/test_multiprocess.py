@@ -38,9 +38,10 @@ def _kill(proc: Any) -> None:
 def test_two_producers_two_consumers_one_namespace(namespace: str, spawn: Any) -> None:
     """Concurrent producer and consumer processes: every payload arrives intact exactly once.
 
+    Producers: a spawned process and this process (putting while the consumers already wait).
     Sizes span the small class, pooled classes and a payload larger than ``pool_max_segment_bytes``
-    (its own segment). Before that, the two consumers race for 60 keys the parent put: each key is
-    won by exactly one of them (claiming is a rename).
+    (its own segment). First the two consumers race for 60 keys put before they started: each key
+    is won by exactly one of them (claiming is a rename).
     """
     config = {"namespace": namespace, "pool_max_segment_bytes": 2 * MIB}
     sizes = [4 * KIB, 200 * KIB, 1 * MIB, 3 * MIB]  # 3 MiB > pool max: dedicated segment
@@ -52,22 +53,25 @@ def test_two_producers_two_consumers_one_namespace(namespace: str, spawn: Any) -
         for i, key in enumerate(race_keys):
             assert parent.put(0, 1, key, {"i": torch.tensor(i)}).ok
         ready, hold, out = spawn.Queue(), spawn.Event(), spawn.Queue()
-        producers = [spawn.Process(target=producer_worker, args=(config, items[(p, 0)] + items[(p, 1)], ready, hold)) for p in range(2)]
+        producer = spawn.Process(target=producer_worker, args=(config, items[(1, 0)] + items[(1, 1)], ready, hold))
         consumers = [
             spawn.Process(target=pipeline_consumer_worker, args=(config, race_keys, items[(0, c)] + items[(1, c)], out)) for c in range(2)
         ]
-        procs = producers + consumers
+        procs = [producer, *consumers]
         for proc in procs:
             proc.start()
         try:
+            for c in range(2):  # this process is the second producer
+                for key, seed, nbytes in items[(0, c)]:
+                    assert parent.put(0, 1, key, make_payload(seed, nbytes)).ok
             reports = [out.get(timeout=240) for _ in consumers]
-            assert [ready.get(timeout=60) for _ in producers] == [16, 16]
+            assert ready.get(timeout=60) == 16
         finally:
             hold.set()
             for proc in procs:
                 proc.join(JOIN)
                 _kill(proc)
-        assert [p.exitcode for p in procs] == [0, 0, 0, 0]
+        assert [p.exitcode for p in procs] == [0, 0, 0]
     won = [k for r in reports for k in r["won"]]
     assert sorted(won) == sorted(race_keys), "each raced key must be taken by exactly one consumer"
     statuses = [status for r in reports for _, status in r["items"]]
