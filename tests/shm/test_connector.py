@@ -294,3 +294,14 @@ def test_gc_cli_all_removes_everything_of_the_namespace(namespace: str) -> None:
     assert len(report["removed"]) == 2 and report["errors"] == []
     assert namespace_segments(namespace) == []
     producer.close()  # closing after a forced gc must not fail
+
+
+def test_symlink_at_a_key_is_rejected_without_following_it(pair: Any, namespace: str, tmp_path: Any) -> None:
+    _, consumer = pair
+    target = tmp_path / "victim"
+    target.write_bytes(b"OMNISHM\x01" + bytes(4096))
+    link = f"/dev/shm/{Names(namespace).published('ln')}"
+    os.symlink(target, link)
+    with pytest.raises(ConnectorError, match="not a regular file"):
+        consumer.get(0, 1, "ln")
+    assert target.exists() and not os.path.lexists(link)

@@ -154,6 +154,8 @@ class ShmConnector(Connector):
             os.rename(self._path(published_name), claim)
         except FileNotFoundError:
             return None
+        except OSError as exc:  # e.g. EPERM: a file of another user squats the name in the sticky /dev/shm
+            raise ConnectorError(f"shm get: cannot claim {published_name!r} in {self._dir}: {exc}") from exc
         return claim
 
     def _invalid(self, claim: str, key: str, why: str) -> ConnectorError:
@@ -165,7 +167,7 @@ class ShmConnector(Connector):
     def _open_claimed(self, claim: str, key: str) -> tuple[Header, Mapping] | None:
         """Header and mapping of a claimed segment (one ``stat`` when its mapping is cached)."""
         try:
-            st = os.stat(claim)
+            st = os.lstat(claim)  # never follow a symlink planted under a key's name
         except FileNotFoundError:
             return None  # gc removed it under us (its producer died)
         if not stat.S_ISREG(st.st_mode):
@@ -186,7 +188,7 @@ class ShmConnector(Connector):
         if cached is not None:
             return header, cached
         try:
-            fd = os.open(claim, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(claim, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
         keep_fd = False
@@ -202,8 +204,14 @@ class ShmConnector(Connector):
 
     @staticmethod
     def _read_header(path: str, size: int) -> Header:
-        with open(path, "rb", buffering=0) as fh:
-            return Header.unpack(fh.read(HEADER_SIZE), size)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise HeaderError(f"cannot open: {exc}") from exc
+        try:
+            return Header.unpack(os.pread(fd, HEADER_SIZE, 0), size)
+        finally:
+            os.close(fd)
 
     def _consume(self, claim: str, key: str, zero_copy: bool) -> GetResult | None:
         opened = self._open_claimed(claim, key)

@@ -46,7 +46,7 @@ class GcReport:
 def read_header(path: str) -> Header | None:
     """The header of the segment at ``path``, or None if it is gone or not a valid segment."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         return None
     try:

@@ -68,12 +68,11 @@ class Header:
     def unpack(cls, raw: bytes | memoryview | mmap.mmap, file_size: int) -> Header:
         if len(raw) < HEADER_SIZE:
             raise HeaderError(f"segment is {file_size} bytes, shorter than its {HEADER_SIZE}-byte header")
-        body = bytes(raw[: _FMT.size])
-        magic, flags, _state, pid, tag, start, seg_no, capacity, payload_len, digest = _FMT.unpack(body)
+        magic, flags, _state, pid, tag, start, seg_no, capacity, payload_len, digest = _FMT.unpack_from(raw, 0)
         if magic != MAGIC:
             raise HeaderError(f"bad magic {magic!r} (not an omnishm segment or an unsupported version)")
-        (crc,) = _CRC.unpack(bytes(raw[_FMT.size : HEADER_SIZE]))
-        if crc != _crc(body):
+        (crc,) = _CRC.unpack_from(raw, _FMT.size)
+        if crc != _crc(raw):
             raise HeaderError("header checksum mismatch (corrupt or torn segment)")
         if capacity != file_size:
             raise HeaderError(f"header says capacity {capacity} but the file is {file_size} bytes")
@@ -82,6 +81,10 @@ class Header:
         return cls(Owner(pid, start, tag), seg_no, capacity, payload_len, digest, bool(flags & FLAG_POOLED))
 
 
-def _crc(body: bytes) -> int:
-    # the state word is a mutable hint: exclude it from the checksum
-    return zlib.crc32(body[:STATE_OFFSET] + body[STATE_OFFSET + 4 :])
+def _crc(body: bytes | memoryview | mmap.mmap) -> int:
+    """CRC of the header fields, leaving out the mutable state word (bytes 12..15)."""
+    mv = memoryview(body)
+    try:
+        return zlib.crc32(mv[STATE_OFFSET + 4 : _FMT.size], zlib.crc32(mv[:STATE_OFFSET]))
+    finally:
+        mv.release()
