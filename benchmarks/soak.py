@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reliability"))
 
-from rel_pipeline import Plan, StageProcess, StreamConsumer, make_runtime, rss_bytes  # noqa: E402
+from rel_pipeline import Plan, StageProcess, StreamConsumer, make_runtime, rss_bytes
 
 BIG_EVERY = 25
 BIG_ELEMS = 64 * 1024  # 256 KiB of float32 per chunk

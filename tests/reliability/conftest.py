@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from rel_pipeline import STARTED, track  # noqa: E402
+from rel_pipeline import STARTED, track
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -248,7 +248,7 @@ class StageProcess:
 
     def __init__(self, spec: Mapping[str, Any], *, start_timeout: float = 60.0) -> None:
         self.spec = dict(spec)
-        self._stderr = tempfile.TemporaryFile(mode="w+")
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 -- lives as long as the process; closed in _finish
         env = dict(os.environ, **self.spec.get("env", {}))
         env.setdefault("MC_LOG_LEVEL", "ERROR")
         self.proc = subprocess.Popen(
@@ -364,7 +364,9 @@ def _emit(event: str, **data: Any) -> None:
 
 def _serve(spec: dict[str, Any]) -> None:
     """The child side of :class:`StageProcess`."""
-    rt = make_runtime(int(spec["stage_id"]), spec["connector"], recv_timeout_s=float(spec.get("recv_timeout_s", 30.0)), **spec.get("tuning", {}))
+    rt = make_runtime(
+        int(spec["stage_id"]), spec["connector"], recv_timeout_s=float(spec.get("recv_timeout_s", 30.0)), **spec.get("tuning", {})
+    )
     consumer = StreamConsumer(rt)
     _emit("ready", pid=os.getpid())
     for line in sys.stdin:
@@ -388,8 +390,8 @@ def _serve(spec: dict[str, Any]) -> None:
                 consumer.register(cmd["ids"], chunks=cmd.get("chunks", 4))
                 _emit("registered", ids=cmd["ids"])
             elif op == "consume":
-                ids = list(consumer.outcomes)
-                consumer.run_until(lambda c: c.settled(ids), float(cmd.get("timeout", 30.0)))
+                waiting = list(consumer.outcomes)
+                consumer.run_until(lambda c, ids=waiting: c.settled(ids), float(cmd.get("timeout", 30.0)))  # type: ignore[misc]
                 _emit("consumed", outcomes={k: vars(v) for k, v in consumer.outcomes.items()})
             elif op == "abort":
                 consumer.abort(cmd["ids"])

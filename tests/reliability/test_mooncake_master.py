@@ -74,7 +74,9 @@ def _run(producer: StageProcess, consumer: StreamConsumer, plans: list[Plan], ti
 def test_pipeline_errors_clearly_then_recovers_after_master_restart(master: Any) -> None:
     rt = make_runtime(1, _store(master, "0"), recv_timeout_s=RECV_TIMEOUT)
     consumer = StreamConsumer(rt)
-    producer = StageProcess({"stage_id": 0, "connector": _store(master, "64MiB"), "tuning": {"retry_backoff_s": 0.05, "max_send_retries": 1}})
+    producer = StageProcess(
+        {"stage_id": 0, "connector": _store(master, "64MiB"), "tuning": {"retry_backoff_s": 0.05, "max_send_retries": 1}}
+    )
     try:
         produced, statuses = _run(producer, consumer, _batch("up", 3, 4), 60)
         assert produced["failed"] == [] and set(statuses.values()) == {"finished"}, (produced, statuses)

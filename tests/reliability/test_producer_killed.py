@@ -12,7 +12,6 @@ import threading
 import time
 from typing import Any
 
-import pytest
 from rel_pipeline import Plan, StageProcess, StreamConsumer, make_runtime
 
 from omni_plugins import create_connector
