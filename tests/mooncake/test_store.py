@@ -6,6 +6,7 @@ import time
 import uuid
 from typing import Any
 
+import psutil
 import pytest
 import torch
 from omni_plugins_mooncake.testing import MooncakeMaster, free_port
@@ -14,6 +15,14 @@ from omni_plugins import create_connector
 from omni_plugins.errors import ConnectorError
 
 from .conftest import store_config
+
+
+def test_master_listens_on_loopback_only(master: MooncakeMaster) -> None:
+    assert master.pid is not None
+    listening = [c.laddr for c in psutil.Process(master.pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening, "the master listens nowhere?"
+    assert {addr.ip for addr in listening} == {"127.0.0.1"}, listening
+    assert master.rpc_port in {addr.port for addr in listening}
 
 
 def test_missing_master_fails_fast_with_its_address() -> None:

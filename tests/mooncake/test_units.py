@@ -206,3 +206,18 @@ def test_silent_peer_times_out_instead_of_hanging() -> None:
         with pytest.raises(Exception, match="unreachable"):
             client.request({"op": "claim", "key": "k"})
         client.close()
+
+
+@pytest.mark.parametrize(
+    "alias,name",
+    [
+        ("MooncakeStoreConnector", "mooncake-store"),
+        ("MooncakeConnector", "mooncake-store"),
+        ("MooncakeTransferEngineConnector", "mooncake-te"),
+    ],
+)
+def test_vllm_omni_class_names_resolve(alias: str, name: str) -> None:
+    from omni_plugins.factory import resolve_connector
+
+    spec = resolve_connector(alias)
+    assert spec.name == name and spec.distribution == "omni-plugins-mooncake"
