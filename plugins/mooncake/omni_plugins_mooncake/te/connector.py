@@ -116,7 +116,8 @@ class MooncakeTransferEngineConnector(Connector):
 
     def _health(self) -> dict[str, Any]:
         unreachable = []
-        for address, client in self._peer_clients():
+        peers = self._peer_clients()
+        for address, client in peers:
             try:
                 client.request({"op": "ping"})
             except ConnectorError:
@@ -125,7 +126,7 @@ class MooncakeTransferEngineConnector(Connector):
             "ok": not unreachable,
             "segment": self.segment,
             "listen_address": self.address,
-            "peers": [a for a, _ in self._peer_clients()],
+            "peers": [a for a, _ in peers],
             "unreachable_peers": unreachable,
             **self._table.stats(),
             "staging_pool": self._send_pool.stats(),
@@ -188,7 +189,8 @@ class MooncakeTransferEngineConnector(Connector):
             raise ConnectorError(f"mooncake-te peer {client.address} announced key {key!r} with size {size}")
         slab = self._recv_pool.acquire(size)
         try:
-            rc = self._te.transfer_sync_read(segment, slab.address, remote_addr, size) if self._te is not None else -1
+            te = self._te  # None once closed (by another thread)
+            rc = te.transfer_sync_read(segment, slab.address, remote_addr, size) if te is not None else -1
             if rc != 0:
                 raise ConnectorError(
                     f"mooncake-te: reading key {key!r} ({size} bytes) from {segment} (peer {client.address}) failed: code {rc}"
