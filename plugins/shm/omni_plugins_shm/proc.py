@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
 def process_start_time(pid: int) -> int | None:
@@ -43,8 +43,7 @@ def is_process_alive(pid: int, start: int) -> bool:
         return False
 
 
-@dataclass(frozen=True)
-class Owner:
+class Owner(NamedTuple):
     """Identity of one connector instance: process (pid, start time) plus a random instance tag.
 
     Its token ``<pid>-<start>-<tag>`` appears in the names of the segments it owns.
