@@ -20,6 +20,9 @@ from omni_plugins.errors import ConfigError, OmniPluginsError
 
 Loc = tuple[str | int, ...]
 
+#: values one document may expand to; a pipeline file has hundreds, an alias bomb billions
+MAX_NODES = 20_000
+
 #: keys of a peer (vllm-omni) stage's ``engine_args`` that map onto our StageConfig
 _PEER_ENGINE_KEYS = (
     "model_stage",
@@ -38,17 +41,39 @@ class _Doc:
         self.filename = filename
         self.lines: dict[Loc, int] = {}
         self.data: Any = None
+        self._nodes = 0
+        self._open: set[int] = set()  # ids of the nodes being built (a recursive alias comes back to one)
         try:
             node = yaml.compose(text, Loader=yaml.SafeLoader)
+            if node is not None:
+                self.data = self._build(node, (), env)
+        except ConfigError:
+            raise
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"{filename}{line}: not valid YAML: {getattr(exc, 'problem', None) or exc}") from None
-        if node is not None:
-            self.data = self._build(node, (), env)
+        except RecursionError:
+            raise ConfigError(f"{filename}: not valid YAML: nested too deeply") from None
+        except (TypeError, ValueError) as exc:  # unhashable keys ({[1]: 2}, ? !!set), integers too long to convert
+            raise ConfigError(f"{filename}: not valid YAML: {exc}") from None
 
     def _build(self, node: yaml.Node, loc: Loc, env: Mapping[str, str] | None) -> Any:
+        self._nodes += 1
+        if self._nodes > MAX_NODES:
+            raise ConfigError(f"{self.filename}: the document expands to more than {MAX_NODES} values (YAML aliases?)")
+        if id(node) in self._open:
+            raise ConfigError(f"{self.where(loc)}: recursive YAML alias")
         self.lines[loc] = node.start_mark.line + 1
+        if isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+            self._open.add(id(node))
+            try:
+                return self._build_collection(node, loc, env)
+            finally:
+                self._open.discard(id(node))
+        return self._scalar(node, loc, env)
+
+    def _build_collection(self, node: yaml.Node, loc: Loc, env: Mapping[str, str] | None) -> Any:
         if isinstance(node, yaml.MappingNode):
             out: dict[Any, Any] = {}
             for k_node, v_node in node.value:
@@ -61,9 +86,7 @@ class _Doc:
                     raise ConfigError(f"{self.where((*loc, key))}: duplicate key {key!r}")
                 out[key] = self._build(v_node, (*loc, key), env)
             return out
-        if isinstance(node, yaml.SequenceNode):
-            return [self._build(v, (*loc, i), env) for i, v in enumerate(node.value)]
-        return self._scalar(node, loc, env)
+        return [self._build(v, (*loc, i), env) for i, v in enumerate(node.value)]
 
     def _scalar(self, node: yaml.Node, loc: Loc, env: Mapping[str, str] | None) -> Any:
         loader = yaml.SafeLoader("")
