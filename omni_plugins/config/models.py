@@ -94,7 +94,7 @@ class StageConfig(_Strict):
     kv_layout: Literal["auto", "nhd", "hnd"] = Field(
         default="auto", description="paged KV cache layout; 'auto' refuses to guess when heads per rank equal the block size"
     )
-    recv_timeout_s: float = Field(default=300.0, gt=0)
+    recv_timeout_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
     synthetic: dict[str, Any] | None = Field(default=None, description="synthetic model description used by 'omni-plugins run'")
 
     @field_validator("input_connectors", "output_connectors")
