@@ -92,12 +92,12 @@ class RedisRaw:
         return None
 
     def put(self, key: str, payload: torch.Tensor) -> None:
-        self.client.set(f"rawbench:{key}", memoryview(payload.numpy()))
+        self.client.set(f"rawbench:{key}", payload.numpy().tobytes())
 
     def get(self, key: str, nbytes: int) -> torch.Tensor:
         deadline = time.monotonic() + TIMEOUT_S
         while True:
-            data = self.client.getdel(f"rawbench:{key}")
+            data: Any = self.client.getdel(f"rawbench:{key}")
             if data is not None:
                 return torch.frombuffer(bytearray(data), dtype=torch.uint8)
             if time.monotonic() > deadline:

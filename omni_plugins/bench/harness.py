@@ -101,7 +101,7 @@ def measure(spec: DriverSpec, sizes: list[int], quick: bool, tick: Callable[[int
     connector = create_connector(spec.connector, spec.config)
     proc.start()
     try:
-        kind, data = _recv(parent, proc, 120.0)
+        _kind, data = _recv(parent, proc, 120.0)
         parent.send(raw.handshake())
         raw.connect(data)
         out = []

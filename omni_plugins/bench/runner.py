@@ -27,7 +27,12 @@ from omni_plugins.bench.drivers import DriverSpec
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("shm", "redis", "mooncake-store", "mooncake-te")
-PLUGIN_OF = {"shm": "omni_plugins_shm", "redis": "omni_plugins_redis", "mooncake-store": "omni_plugins_mooncake", "mooncake-te": "omni_plugins_mooncake"}
+PLUGIN_OF = {
+    "shm": "omni_plugins_shm",
+    "redis": "omni_plugins_redis",
+    "mooncake-store": "omni_plugins_mooncake",
+    "mooncake-te": "omni_plugins_mooncake",
+}
 
 
 class Skip(Exception):
@@ -78,7 +83,18 @@ class BenchResult:
         return "\n".join(lines)
 
 
-_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+_UNITS = {
+    "b": 1,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+}
 
 
 def parse_size(text: str) -> int:

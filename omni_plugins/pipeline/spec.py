@@ -269,8 +269,7 @@ def build_plan(config: PipelineConfig, *, filename: str = "<pipeline>") -> Pipel
             errors.append(f"{where(s, 'synthetic.outputs')}: stage {sid} sends to stage {down} but emits no outputs")
         if spec.send == "stream" and not d.async_chunk:
             errors.append(
-                f"{where(s, 'synthetic.send')}: 'stream' needs the receiving stage {down} to have async_chunk: true "
-                f"(or use send: full)"
+                f"{where(s, 'synthetic.send')}: 'stream' needs the receiving stage {down} to have async_chunk: true (or use send: full)"
             )
         if d.worker_type == "generation" and d.async_chunk and "codes.audio" not in {o.name for o in spec.outputs}:
             errors.append(

@@ -98,8 +98,9 @@ def test_input_check_accepts_exact_and_flags_corruption_loss_and_dtype() -> None
 
 
 def test_run_reports_a_killed_stage_and_leaves_nothing_running(tmp_path: Path, shm_ns: str) -> None:
-    from omni_plugins.config import load_pipeline_config
     from omni_plugins_shm.testing import namespace_segments
+
+    from omni_plugins.config import load_pipeline_config
 
     path = tiny_pipeline(tmp_path, extra=f"{{namespace: {shm_ns}}}", steps=100000)
     plan = build_plan(load_pipeline_config(path), filename=str(path))

@@ -1,0 +1,48 @@
+"""``omni-plugins new-plugin``: the generated distribution installs and passes its own tests unchanged."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omni_plugins.errors import ConfigError
+from omni_plugins.scaffold import generate, plugin_names
+from omni_plugins.scaffold.verify import install_and_test
+
+
+def test_generated_plugin_installs_and_passes_its_tests(tmp_path: Path) -> None:
+    out = tmp_path / "gen"
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_plugins", "new-plugin", "scratch-store", "--dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "pyproject.toml").read_text().count('scratch-store = "omni_plugins_scratch_store.plugin"') == 1
+    result = install_and_test(out, tmp_path / "site")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
+    assert "Contract" in (out / "tests" / "test_contract.py").read_text()
+
+
+def test_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
+    generate("abc", tmp_path)
+    with pytest.raises(ConfigError, match="--force"):
+        generate("abc", tmp_path)
+    root, files = generate("abc", tmp_path, force=True)
+    assert root == tmp_path and len(files) == 8
+
+
+@pytest.mark.parametrize("bad", ["Bad", "1abc", "a_b", "a--b", "-a", ""])
+def test_bad_names_rejected(bad: str) -> None:
+    with pytest.raises(ConfigError, match="plugin name"):
+        plugin_names(bad)
+
+
+def test_names_derived() -> None:
+    n = plugin_names("fs-dir")
+    assert (n.dist, n.pkg, n.cls) == ("omni-plugins-fs-dir", "omni_plugins_fs_dir", "FsDir")
