@@ -156,7 +156,9 @@ class _Builder:
         spec, off, nbytes, shape = self.table[i]
         if spec.is_bytes:
             return bytes(self.mv[off : off + nbytes])
-        arr = np.frombuffer(self.mv, spec.carrier, nbytes // spec.itemsize, off).reshape(shape)
+        arr = np.frombuffer(self.mv, spec.carrier, nbytes // spec.itemsize, off)
+        if len(shape) != 1:
+            arr = arr.reshape(shape)
         if spec.is_bool and nbytes and bool((arr.view(np.uint8) > 1).any()):
             raise WireFormatError(f"buffer {i}: bool data holds bytes other than 0 and 1")
         if self.copy:

@@ -117,7 +117,7 @@ class _Encoder:
                 if type(k) is not str:
                     raise _Refused(f"dict key {k!r} is a {type(k).__name__}; only str keys are supported")
                 tv = type(v)
-                if tv in _SCALARS:  # fast paths: plain scalars and tensors skip the dispatch in walk()
+                if tv in _SCALARS or (tv is int and _INT_MIN <= v <= _INT_MAX):  # fast paths skip walk()
                     out[k] = v
                     continue
                 try:
@@ -128,7 +128,8 @@ class _Encoder:
             return out
         items: list[Any] = [TUPLE] if t is tuple else []
         for i, v in enumerate(obj):
-            if type(v) in _SCALARS:
+            tv = type(v)
+            if tv in _SCALARS or (tv is int and _INT_MIN <= v <= _INT_MAX):
                 items.append(v)
                 continue
             try:
