@@ -279,9 +279,10 @@ class Orchestrator:
             for i, raw in enumerate(final["stats"]):
                 if i == 1 and not final["kv"]:
                     continue
-                if i == 0 and p.rank != 0:
-                    continue  # non-KV payloads are moved by rank 0; followers see the same broadcast
                 st = EdgeStats.from_json(raw)
+                if i == 0 and p.rank != 0:
+                    # payloads are moved by rank 0; a follower checks the broadcast copy: count only what it found wrong
+                    st = EdgeStats(st.edge, mismatches=st.mismatches, errors=[f"rank {p.rank}: {e}" for e in st.errors])
                 if st.edge not in edges:
                     edges[st.edge] = EdgeStats(st.edge)
                     order.append(st.edge)
