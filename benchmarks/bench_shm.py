@@ -11,6 +11,9 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
 - ``shm_views``: the same with ``get_views`` (zero-copy views, dropped before the ack).
 - ``pipe_pingpong`` / ``shm_pingpong`` (small sizes): a round trip -- payload there and back -- over a
   pipe (raw bytes) vs. ``put``/``get`` both ways.
+- ``shm_pingpong_polling``: ``shm_pingpong`` with inotify disabled in both processes, i.e. the
+  connector's fallback (sleep 0.2 ms doubling to 20 ms between claim attempts): what waiting
+  by inotify instead of polling buys.
 - ``pipe_wire_pingpong``: the pipe round trip carrying the same payload encoded and decoded with
   ``omni_plugins.wire`` each way (the transport-only comparison: same codec cost as ``shm``).
 
@@ -31,6 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse
 import gc
 import json
+import logging
 import multiprocessing as mp
 import platform
 import statistics
@@ -59,14 +63,31 @@ def _iters(size: int, quick: bool) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------- child side
+def _polling(enable: bool) -> None:
+    """Force (or undo) the notifier's no-inotify fallback in this process."""
+    from omni_plugins_shm import notify
+
+    if not hasattr(notify, "_RealWatch"):
+        notify._RealWatch = notify._Watch  # type: ignore[attr-defined]
+
+    def unavailable(directory: str) -> None:
+        raise OSError(24, "inotify disabled by bench_shm")
+
+    notify._Watch = unavailable if enable else notify._RealWatch  # type: ignore[attr-defined,assignment]
+
+
 def _child(ctl: Connection, data: Connection) -> None:
     from omni_plugins import create_connector
 
+    logging.getLogger("omni_plugins_shm.notify").setLevel(logging.ERROR)
     while True:
         cmd = ctl.recv()
         if cmd is None:
             return
         kind, size, n, ns = cmd
+        _polling(kind == "shm_pingpong_polling")
+        if kind == "shm_pingpong_polling":
+            kind = "shm_pingpong"
         if kind == "raw" or kind == "raw_fresh":
             shm = shared_memory.SharedMemory(name=ns, create=False)
             src = torch.frombuffer(shm.buf, dtype=torch.uint8, count=size)
@@ -108,6 +129,9 @@ def _child(ctl: Connection, data: Connection) -> None:
                     else:
                         del res
                         data.send_bytes(b"k")
+                # close() frees what this instance published and nobody consumed yet: stay open
+                # until the parent has its last reply
+                assert ctl.recv() == "release"
         ctl.send("done")
 
 
@@ -169,13 +193,14 @@ def _run_shm(kind: str, size: int, n: int, ctl: Connection, data: Connection, pa
 
     ns = unique_namespace("bench")
     obj = {"x": payload}
+    _polling(kind == "shm_pingpong_polling")
     with create_connector("shm", {"namespace": ns}) as conn:
         ctl.send((kind, size, n, ns))
         times = []
         for i in range(n):
             t0 = time.perf_counter()
             conn.put(0, 1, f"k{i}", obj)
-            if kind == "shm_pingpong":
+            if kind.startswith("shm_pingpong"):
                 res = conn.get(1, 0, f"r{i}", timeout=TIMEOUT)
                 if res is None:
                     raise SystemExit(f"parent: reply r{i} did not arrive")
@@ -183,6 +208,7 @@ def _run_shm(kind: str, size: int, n: int, ctl: Connection, data: Connection, pa
             else:
                 data.recv_bytes()
             times.append(time.perf_counter() - t0)
+        ctl.send("release")
         assert ctl.recv() == "done"
     assert_namespace_empty(ns)
     return times
@@ -209,7 +235,7 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
     for size in sizes:
         kinds = ["raw", "raw_fresh", "shm", "shm_views"]
         if size <= PINGPONG_MAX:
-            kinds += ["pipe_pingpong", "pipe_wire_pingpong", "shm_pingpong"]
+            kinds += ["pipe_pingpong", "pipe_wire_pingpong", "shm_pingpong", "shm_pingpong_polling"]
         plan += [(size, r, k) for r in range(rounds) for k in kinds]
     samples: dict[tuple[int, str], list[float]] = {}
     payloads: dict[int, torch.Tensor] = {}
@@ -241,6 +267,7 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
         if "pipe_pingpong" in entry:
             entry["roundtrip_ratio_vs_pipe"] = entry["shm_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
             entry["roundtrip_ratio_vs_pipe_wire"] = entry["shm_pingpong"]["median_s"] / entry["pipe_wire_pingpong"]["median_s"]
+            entry["roundtrip_polling_vs_inotify"] = entry["shm_pingpong_polling"]["median_s"] / entry["shm_pingpong"]["median_s"]
     return results
 
 
@@ -254,6 +281,7 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
     if small:
         out["roundtrip_4KiB_vs_pipe"] = {"value": small["roundtrip_ratio_vs_pipe"], "target": "<= 1.5"}
         out["roundtrip_4KiB_vs_pipe_with_wire_codec"] = {"value": small["roundtrip_ratio_vs_pipe_wire"], "target": "(context)"}
+        out["roundtrip_4KiB_polling_vs_inotify"] = {"value": small["roundtrip_polling_vs_inotify"], "target": "(context)"}
     return out
 
 
@@ -284,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", help="comma-separated sizes in bytes (default: 4K,1M,16M,64M,256M)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size (default 3)")
     args = parser.parse_args(argv)
+    logging.getLogger("omni_plugins_shm.notify").setLevel(logging.ERROR)  # the forced polling fallback warns
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else (QUICK_SIZES if args.quick else SIZES)
     results = measure(sizes, args.quick, max(1, args.rounds))
     report = {
