@@ -35,6 +35,7 @@ from omni_plugins.wire._format import (
 
 _unpackb = msgpack.unpackb  # defaults: raw=False (str is utf-8), strict_map_key=True (str/bytes keys only)
 _LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
+_MAX_EXTENT = 2**62  # below numpy's intp limit for size x itemsize
 
 # torch warns (once per process) when a tensor is built over read-only memory. The
 # decoder documents that such views must not be written, so the first read-only decode
@@ -67,10 +68,14 @@ def _check_table(raw: Any, data_start: int, total: int, limits: Limits) -> list[
         if len(shape) > limits.max_ndim:
             raise WireFormatError(f"buffer {i}: {len(shape)} dimensions > max_ndim={limits.max_ndim}")
         count = 1
+        extent = spec.itemsize  # numpy refuses shapes whose non-zero dimensions overflow, even with zero elements
         for d in shape:
             if type(d) is not int or d < 0:
                 raise WireFormatError(f"buffer {i}: shape {shape!r} has a dimension that is not a non-negative int")
             count *= d
+            extent *= d or 1
+        if extent > _MAX_EXTENT:
+            raise WireFormatError(f"buffer {i}: shape {shape!r} is too large for any array")
         if spec.kind is Kind.BYTES and len(shape) != 1:
             raise WireFormatError(f"buffer {i}: bytes entry must have a 1-d shape, got {shape!r}")
         if count * spec.itemsize != nbytes:
