@@ -299,4 +299,19 @@ def run_pipeline(path: str | Path, options: RunOptions) -> RunReport:
 
     config = load_pipeline_config(path)
     plan = build_plan(config, filename=str(path))
+    _check_cross_process(plan)
     return Orchestrator(plan, options).run()
+
+
+def _check_cross_process(plan: PipelinePlan) -> None:
+    """Every stage is its own process: an in-process-only connector could never deliver."""
+    from omni_plugins.errors import ConfigError
+    from omni_plugins.factory import resolve_connector
+
+    for instance in sorted({s.connector for s in plan.stages if s.connector}):
+        conn = plan.config.connectors[instance]
+        if not resolve_connector(conn.name).load_class().capabilities.cross_process:
+            raise ConfigError(
+                f"{plan.filename}: connectors.{instance}: connector {conn.name!r} is in-process only; "
+                f"'omni-plugins run' runs every stage in its own process (use shm, redis, mooncake-store, mooncake-te ...)"
+            )

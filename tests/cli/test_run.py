@@ -156,3 +156,11 @@ def test_cli_run_start_servers_redis(tmp_path: Path) -> None:
     assert data["ok"] and data["edges"][0]["payloads"] == 3 * 4
     assert any("redis-server" in s for s in data["servers"])
     assert redis_pids() - before == set(), "the private redis-server is still running"
+
+
+def test_in_process_connector_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    from omni_plugins.pipeline import run_pipeline
+
+    path = tiny_pipeline(tmp_path, name="memory")
+    with pytest.raises(ConfigError, match="in-process only"):
+        run_pipeline(path, RunOptions(requests=1, progress=False))
