@@ -472,7 +472,7 @@ class StageTransferRuntime:
         with self._lock:
             outbox = self._registry.outbox
             stage_recv = set()
-            for state in self._registry:
+            for state in self._registry.signalled():
                 if state.stage_recv:
                     stage_recv.add(state.request_id)
                     state.stage_recv = False
@@ -489,8 +489,11 @@ class StageTransferRuntime:
             outbox.kv_sent.clear()
             outbox.failed.clear()
             outbox.timed_out.clear()
+            self._registry.settle()
             if not self._has_undelivered_locked():
                 self._delivery.ready.clear()
+        if self._receiver is not None and self.worker_type == "generation":
+            self._receiver.notify()  # a generation request may take its next chunk now
         return signals
 
     get_omni_connector_output = collect_signals
@@ -498,7 +501,7 @@ class StageTransferRuntime:
     def _has_undelivered_locked(self) -> bool:
         if len(self._registry.outbox):
             return True
-        return any(s.awaiting_publish or s.wake or s.finish_signal or s.stage_recv or s.metadata is not None for s in self._registry)
+        return any(s.has_pending_signal() for s in self._registry.signalled())
 
     # ------------------------------------------------------------------ lifecycle
     def cleanup_finished_request(self, req_id: str, *, aborted: bool = False) -> bool:

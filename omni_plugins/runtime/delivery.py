@@ -73,9 +73,13 @@ class Delivery:
 
     def on_payload(self, state: RequestState, payload: Any) -> None:
         now = time.monotonic()
+        if state.next_recv_chunk:  # registration -> first chunk is prefill time, not a chunk gap
+            gap = now - state.last_arrival
+            state.arrival_gap = gap if not state.arrival_gap else 0.7 * state.arrival_gap + 0.3 * gap
         state.next_recv_chunk += 1
         state.last_arrival = now
         state.deadline = now + self.recv_timeout_s
+        self._registry.touch(state)
         if self.async_chunk:
             self._on_chunk(state, payload)
         else:
@@ -117,6 +121,7 @@ class Delivery:
             state.stream_finished = True
             state.deadline = None
             self._registry.set_registered(state, False)
+        self._registry.signal(state)
         self.ready.set()
 
     def _on_full_payload(self, state: RequestState, payload: Any) -> None:
@@ -127,13 +132,14 @@ class Delivery:
         state.payload_arrived = True
         state.deadline = None
         self._registry.set_registered(state, False)
+        self._registry.signal(state)
         self.ready.set()
 
     # -- model thread: full-payload mode ---------------------------------------------
     def take_full_payload_packet(self) -> dict[str, Any]:
         """Leader, lock held: arrived payloads not yet published, plus drops for followers."""
         payloads = {}
-        for state in self._registry:
+        for state in self._registry.signalled():
             if state.awaiting_publish:
                 state.awaiting_publish = False
                 payloads[state.request_id] = shallow_copy(state.cached)
@@ -154,13 +160,14 @@ class Delivery:
             state.set_cached(payload)
             state.stage_recv = True
             state.metadata = scheduling_metadata(payload) or None
+            self._registry.signal(state)
             results[rid] = shallow_copy(payload)
         return results
 
     # -- model thread: streaming mode ----------------------------------------------------
     def ready_payloads(self) -> dict[str, Any]:
         """Lock held: copies of the payloads of requests woken since the last collect."""
-        return {s.request_id: shallow_copy(s.cached) for s in self._registry if s.wake and s.has_cached}
+        return {s.request_id: shallow_copy(s.cached) for s in self._registry.signalled() if s.wake and s.has_cached}
 
     def take_stream_packet(self, *, with_payloads: bool) -> dict[str, Any]:
         """Lock held: drain wake/finish/metadata flags into a packet.
@@ -170,7 +177,7 @@ class Delivery:
         """
         woken, finished, staged = [], [], {}
         metadata: dict[str, Any] = {}
-        for state in self._registry:
+        for state in self._registry.signalled():
             if with_payloads and state.has_cached and (state.updated or state.wake or state.finish_signal or state.metadata is not None):
                 staged[state.request_id] = shallow_copy(state.cached)
             if state.wake:

@@ -1,15 +1,19 @@
 """The receive thread: finds each registered request's next key and hands arrivals over.
 
-Two ways to wait, chosen by :class:`RuntimeTuning.arrival`:
+Both modes sweep every registered request's next key with a non-blocking
+``get``, at an interval that starts at ``poll_min_s`` and doubles up to
+``poll_max_s`` while sweeps find nothing (reset when one does), and never
+spend more than ~10% of a core on sweeping. They differ in how the time
+between sweeps is spent:
 
-* **block** (connectors with ``capabilities.blocking_get``): sweep every
-  registered key with a non-blocking ``get``; when nothing arrived, park in a
-  blocking ``get`` on the request most likely to be next -- the one whose last
-  arrival is oldest, which is the next one when a producer emits a chunk for
-  every stream per model step -- for ``park`` seconds (growing while idle,
-  reset on arrival), then sweep again.
-* **poll**: sweep, then sleep with a bounded backoff (``poll_min_s`` growing
-  to ``poll_max_s``, reset on arrival). A registration wakes the thread.
+* **poll** sleeps (a registration wakes it).
+* **block** (connectors with ``capabilities.blocking_get``) parks in a
+  blocking ``get`` on the request most likely to be next -- the earliest
+  expected arrival (last arrival plus its running inter-arrival gap) -- until
+  the next sweep is due. Periodic streams (a chunk every N tokens, every
+  stream once per model step) are then taken the moment they land, one
+  ``get`` per chunk; arrivals out of the predicted order wait at most one
+  sweep interval, exactly as in poll mode.
 
 Every ``get`` has a timeout, so shutdown and a dead peer never hang the thread.
 Deadlines (``recv_timeout_s`` since registration or the last arrival) are
@@ -29,6 +33,11 @@ from omni_plugins.runtime.state import RequestRegistry, RequestState
 from omni_plugins.runtime.tuning import RuntimeTuning
 
 logger = logging.getLogger(__name__)
+
+#: how often deadlines are checked (they are seconds to minutes long)
+_EXPIRY_EVERY_S = 0.02
+#: a request this much overdue (and more than two of its gaps) stops being the park target
+_STALL_S = 0.05
 
 
 class ArrivalHandler(Protocol):
@@ -72,7 +81,8 @@ class Receiver:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_error_log = 0.0
-        self.stats = {"sweeps": 0, "gets": 0, "arrivals": 0, "parks": 0, "errors": 0}
+        self._next_expiry = 0.0
+        self.stats = {"sweeps": 0, "gets": 0, "arrivals": 0, "parks": 0, "park_hits": 0, "errors": 0}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -89,21 +99,52 @@ class Receiver:
 
     # -- thread -----------------------------------------------------------------
     def _plan(self) -> list[tuple[RequestState, int, str]]:
-        """Under the lock: expire deadlines, then list (state, index, key) to look for."""
-        cleanup: list[str] = []
-        batch: list[tuple[RequestState, int, str]] = []
+        """Expire deadlines, then list (state, index, key) of every request to look for."""
+        self._expire()
         with self._registry.lock:
-            now = time.monotonic()
+            return [(s, s.next_recv_chunk, self._handler.recv_key(s)) for s in self._registry.receiving() if self._handler.pollable(s)]
+
+    def _expire(self) -> None:
+        """Drop requests whose wait exceeded their timeout (at most every ``_EXPIRY_EVERY_S``)."""
+        now = time.monotonic()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + _EXPIRY_EVERY_S
+        cleanup: list[str] = []
+        with self._registry.lock:
             for state in self._registry.receiving():
                 if state.deadline is not None and state.deadline <= now:
                     logger.warning(
                         "request %s waited more than its timeout for chunk %d; dropping it", state.request_id, state.next_recv_chunk
                     )
                     cleanup += self._handler.on_failure(state, timed_out=True)
-                elif self._handler.pollable(state):
-                    batch.append((state, state.next_recv_chunk, self._handler.recv_key(state)))
         self._cleanup(cleanup)
-        return batch
+
+    def _target(self) -> tuple[RequestState, int, str] | None:
+        """The request most likely to receive next: the earliest expected arrival.
+
+        A request is expected ``arrival_gap`` after its last arrival (or its
+        registration). One overdue by more than two gaps (at least ``_STALL_S``)
+        is treated as stalled and expected one gap from now, so a silent
+        producer does not hold the receive thread. Scanning goes oldest last
+        arrival first and stops at the first request already due.
+        """
+        now = time.monotonic()
+        best: RequestState | None = None
+        best_at = float("inf")
+        with self._registry.lock:
+            for state in self._registry.receiving_iter():
+                if not self._handler.pollable(state):
+                    continue
+                gap = state.arrival_gap
+                expected = state.last_arrival + gap
+                if now - expected > max(2 * gap, _STALL_S):
+                    expected = now + max(gap, _STALL_S)
+                if expected < best_at:
+                    best, best_at = state, expected
+                    if expected <= now:
+                        break
+            return None if best is None else (best, best.next_recv_chunk, self._handler.recv_key(best))
 
     def _cleanup(self, keys: list[str]) -> None:
         """Free keys of a dropped request; they are sequential, so the first miss ends the scan."""
@@ -118,33 +159,47 @@ class Receiver:
             logger.debug("cleanup of %s failed", key, exc_info=True)
             return False
 
+    def _sweep(self, batch: list[tuple[RequestState, int, str]]) -> bool:
+        self.stats["sweeps"] += 1
+        progress = False
+        for item in batch:
+            if self._stop.is_set():
+                break
+            progress = self._fetch(*item, timeout=None) or progress
+        return progress
+
     def _run(self) -> None:
         t = self._tuning
-        delay, park = t.poll_min_s, t.park_min_s
+        delay = t.poll_min_s  # sweep interval: grows while sweeps find nothing, reset when one does
+        next_sweep = 0.0
         while not self._stop.is_set():
             try:
-                batch = self._plan()
-                if not batch:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                self.stats["sweeps"] += 1
-                progress = False
-                for item in batch:
-                    if self._stop.is_set():
-                        return
-                    progress = self._fetch(*item, timeout=None) or progress
-                if progress:
-                    delay, park = t.poll_min_s, t.park_min_s
-                    continue
+                now = time.monotonic()
+                if now >= next_sweep:
+                    batch = self._plan()
+                    if not batch:
+                        self._wake.wait(0.05)
+                        self._wake.clear()
+                        continue
+                    cpu = time.thread_time()
+                    progress = self._sweep(batch)
+                    cost = time.thread_time() - cpu
+                    delay = t.poll_min_s if progress else min(delay * 2, t.poll_max_s)
+                    # never let sweeping take more than ~10% of a core (one get per request each)
+                    next_sweep = time.monotonic() + max(delay, 9 * cost)
+                    if progress:
+                        continue
                 if self.mode == "block":
-                    target = min(batch, key=lambda b: b[0].last_arrival)
-                    self.stats["parks"] += 1
-                    park = t.park_min_s if self._fetch(*target, timeout=park) else min(park * 2, t.park_max_s)
-                else:
-                    self._wake.wait(delay)
+                    target = self._target()
+                    if target is not None:
+                        self.stats["parks"] += 1
+                        if self._fetch(*target, timeout=max(next_sweep - time.monotonic(), 1e-4)):
+                            self.stats["park_hits"] += 1
+                        continue
+                self._wake.wait(max(next_sweep - time.monotonic(), 0.0))
+                if self._wake.is_set():
                     self._wake.clear()
-                    delay = min(delay * 2, t.poll_max_s)
+                    next_sweep = 0.0  # a registration: look now
             except Exception:  # never let the thread die
                 logger.exception("receive loop error")
                 self._stop.wait(t.poll_max_s)

@@ -63,7 +63,8 @@ class RequestState:
     registered: bool = False  # the receive thread looks for its next key
     next_recv_chunk: int = 0
     deadline: float | None = None
-    last_arrival: float = 0.0
+    last_arrival: float = 0.0  # or the registration time
+    arrival_gap: float = 0.0  # running mean of the time between arrivals (predicts the next one)
     stream_finished: bool = False  # finish sentinel seen: never registered again
     payload_arrived: bool = False  # full payload seen: never registered again
     merged: dict[str, Any] | None = None  # "ar" accumulation of received chunks
@@ -98,6 +99,9 @@ class RequestState:
         self.cached, self.has_cached = None, False
         self.metadata = None
         self.wake = self.finish_signal = self.updated = self.awaiting_publish = self.stage_recv = False
+
+    def has_pending_signal(self) -> bool:
+        return self.wake or self.finish_signal or self.updated or self.awaiting_publish or self.stage_recv or self.metadata is not None
 
     def has_undelivered_input(self) -> bool:
         """Waiting for input, or input arrived that the scheduler has not been told about."""
@@ -151,6 +155,7 @@ class RequestRegistry:
         self._states: dict[str, RequestState] = {}
         self._by_external: dict[str, str] = {}
         self._receiving: dict[str, RequestState] = {}
+        self._signalled: dict[str, RequestState] = {}
         self.outbox = Outbox()
 
     # -- lookup -----------------------------------------------------------
@@ -190,7 +195,29 @@ class RequestRegistry:
             self._receiving.pop(state.request_id, None)
 
     def receiving(self) -> list[RequestState]:
+        """Registered states, the one whose last arrival is oldest first."""
         return list(self._receiving.values())
+
+    def receiving_iter(self) -> Iterator[RequestState]:
+        """Registered states, oldest last arrival first, without copying (lock held, no mutation)."""
+        return iter(self._receiving.values())
+
+    def touch(self, state: RequestState) -> None:
+        """``state`` just received: move it to the back of the receiving order."""
+        if self._receiving.pop(state.request_id, None) is state:
+            self._receiving[state.request_id] = state
+
+    # -- signalled index: states that may carry pending signals ----------------
+    def signal(self, state: RequestState) -> None:
+        """Note that ``state`` has something for the model thread (so collection visits only these)."""
+        self._signalled[state.request_id] = state
+
+    def signalled(self) -> list[RequestState]:
+        return [s for s in self._signalled.values() if self._states.get(s.request_id) is s]
+
+    def settle(self) -> None:
+        """Forget states whose signals were all drained."""
+        self._signalled = {rid: s for rid, s in self._signalled.items() if s.has_pending_signal() and self._states.get(rid) is s}
 
     # -- removal ------------------------------------------------------------
     def drop(self, state: RequestState) -> None:
@@ -201,6 +228,8 @@ class RequestRegistry:
             del self._by_external[state.external_id]
         if self._receiving.get(state.request_id) is state:
             del self._receiving[state.request_id]
+        if self._signalled.get(state.request_id) is state:
+            del self._signalled[state.request_id]
         state.registered = False
 
     def release(self, state: RequestState) -> None:
@@ -220,5 +249,6 @@ class RequestRegistry:
             "requests": {s.request_id: s.describe() for s in self._states.values()},
             "external_index": len(self._by_external),
             "receiving": sorted(self._receiving),
+            "signalled": len(self._signalled),
             "outbox": len(self.outbox),
         }

@@ -13,12 +13,11 @@ class RuntimeTuning:
     """How the I/O threads wait and retry.
 
     Attributes:
-        arrival: ``"block"`` parks on the connector's blocking ``get``; ``"poll"``
-            sweeps with a bounded backoff; ``"auto"`` blocks when the connector
-            has ``capabilities.blocking_get``.
-        poll_min_s / poll_max_s: polling backoff, reset on every arrival.
-        park_min_s / park_max_s: how long one blocking ``get`` may wait on the
-            most likely next key while others may arrive; grows while idle.
+        arrival: ``"block"`` spends the time between sweeps in the connector's
+            blocking ``get`` on the most likely next key; ``"poll"`` sleeps;
+            ``"auto"`` blocks when the connector has ``capabilities.blocking_get``.
+        poll_min_s / poll_max_s: sweep interval, doubling while sweeps find
+            nothing, reset when one does (bounds the wait of an unpredicted arrival).
         max_send_retries: re-queues of a failed ``put`` before it is dropped.
         retry_backoff_s: first retry delay (doubles per attempt).
         join_timeout_s: bounded join of each thread at shutdown.
@@ -32,8 +31,6 @@ class RuntimeTuning:
     arrival: ArrivalMode = "auto"
     poll_min_s: float = 0.0005
     poll_max_s: float = 0.005
-    park_min_s: float = 0.0005
-    park_max_s: float = 0.005
     max_send_retries: int = 3
     retry_backoff_s: float = 0.002
     join_timeout_s: float = 5.0
@@ -44,10 +41,10 @@ class RuntimeTuning:
     def __post_init__(self) -> None:
         if self.arrival not in ("auto", "block", "poll"):
             raise ValueError(f"arrival must be 'auto', 'block' or 'poll', got {self.arrival!r}")
-        for name in ("poll_min_s", "poll_max_s", "park_min_s", "park_max_s", "join_timeout_s"):
+        for name in ("poll_min_s", "poll_max_s", "join_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.poll_min_s > self.poll_max_s or self.park_min_s > self.park_max_s:
+        if self.poll_min_s > self.poll_max_s:
             raise ValueError("minimum waits must not exceed maximum waits")
         if self.max_send_retries < 0:
             raise ValueError("max_send_retries must be >= 0")

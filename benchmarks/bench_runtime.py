@@ -1,0 +1,364 @@
+"""Hand-off latency of the stage transfer runtime: ``send_chunk`` on the producer's model
+thread -> the chunk visible to ``recv_chunk`` on the consumer's model thread.
+
+Setup: ``--streams`` concurrent streaming requests (default 64), ``--chunks`` chunks
+each. The producer's model thread runs steps of ``--step-ms``; a stream emits a
+chunk every ``--period`` steps. ``--pattern staggered`` (default) gives stream ``i``
+phase ``i % period``, as when requests reach their chunk boundaries at different
+tokens; ``--pattern burst`` makes every stream emit in the same step (``period``
+forced to 1), the worst case for a single receive thread. The producer stage runs
+in a spawned process, the consumer stage in this one (``--backend shm``, the real
+measurement); ``--backend memory`` runs both stages in this process over the
+in-process connector (fallback).
+
+Modes, measured in the same run, interleaved round by round:
+
+* ``runtime``  -- default tuning: the receive thread blocks on the connector's
+  wait capability (``arrival="block"``) when it has one.
+* ``poll5ms``  -- the same runtime forced to a fixed 5 ms poll (the reference's behaviour).
+* ``raw``      -- floor: one stream, ``connector.put`` in the producer, blocking
+  ``connector.get`` in the consumer, no runtime.
+
+Reported: p50/p99/mean hand-off latency per mode, the ratios runtime/poll5ms and
+runtime/raw, and per-chunk runtime overhead (time spent in ``send_chunk`` on the
+producer's model thread, and in ``recv_chunk`` + ``collect_signals`` on the
+consumer's model thread, per chunk). Target: runtime p50 <= 1 ms.
+
+Usage: ``python3 benchmarks/bench_runtime.py [--quick] [--backend shm|memory] [--json FILE] [--plot FILE.png]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from omni_plugins import StageConfig, create_connector
+from omni_plugins.runtime import RuntimeTuning, StageTransferRuntime
+
+BUILDER = "bench_runtime.passthrough"
+RAW_ITEMS = 200  # single-stream put -> blocking get samples per round
+MODES = ("runtime", "poll5ms", "raw")
+
+
+def passthrough(transfer_manager: Any, pooling_output: Any, request: Any, is_finished: bool = False) -> Any:
+    """Payload builder: the output is the chunk; ``meta.finished`` from the request."""
+    out = dict(pooling_output)
+    out["meta"] = {"finished": is_finished}
+    return out
+
+
+class _Req:
+    __slots__ = ("done", "external_req_id", "request_id")
+
+    def __init__(self, rid: str) -> None:
+        self.request_id = self.external_req_id = rid
+        self.done = False
+
+    def is_finished(self) -> bool:
+        return self.done
+
+
+def tuning_for(mode: str) -> RuntimeTuning:
+    return RuntimeTuning.fixed_poll(0.005) if mode == "poll5ms" else RuntimeTuning()
+
+
+def connector_config(backend: str, namespace: str) -> dict[str, Any]:
+    if backend == "shm":
+        return {"name": "shm", "extra": {"namespace": namespace, "pool_bytes": 64 << 20}}
+    return {"name": "memory", "extra": {"namespace": namespace}}
+
+
+# ----------------------------------------------------------------------------- producer side
+def schedule(streams: int, chunks: int, period: int, pattern: str) -> list[list[int]]:
+    """For every model step, the streams that emit a chunk in it."""
+    period = 1 if pattern == "burst" else period
+    steps: list[list[int]] = [[] for _ in range(chunks * period + period)]
+    for i in range(streams):
+        phase = 0 if pattern == "burst" else i % period
+        for c in range(chunks):
+            steps[phase + c * period].append(i)
+    return [s for s in steps if s] if pattern == "burst" else steps
+
+
+def produce(
+    backend: str, namespace: str, mode: str, streams: int, chunks: int, period: int, pattern: str, step_s: float, chunk_floats: int, start_at: float
+) -> dict:
+    """Producer stage: model steps emitting chunks per :func:`schedule`. Returns send-side stats."""
+    cfg = connector_config(backend, namespace)
+    if mode == "raw":
+        conn = create_connector(cfg["name"], cfg["extra"])
+        try:
+            _sleep_until(start_at)
+            for k in range(RAW_ITEMS):
+                t0 = time.monotonic()
+                conn.put(0, 1, f"raw_0_{k}", {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [t0]}})
+                time.sleep(step_s / 4)
+            time.sleep(0.5)
+        finally:
+            conn.close()
+        return {"send_call_us": None}
+    rt = StageTransferRuntime(StageConfig(stage_id=0, async_chunk=True, custom_process_next_stage_input_func=BUILDER), cfg)
+    put_lat: list[float] = []
+    conn = rt.connector
+    assert conn is not None
+    raw_put = conn.put
+
+    def timed_put(from_stage: Any, to_stage: Any, key: str, data: Any) -> Any:
+        result = raw_put(from_stage, to_stage, key, data)
+        put_lat.append(time.monotonic() - data["ts"]["send"][0])
+        return result
+
+    conn.put = timed_put  # type: ignore[method-assign]
+    reqs = [_Req(f"{mode}{i}") for i in range(streams)]
+    sent = [0] * streams
+    call_s = 0.0
+    try:
+        _sleep_until(start_at)
+        next_step = time.monotonic()
+        for emitting in schedule(streams, chunks, period, pattern):
+            for i in emitting:
+                r = reqs[i]
+                sent[i] += 1
+                r.done = sent[i] == chunks
+                t0 = time.monotonic()
+                rt.send_chunk(r, {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [t0]}})
+                call_s += time.monotonic() - t0
+            next_step += step_s
+            _sleep_until(next_step)
+        rt.wait_sends(30)
+        time.sleep(0.5)  # let the consumer drain before the connector (and its segments) go away
+        for r in reqs:
+            rt.cleanup_finished_request(r.request_id)
+    finally:
+        rt.shutdown()
+    put_lat.sort()
+    return {
+        "send_call_us": call_s / (streams * chunks) * 1e6,
+        "send_to_put_done_p50_ms": put_lat[len(put_lat) // 2] * 1e3 if put_lat else None,
+    }
+
+
+def _sleep_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def producer_server(cmds: Any, results: Any) -> None:
+    """Spawned producer process: run ``produce`` per command until None."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    while True:
+        cmd = cmds.get()
+        if cmd is None:
+            return
+        try:
+            results.put(("ok", produce(*cmd)))
+        except Exception as exc:  # report, do not hang the parent
+            results.put(("error", repr(exc)))
+
+
+# ----------------------------------------------------------------------------- consumer side
+def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, start_at: float, bar: tqdm) -> dict:
+    """Consumer stage on this process's model thread: returns latencies (s) and model-thread cost."""
+    cfg = connector_config(backend, namespace)
+    lat: list[float] = []
+    if mode == "raw":
+        conn = create_connector(cfg["name"], cfg["extra"])
+        try:
+            for k in range(RAW_ITEMS):
+                got = conn.get(0, 1, f"raw_0_{k}", timeout=30)
+                t1 = time.monotonic()
+                if got is None:
+                    break
+                lat.append(t1 - got.data["ts"]["send"][0])
+        finally:
+            conn.close()
+        return {"latencies": lat, "model_thread_us": None, "missing": RAW_ITEMS - len(lat)}
+    rt = StageTransferRuntime(StageConfig(stage_id=1, async_chunk=True, recv_timeout_s=60), cfg, tuning=tuning_for(mode))
+    ids = [f"{mode}{i}" for i in range(streams)]
+    for rid in ids:
+        rt.register_chunk_recv(_Req(rid))
+    seen = dict.fromkeys(ids, 0)
+    finished: set[str] = set()
+    model_s = 0.0
+    deadline = start_at + 300
+    try:
+        while len(finished) < streams and time.monotonic() < deadline:
+            rt.wait_ready(0.05)
+            t_wake = time.monotonic()
+            ready = rt.recv_chunk()
+            t_ready = time.monotonic()
+            for rid, payload in ready.items():
+                sends = payload["ts"]["send"]
+                for t0 in sends[seen[rid] :]:
+                    lat.append(t_ready - t0)
+                bar.update(len(sends) - seen[rid])
+                seen[rid] = len(sends)
+            sig = rt.collect_signals()
+            finished |= sig.chunk_finished
+            model_s += time.monotonic() - t_wake
+        for rid in ids:
+            rt.cleanup_finished_request(rid)
+        leftover = rt.active_request_count()
+        recv_stats = rt.debug_state()["receiver"]
+    finally:
+        rt.shutdown()
+    return {
+        "latencies": lat,
+        "model_thread_us": model_s / max(1, len(lat)) * 1e6,
+        "missing": streams * chunks - len(lat),
+        "leftover_states": leftover,
+        "receiver": recv_stats,
+    }
+
+
+def summarize(lat: list[float]) -> dict[str, float | None]:
+    if not lat:
+        return {"n": 0, "p50_ms": None, "p99_ms": None, "mean_ms": None}
+    s = sorted(lat)
+    return {
+        "n": len(s),
+        "p50_ms": s[len(s) // 2] * 1e3,
+        "p99_ms": s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3,
+        "mean_ms": statistics.fmean(s) * 1e3,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=("shm", "memory"), default=None, help="default: shm when installed, else memory")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--chunks", type=int, default=12, help="chunks per stream per round")
+    ap.add_argument("--period", type=int, default=8, help="model steps between two chunks of a stream")
+    ap.add_argument("--pattern", choices=("staggered", "burst"), default="staggered")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; modes interleaved per round")
+    ap.add_argument("--step-ms", type=float, default=20.0)
+    ap.add_argument("--chunk-floats", type=int, default=1024, help="float32 values per chunk (default 4 KiB)")
+    ap.add_argument("--quick", action="store_true", help="1 round of 4 chunks per stream")
+    ap.add_argument("--json", help="write results to this file")
+    ap.add_argument("--plot", help="write a latency CDF plot (PNG)")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.chunks = 1, 4
+    backend = args.backend
+    if backend is None:
+        try:
+            import omni_plugins_shm  # noqa: F401
+
+            backend = "shm"
+        except ImportError:
+            backend = "memory"
+
+    per_mode: dict[str, list[dict]] = {m: [] for m in MODES}
+    sends: dict[str, list[float]] = {m: [] for m in MODES}
+    put_done: dict[str, list[float]] = {m: [] for m in MODES}
+    total = args.rounds * 2 * args.streams * args.chunks
+    step_s = args.step_ms / 1e3
+    cmds = results = proc = None
+    if backend == "shm":
+        ctx = mp.get_context("spawn")
+        cmds, results = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=producer_server, args=(cmds, results), daemon=True)
+        proc.start()
+    try:
+        with tqdm(total=total, desc=f"hand-off ({backend})", unit="chunk") as bar:
+            for _ in range(args.rounds):
+                for mode in MODES:
+                    ns = f"bench-rt-{uuid.uuid4().hex[:8]}"
+                    start_at = time.monotonic() + (1.0 if backend == "shm" else 0.2)
+                    job = (backend, ns, mode, args.streams, args.chunks, args.period, args.pattern, step_s, args.chunk_floats, start_at)
+                    if backend == "shm":
+                        assert cmds is not None and results is not None
+                        cmds.put(job)
+                        out = consume(backend, ns, mode, args.streams, args.chunks, start_at, bar)
+                        status, prod = results.get(timeout=300)
+                        if status != "ok":
+                            raise RuntimeError(f"producer failed: {prod}")
+                    else:
+                        import threading
+
+                        box: dict[str, Any] = {}
+                        th = threading.Thread(target=lambda j=job, b=box: b.update(produce(*j)))
+                        th.start()
+                        out = consume(backend, ns, mode, args.streams, args.chunks, start_at, bar)
+                        th.join()
+                        prod = box
+                    per_mode[mode].append(out)
+                    if prod.get("send_call_us") is not None:
+                        sends[mode].append(prod["send_call_us"])
+                    if prod.get("send_to_put_done_p50_ms") is not None:
+                        put_done[mode].append(prod["send_to_put_done_p50_ms"])
+    finally:
+        if cmds is not None and proc is not None:
+            cmds.put(None)
+            proc.join(30)
+
+    report: dict[str, Any] = {
+        "benchmark": "bench_runtime",
+        "backend": backend,
+        "cross_process": backend == "shm",
+        "config": {k: getattr(args, k) for k in ("streams", "chunks", "period", "pattern", "rounds", "step_ms", "chunk_floats")},
+        "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()},
+        "modes": {},
+    }
+    for mode in MODES:
+        lat = [x for r in per_mode[mode] for x in r["latencies"]]
+        entry = summarize(lat)
+        entry["missing_chunks"] = sum(r["missing"] for r in per_mode[mode])
+        model = [r["model_thread_us"] for r in per_mode[mode] if r.get("model_thread_us") is not None]
+        entry["consumer_model_thread_us_per_chunk"] = statistics.fmean(model) if model else None
+        entry["producer_send_chunk_us_per_chunk"] = statistics.fmean(sends[mode]) if sends[mode] else None
+        entry["producer_send_to_put_done_p50_ms"] = statistics.median(put_done[mode]) if put_done[mode] else None
+        entry["leftover_states"] = sum(r.get("leftover_states", 0) for r in per_mode[mode])
+        entry["receiver"] = per_mode[mode][-1].get("receiver") if per_mode[mode] else None
+        report["modes"][mode] = entry
+    rt, poll, raw = (report["modes"][m] for m in MODES)
+
+    def ratio(a: Any, b: Any) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    report["ratios"] = {
+        "p50_runtime_vs_poll5ms": ratio(rt["p50_ms"], poll["p50_ms"]),
+        "p99_runtime_vs_poll5ms": ratio(rt["p99_ms"], poll["p99_ms"]),
+        "p50_runtime_vs_raw_connector": ratio(rt["p50_ms"], raw["p50_ms"]),
+    }
+    report["target"] = {"p50_ms_max": 1.0, "met": rt["p50_ms"] is not None and rt["p50_ms"] <= 1.0}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(text + "\n")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for mode in MODES:
+            lat = sorted(x * 1e3 for r in per_mode[mode] for x in r["latencies"])
+            if lat:
+                ax.plot(lat, [i / len(lat) for i in range(len(lat))], label=mode)
+        ax.set_xscale("log")
+        ax.set_xlabel("hand-off latency (ms)")
+        ax.set_ylabel("fraction of chunks")
+        ax.set_title(f"{args.streams} streams over {backend}")
+        ax.legend()
+        ax.grid(True, which="both", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(args.plot)
+
+
+if __name__ == "__main__":
+    main()
