@@ -129,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     with RedisServer() as server:
         raw = server.client(socket_timeout=120)
-        config = server.connector_config(key_prefix="bench:", chunk_bytes=args.chunk_bytes, read_window=args.read_window, socket_timeout=120)
+        config = server.connector_config(
+            key_prefix="bench:", chunk_bytes=args.chunk_bytes, read_window=args.read_window, socket_timeout=120
+        )
         with create_connector("redis", config) as conn:
             for size in tqdm(sizes, desc="redis bench", unit="size"):
                 results.append(bench_size(conn, raw, size, rounds))
@@ -143,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         targets["get_64MiB_vs_raw_get>=2"] = {"value": round(r["get_vs_raw_get"], 2), "ok": r["get_vs_raw_get"] >= 2}
     if 4 * KIB in by_size:
         r = by_size[4 * KIB]
-        targets["get_4KiB_latency_vs_raw_get<=1.2"] = {"value": round(r["get_latency_vs_raw_get"], 3), "ok": r["get_latency_vs_raw_get"] <= 1.2}
+        targets["get_4KiB_latency_vs_raw_get<=1.2"] = {
+            "value": round(r["get_latency_vs_raw_get"], 3),
+            "ok": r["get_latency_vs_raw_get"] <= 1.2,
+        }
         targets["roundtrip_4KiB_vs_raw_set_get<=1.2"] = {"value": round(r["roundtrip_vs_raw"], 3), "ok": r["roundtrip_vs_raw"] <= 1.2}
     report = {
         "benchmark": "redis",

@@ -17,19 +17,20 @@ import ssl
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from omni_plugins.errors import ConnectorError
 from omni_plugins_redis.config import RedisConfig
-from omni_plugins_redis.framing import Arg, ProtocolError, Reply, ReplyError, ReplyReader, pack, pack_many, send_buffers
+from omni_plugins_redis.framing import Arg, ProtocolError, Reply, ReplyError, ReplyReader, pack_many, send_buffers
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 SLOTS = 16384
 _RETRYABLE_REPLIES = frozenset({"LOADING", "MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "READONLY"})
+_TRANSIENT_REPLIES = frozenset({"LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "BUSY"})
 _AUTH_REPLIES = frozenset({"WRONGPASS", "NOAUTH", "NOPERM"})
 
 
@@ -143,11 +144,18 @@ class Connection:
             self.send_many([])
 
     def _drain(self) -> None:
+        retry: list[tuple[Arg, ...]] = []
         while self._deferred:
             reply = self._reader.read()
             command = self._deferred.popleft()
             if isinstance(reply, ReplyError):
-                log.warning("Redis %s: deferred %s failed: %s", self.address, command[0], reply)
+                if reply.code in _TRANSIENT_REPLIES:
+                    retry.append(command)  # e.g. LOADING after a restart: send again with the next write
+                else:
+                    log.warning("Redis %s: deferred %s failed: %s", self.address, command[0], reply)
+        for command in retry:
+            self._deferred.append(command)
+            self._outbox.append(command)
 
     def settle(self) -> None:
         """Send and confirm all deferred commands now."""
@@ -203,38 +211,50 @@ class NodePool:
         self._lock = threading.Lock()
         self._closed = False
 
-    @contextlib.contextmanager
-    def connection(self) -> Iterator[Connection]:
-        if not self._slots.acquire(timeout=self._config.pool_timeout):
-            raise ConnectorError(
-                f"Redis {self.address}: all {self._config.pool_size} pooled connections busy for {self._config.pool_timeout}s"
-            )
+    def use(self, step: Callable[[Connection], T]) -> T:
+        """Run ``step`` on a pooled connection; a connection that saw an exception is dropped."""
+        conn = self._acquire()
+        try:
+            result = step(conn)
+        except BaseException:
+            self._discard(conn)
+            raise
+        self._release(conn)
+        return result
+
+    def _acquire(self) -> Connection:
+        cfg = self._config
+        if not self._slots.acquire(timeout=cfg.pool_timeout):
+            raise ConnectorError(f"Redis {self.address}: all {cfg.pool_size} pooled connections busy for {cfg.pool_timeout}s")
         try:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                conn = Connection(self.address, self._config)
-            try:
-                self._resend(conn)
-                yield conn
-            except BaseException:
-                conn.close()  # state unknown (half-read reply?): never reuse
+                conn = Connection(self.address, cfg)
+            if self._redo:
                 with self._lock:
-                    self._redo.extend(conn.unconfirmed())
-                raise
-            with self._lock:
-                if self._closed or conn.broken:
-                    conn.close()
-                else:
-                    self._idle.append(conn)
-        finally:
+                    redo, self._redo = self._redo, []
+                for command in redo:
+                    conn.defer(*command)
+        except BaseException:
             self._slots.release()
+            raise
+        return conn
 
-    def _resend(self, conn: Connection) -> None:
+    def _release(self, conn: Connection) -> None:
         with self._lock:
-            redo, self._redo = self._redo, []
-        for command in redo:
-            conn.defer(*command)
+            keep = not (self._closed or conn.broken)
+            if keep:
+                self._idle.append(conn)
+        if not keep:
+            conn.close()
+        self._slots.release()
+
+    def _discard(self, conn: Connection) -> None:
+        conn.close()  # state unknown (half-read reply?): never reuse
+        with self._lock:
+            self._redo.extend(conn.unconfirmed())
+        self._slots.release()
 
     def close(self) -> None:
         """Close idle connections after confirming their deferred commands (best effort)."""
@@ -271,6 +291,9 @@ class RedisClient:
 
     # -- routing -------------------------------------------------------------
     def _pool(self, address: Address) -> NodePool:
+        pool = self._pools.get(address)
+        if pool is not None:
+            return pool
         with self._lock:
             pool = self._pools.get(address)
             if pool is None:
@@ -291,8 +314,7 @@ class RedisClient:
         candidates = list(dict.fromkeys([*self._seeds, *(self._slot_map or [])]))
         for address in candidates:
             try:
-                with self._pool(address).connection() as conn:
-                    reply = conn.call("CLUSTER", "SLOTS")
+                reply = self._pool(address).use(lambda conn: conn.call("CLUSTER", "SLOTS"))
             except (OSError, ReplyError, ConnectorError) as exc:
                 errors.append(f"{address}: {exc}")
                 continue
@@ -324,8 +346,7 @@ class RedisClient:
             address: Address | str = self.label
             try:
                 address = self._address_for(slot)
-                with self._pool(address).connection() as conn:
-                    return step(conn)
+                return self._pool(address).use(step)
             except AuthError:
                 raise
             except ReplyError as exc:
@@ -353,8 +374,7 @@ class RedisClient:
     def run_on(self, address: Address, step: Callable[[Connection], T], *, what: str) -> T:
         """Run ``step`` once on a given server (no retry); for health checks."""
         try:
-            with self._pool(address).connection() as conn:
-                return step(conn)
+            return self._pool(address).use(step)
         except (OSError, ReplyError) as exc:
             raise ConnectorError(f"{what} on Redis {address}: {type(exc).__name__}: {exc}") from None
 

@@ -175,16 +175,12 @@ class RedisConnector(Connector):
         try:
             manifest = mf.parse(raw, self.config.max_payload_bytes)
         except mf.ManifestError as exc:
-            self._discard(keys, claim_key, [])
             raise ConnectorError(f"get {key!r} on Redis {self._client.label}: corrupt manifest: {exc}") from None
-        if manifest.inline:
-            buffer = bytearray(memoryview(raw)[mf.HEADER_SIZE :])
-            self._discard(keys, claim_key, [])
-        else:
-            buffer = self._read_parts(keys, claim_key, manifest, raw)
+        # one copy either way: inline bytes into a writable buffer, or parts streamed into one
+        buffer = bytearray(memoryview(raw)[mf.HEADER_SIZE :]) if manifest.inline else self._read_parts(keys, manifest, raw)
         return GetResult(wire.decode(buffer, copy=False), manifest.total)
 
-    def _read_parts(self, keys: PayloadKeys, claim_key: bytes, manifest: mf.Manifest, raw: bytes) -> bytearray:
+    def _read_parts(self, keys: PayloadKeys, manifest: mf.Manifest, raw: bytes) -> bytearray:
         buffer = bytearray(manifest.total)
         whole = memoryview(buffer)
         views, offset = [], 0
@@ -196,12 +192,12 @@ class RedisConnector(Connector):
         try:
             self._client.run(keys.slot, lambda conn: self._read_step(conn, state, part_keys), what="get", key=keys.key)
         except _PartUnusable as exc:
-            self._discard(keys, claim_key, part_keys)
+            self._discard(keys, part_keys)
             raise ConnectorError(f"get {keys.key!r} on Redis {self._client.label}: {exc}") from None
         except ConnectorError:
-            self._restore(keys, claim_key)
+            self._restore(keys, raw)
             raise
-        self._discard(keys, claim_key, part_keys)
+        self._discard(keys, part_keys)
         return buffer
 
     def _read_step(self, conn: Connection, state: _ReadState, part_keys: list[bytes]) -> None:
@@ -225,25 +221,33 @@ class RedisConnector(Connector):
                 raise _PartUnusable(f"part {state.next_part} is missing (expired or deleted)")
             state.next_part += 1
 
-    def _discard(self, keys: PayloadKeys, claim_key: bytes, part_keys: list[bytes]) -> None:
-        """Delete a consumed payload's claim list and parts (reply read lazily: no round trip)."""
+    def _discard(self, keys: PayloadKeys, part_keys: list[bytes]) -> None:
+        """Delete a consumed payload's parts now (reply read lazily: no round trip)."""
 
         def step(conn: Connection) -> None:
-            conn.defer("UNLINK", claim_key, *part_keys, flush=bool(part_keys))
+            conn.defer("UNLINK", *part_keys, flush=True)
 
         try:
             self._client.run(keys.slot, step, what="get cleanup", key=keys.key)
         except ConnectorError as exc:
             log.warning("%s (keys expire by TTL)", exc)
 
-    def _restore(self, keys: PayloadKeys, claim_key: bytes) -> None:
-        """Give a claimed payload back after reads failed for good, so nothing is lost."""
+    def _restore(self, keys: PayloadKeys, raw: bytes) -> None:
+        """Give a claimed payload back (at the head of its list) after reads failed for good."""
+        commands: list[tuple[Any, ...]] = [("LPUSH", keys.manifest, raw)]
+        if self._ttl_ms:
+            commands.append(("PEXPIRE", keys.manifest, self._ttl_ms))
+
+        def step(conn: Connection) -> None:
+            conn.send_many(commands)
+            for reply in [conn.read() for _ in commands]:
+                if isinstance(reply, ReplyError):
+                    raise reply
+
         try:
-            self._client.run(
-                keys.slot, lambda conn: conn.call("LMOVE", claim_key, keys.manifest, "RIGHT", "LEFT"), what="get restore", key=keys.key
-            )
+            self._client.run(keys.slot, step, what="get restore", key=keys.key)
         except ConnectorError as exc:
-            log.warning("%s; the payload stays in its claim list until it expires", exc)
+            log.warning("%s; the payload is lost (its parts expire by TTL)", exc)
 
     # -- cleanup / health / close ------------------------------------------------
     def _cleanup(self, key: str) -> bool:

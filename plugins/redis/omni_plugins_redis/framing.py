@@ -64,52 +64,37 @@ def as_bytes_view(buf: Buffer) -> memoryview:
 
 def pack(*args: Arg) -> list[Buffer]:
     """Frame one command; returns buffers whose concatenation is the RESP bytes."""
-    out: list[Buffer] = []
-    head = bytearray(b"*%d\r\n" % len(args))
-    for arg in args:
-        if isinstance(arg, Pieces):
-            head += b"$%d\r\n" % arg.nbytes
-            for buf in arg.buffers:
-                if buf.nbytes >= _BIG:
-                    out.append(bytes(head))
-                    head = bytearray()
-                    out.append(buf)
-                else:
-                    head += buf
-            head += b"\r\n"
-            continue
-        if isinstance(arg, memoryview):
-            view = as_bytes_view(arg)
-            head += b"$%d\r\n" % view.nbytes
-            if view.nbytes >= _BIG:
-                out.append(bytes(head))
-                out.append(view)
-                head = bytearray(b"\r\n")
-            else:
-                head += view
-                head += b"\r\n"
-            continue
-        if isinstance(arg, bytes):
-            data = arg
-        elif isinstance(arg, str):
-            data = arg.encode()
-        elif isinstance(arg, (int, float)):
-            data = repr(arg).encode()
-        else:
-            raise TypeError(f"cannot frame a {type(arg).__name__} as a Redis argument")
-        head += b"$%d\r\n" % len(data)
-        head += data
-        head += b"\r\n"
-    if head:
-        out.append(bytes(head))
-    return out
+    return pack_many([args])
 
 
 def pack_many(commands: Iterable[Sequence[Arg]]) -> list[Buffer]:
-    """Frame a pipeline of commands into one buffer list."""
+    """Frame a pipeline of commands; small pieces are joined, big value buffers passed through."""
     out: list[Buffer] = []
+    head = bytearray()
     for command in commands:
-        out.extend(pack(*command))
+        head += b"*%d\r\n" % len(command)
+        for arg in command:
+            if isinstance(arg, bytes):
+                head += b"$%d\r\n%b\r\n" % (len(arg), arg)
+            elif isinstance(arg, str):
+                data = arg.encode()
+                head += b"$%d\r\n%b\r\n" % (len(data), data)
+            elif isinstance(arg, int | float):
+                data = repr(arg).encode()
+                head += b"$%d\r\n%b\r\n" % (len(data), data)
+            else:
+                views = arg.buffers if isinstance(arg, Pieces) else [as_bytes_view(arg)]
+                head += b"$%d\r\n" % sum(v.nbytes for v in views)
+                for view in views:
+                    if view.nbytes >= _BIG:
+                        out.append(bytes(head))
+                        out.append(view)
+                        head = bytearray()
+                    else:
+                        head += view
+                head += b"\r\n"
+    if head:
+        out.append(bytes(head))
     return out
 
 

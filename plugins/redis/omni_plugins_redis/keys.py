@@ -19,6 +19,7 @@ Roles:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from redis.crc import key_slot
 
@@ -39,11 +40,11 @@ class PayloadKeys:
         if not isinstance(self.key, str) or not self.key:
             raise ValueError(f"key must be a non-empty string, got {self.key!r}")
 
-    @property
+    @cached_property
     def base(self) -> bytes:
         return f"{self.prefix}{{{escape_key(self.key)}}}".encode()
 
-    @property
+    @cached_property
     def manifest(self) -> bytes:
         return self.base + b":m"
 
@@ -59,7 +60,7 @@ class PayloadKeys:
     def claim(self, get_id: str) -> bytes:
         return self.base + f":c:{get_id}".encode()
 
-    @property
+    @cached_property
     def slot(self) -> int:
         """Cluster slot of every key of this payload."""
         return int(key_slot(self.manifest))

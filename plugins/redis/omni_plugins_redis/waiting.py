@@ -1,7 +1,8 @@
 """Claiming a payload's manifest, waiting for it without client-side polling when allowed.
 
 A reader *claims* a payload by moving its manifest element atomically from
-the manifest list to a claim list private to this ``get`` (``LMOVE``; with a
+the manifest list to a claim list private to this ``get`` (deleted, with
+the next write on that connection, once the element is in hand) (``LMOVE``; with a
 timeout ``BLMOVE``, which blocks inside the server until a writer's ``RPUSH``
 arrives: no polling loop). Exactly one reader wins. Because the element is
 moved rather than popped, a reply lost when a server restarts mid-command is
@@ -79,7 +80,10 @@ class Claimer:
         if not state.sent:
             return None
         element = conn.call("LINDEX", claim_key, 0)
-        return element if isinstance(element, bytes) else None
+        if not isinstance(element, bytes):
+            return None
+        conn.defer("UNLINK", claim_key)
+        return element
 
     def _blocking_step(self, conn: Connection, keys: PayloadKeys, claim_key: bytes, deadline: float, state: _ClaimState) -> bytes | None:
         found = self._recover(conn, claim_key, state)
@@ -98,7 +102,7 @@ class Claimer:
         moved = conn.read(timeout=remaining + self._config.socket_timeout)
         expire = conn.read()
         state.sent = False
-        return _element(moved, expire)
+        return _taken(conn, claim_key, moved, expire)
 
     def _move_once(self, conn: Connection, keys: PayloadKeys, claim_key: bytes, state: _ClaimState) -> bytes | None:
         found = self._recover(conn, claim_key, state)
@@ -109,7 +113,7 @@ class Claimer:
         moved = conn.read()
         expire = conn.read()
         state.sent = False
-        return _element(moved, expire)
+        return _taken(conn, claim_key, moved, expire)
 
     def _poll(self, keys: PayloadKeys, claim_key: bytes, deadline: float | None, state: _ClaimState) -> bytes | None:
         delay = 0.001
@@ -135,11 +139,20 @@ class _ClaimState:
         self.sent = False
 
 
-def _element(moved: Reply, expire: Reply) -> bytes | None:
+def _taken(conn: Connection, claim_key: bytes, moved: Reply, expire: Reply) -> bytes | None:
+    """The claimed element (or None); the claim list is dropped with the next write.
+
+    Once the element is in our hands the claim list has done its job (surviving a
+    lost reply); if reading the parts fails later, the connector pushes the
+    element back onto the manifest list.
+    """
     if isinstance(moved, ReplyError):
         raise moved
     if isinstance(expire, ReplyError):
         raise expire
-    if moved is None or isinstance(moved, bytes):
-        return moved
-    raise ReplyError(f"unexpected reply to LMOVE: {type(moved).__name__}")
+    if moved is None:
+        return None
+    if not isinstance(moved, bytes):
+        raise ReplyError(f"unexpected reply to LMOVE: {type(moved).__name__}")
+    conn.defer("UNLINK", claim_key)
+    return moved
