@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -92,9 +93,23 @@ def schedule(streams: int, chunks: int, period: int, pattern: str) -> list[list[
 
 
 def produce(
-    backend: str, namespace: str, mode: str, streams: int, chunks: int, period: int, pattern: str, step_s: float, chunk_floats: int, start_at: float
+    backend: str,
+    namespace: str,
+    mode: str,
+    streams: int,
+    chunks: int,
+    period: int,
+    pattern: str,
+    step_s: float,
+    chunk_floats: int,
+    start_at: float,
+    release: Callable[[], Any] = lambda: None,
 ) -> dict:
-    """Producer stage: model steps emitting chunks per :func:`schedule`. Returns send-side stats."""
+    """Producer stage: model steps emitting chunks per :func:`schedule`. Returns send-side stats.
+
+    ``release`` blocks until the consumer has read everything: a producer's
+    connector frees what it published when it closes.
+    """
     cfg = connector_config(backend, namespace)
     if mode == "raw":
         conn = create_connector(cfg["name"], cfg["extra"])
@@ -104,7 +119,7 @@ def produce(
                 t0 = time.monotonic()
                 conn.put(0, 1, f"raw_0_{k}", {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [t0]}})
                 time.sleep(step_s / 4)
-            time.sleep(0.5)
+            release()
         finally:
             conn.close()
         return {"send_call_us": None}
@@ -136,8 +151,8 @@ def produce(
                 call_s += time.monotonic() - t0
             next_step += step_s
             _sleep_until(next_step)
-        rt.wait_sends(30)
-        time.sleep(0.5)  # let the consumer drain before the connector (and its segments) go away
+        rt.wait_sends(60)
+        release()  # the consumer has read everything: now the connector may go
         for r in reqs:
             rt.cleanup_finished_request(r.request_id)
     finally:
@@ -163,7 +178,7 @@ def producer_server(cmds: Any, results: Any) -> None:
         if cmd is None:
             return
         try:
-            results.put(("ok", produce(*cmd)))
+            results.put(("ok", produce(*cmd, release=lambda: cmds.get(timeout=900))))
         except Exception as exc:  # report, do not hang the parent
             results.put(("error", repr(exc)))
 
@@ -282,6 +297,7 @@ def main() -> None:
                         assert cmds is not None and results is not None
                         cmds.put(job)
                         out = consume(backend, ns, mode, args.streams, args.chunks, start_at, bar)
+                        cmds.put("release")
                         status, prod = results.get(timeout=300)
                         if status != "ok":
                             raise RuntimeError(f"producer failed: {prod}")
@@ -289,9 +305,11 @@ def main() -> None:
                         import threading
 
                         box: dict[str, Any] = {}
-                        th = threading.Thread(target=lambda j=job, b=box: b.update(produce(*j)))
+                        done = threading.Event()
+                        th = threading.Thread(target=lambda j=job, b=box, d=done: b.update(produce(*j, release=lambda: d.wait(900))))
                         th.start()
                         out = consume(backend, ns, mode, args.streams, args.chunks, start_at, bar)
+                        done.set()
                         th.join()
                         prod = box
                     per_mode[mode].append(out)
