@@ -164,6 +164,7 @@ F32 = 9  # dtype code of torch.float32
         (forge(msgpack.ExtType(1, b""), [[F32, 0, 8, [1]]], bytes(8)), "!= declared length"),
         (forge(msgpack.ExtType(1, b""), [[F32, 0, 4 * 2**40, [2**20, 2**20]]], bytes(64)), "outside the message"),
         (forge(msgpack.ExtType(1, b""), [[F32, 0, -4, [-1]]], bytes(64)), "non-negative"),
+        (forge(msgpack.ExtType(1, b""), [[F32, 0, 0, [2**61, 0]]]), "too large for any array"),  # zero elements, absurd extent
         (forge(msgpack.ExtType(1, b""), [[F32, 4, 4, [1]]], bytes(64)), "aligned"),
         (forge([msgpack.ExtType(1, b"")] * 2, [[F32, 0, 64, [16]], [F32, 0, 64, [16]]], bytes(128)), "overlaps"),
         (forge(msgpack.ExtType(1, b""), [[F32, 0, 4, [1]], [F32, 64, 4, [1]]], bytes(68)), "references 1 buffers"),
