@@ -172,7 +172,8 @@ class Connection:
 
     def read(self, timeout: float | None = None) -> Reply:
         """Read the next reply; ``timeout`` overrides the socket timeout for this read."""
-        self._drain()
+        if self._deferred:
+            self._drain()
         if timeout is None:
             return self._reader.read()
         self._sock.settimeout(timeout)
@@ -367,6 +368,8 @@ class RedisClient:
                 raise ConnectorError(
                     f"{what} {key!r} on Redis {address} failed after {attempt} attempt(s): {type(failure).__name__}: {failure}"
                 ) from None
+            if isinstance(failure, ReplyError) and failure.code == "MOVED" and attempt == 1:
+                continue  # slot moved: the refreshed map routes the retry right away
             log.debug("%s %r on Redis %s: %s; retry %d in %.2fs", what, key, address, failure, attempt, delay)
             time.sleep(delay)
             delay = min(delay * 2, cfg.retry_backoff_max)
