@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -94,6 +95,11 @@ def measure(spec: DriverSpec, sizes: list[int], quick: bool, tick: Callable[[int
     """Run both modes for every size; returns one summary per size."""
     from omni_plugins import create_connector
 
+    # Two processes on two cores: OpenMP threads spinning after a parallel copy steal the other
+    # process's core. One intra-op thread and passive waiting, for both modes alike.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     ctx = mp.get_context("spawn")
     parent, child_end = ctx.Pipe()
     proc = ctx.Process(target=_child, args=(spec, child_end), daemon=True, name=f"omni-bench-{spec.backend}")
@@ -131,6 +137,7 @@ def measure(spec: DriverSpec, sizes: list[int], quick: bool, tick: Callable[[int
         _recv(parent, proc, 30.0)
         return out
     finally:
+        torch.set_num_threads(threads)
         proc.join(30)
         if proc.exitcode is None:
             proc.kill()

@@ -175,10 +175,12 @@ class StageRunner:
         if self.up is None or self.input is None:
             signals = self.rt.collect_signals()
         elif self.me.stage.async_chunk:
-            got = self.rt.recv_chunk() if self.leader and self.tp is None else {}
+            # recv_chunk() before collect_signals(): collecting drains the wake flags recv_chunk reads. On TP
+            # followers recv_chunk() is always empty; they read what the leader broadcast in collect_signals().
+            got = self.rt.recv_chunk() if self.leader else {}
             signals = self.rt.collect_signals()
-            if not got:
-                got = {rid: self.rt.get_local_stage_payload(rid) for rid in signals.chunk_ready | signals.chunk_finished}
+            for rid in (signals.chunk_ready | signals.chunk_finished) - set(got):  # arrived between the two calls
+                got[rid] = self.rt.get_local_stage_payload(rid)
             for rid, payload in got.items():
                 req = self.requests.get(rid)
                 if self.me.stage.worker_type == "generation":
