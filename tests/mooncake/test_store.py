@@ -39,6 +39,11 @@ def test_put_overwrites_and_get_consumes(master: MooncakeMaster) -> None:
         got = conn.get(0, 1, key)
         assert got is not None and torch.equal(got.data["v"], torch.ones(4))
         assert conn.get(0, 1, key) is None
+        # sizes that grow past the last one read (the connector guesses the size) and shrink again
+        for n in (3 << 20, 17 << 20, 100):
+            conn.put(0, 1, key, {"v": torch.full((n,), n % 251, dtype=torch.uint8)})
+            got = conn.get(0, 1, key)
+            assert got is not None and torch.equal(got.data["v"], torch.full((n,), n % 251, dtype=torch.uint8))
         health = conn.health()
         assert health["ok"] is True and health["master"] == master.address
 

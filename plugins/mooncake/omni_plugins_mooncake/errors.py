@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+BUFFER_TOO_SMALL = -600
 OBJECT_NOT_FOUND = -704
 LEASE_EXPIRED = -707
 

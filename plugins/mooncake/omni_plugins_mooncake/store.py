@@ -24,7 +24,7 @@ from omni_plugins_mooncake._backoff import poll
 from omni_plugins_mooncake._env import prepare_environment
 from omni_plugins_mooncake._import import import_mooncake
 from omni_plugins_mooncake.config import MooncakeStoreConfig, parse_host_port
-from omni_plugins_mooncake.errors import LEASE_EXPIRED, OBJECT_NOT_FOUND, describe
+from omni_plugins_mooncake.errors import BUFFER_TOO_SMALL, LEASE_EXPIRED, OBJECT_NOT_FOUND, describe
 from omni_plugins_mooncake.memory import SlabPool
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class MooncakeStoreConnector(Connector):
             name=f"mooncake-store client of {cfg.master_address}",
             max_idle_bytes=int(cfg.max_idle_buffer_bytes),
         )
+        self._size_hint = 1  # bytes of the last payload read (racy by design: only a hint)
         self._stats_lock = threading.Lock()
         self._stats = {"puts": 0, "gets": 0, "bytes_put": 0, "bytes_got": 0, "remove_failures": 0}
 
@@ -104,26 +105,28 @@ class MooncakeStoreConnector(Connector):
 
     def _try_get(self, key: str) -> GetResult | None:
         self._check_open()
-        size = self._store.get_size(key)
-        if size == OBJECT_NOT_FOUND:
-            return None
-        if size < 0:
-            raise ConnectorError(f"mooncake store (master {self.config.master_address}): lookup of key {key!r} failed: {describe(size)}")
-        slab = self._pool.acquire(size)
+        # Read straight into a slab as large as the last payload: one RPC instead of
+        # get_size + get_into. Only a larger payload pays a size lookup and a second read.
+        slab = self._pool.acquire(self._size_hint)
         try:
-            for _ in range(_READ_ATTEMPTS):
-                got = self._store.get_into(key, slab.address, slab.size)
-                if got != LEASE_EXPIRED:  # a slow read outlived the lease; the object is still there
-                    break
-                logger.info("mooncake store: read of key %r outlived its lease; retrying", key)
+            got = self._read_into(key, slab.address, slab.size)
+            if got == BUFFER_TOO_SMALL:
+                size = self._store.get_size(key)
+                if size < 0:
+                    got = size
+                else:
+                    self._pool.release(slab)
+                    slab = self._pool.acquire(size)
+                    got = self._read_into(key, slab.address, slab.size)
         except BaseException:
             self._pool.release(slab)
             raise
         if got < 0:
             self._pool.release(slab)
-            if got == OBJECT_NOT_FOUND:  # consumed or cleaned up in between
+            if got == OBJECT_NOT_FOUND:  # absent, or consumed / cleaned up in between
                 return None
             raise ConnectorError(f"mooncake store (master {self.config.master_address}): read of key {key!r} failed: {describe(got)}")
+        self._size_hint = got
         view = self._pool.lease(slab, got)  # the slab returns to the pool when the decoded tensors die
         self._remove(key)
         try:
@@ -132,6 +135,15 @@ class MooncakeStoreConnector(Connector):
             del view
         self._count(gets=1, bytes_got=got)
         return GetResult(data, got)
+
+    def _read_into(self, key: str, address: int, capacity: int) -> int:
+        """``get_into`` that retries a read which outlived the master's lease (the object is still there)."""
+        for _ in range(_READ_ATTEMPTS):
+            got = int(self._store.get_into(key, address, capacity))
+            if got != LEASE_EXPIRED:
+                return got
+            logger.info("mooncake store: read of key %r outlived its lease; retrying", key)
+        return got
 
     def _cleanup(self, key: str) -> bool:
         rc = self._store.remove(key, True)
