@@ -15,11 +15,13 @@ metadata server stays off). The process is stopped by pid, never by name.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +41,18 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def find_master_binary() -> str:
+    """``mooncake_master``: on PATH, next to this interpreter (an unactivated venv), or inside the wheel."""
+    candidates = [shutil.which("mooncake_master"), str(Path(sys.executable).parent / "mooncake_master")]
+    spec = importlib.util.find_spec("mooncake")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [str(Path(loc) / "mooncake_master") for loc in spec.submodule_search_locations]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK) and Path(candidate).is_file():
+            return candidate
+    raise RuntimeError("mooncake_master not found (PATH, interpreter dir, mooncake package): pip install 'omni-plugins-mooncake[cpu]'")
 
 
 def _answers(host: str, port: int, timeout: float = 0.2) -> bool:
@@ -66,10 +80,7 @@ class MooncakeMaster:
         start_timeout: float = 15.0,
         log_dir: str | os.PathLike[str] | None = None,
     ) -> None:
-        found = binary or shutil.which("mooncake_master")
-        if not found:
-            raise RuntimeError("mooncake_master not found on PATH: pip install 'omni-plugins-mooncake[cpu]'")
-        self.binary = found
+        self.binary = binary or find_master_binary()
         self.lease_ttl_ms = lease_ttl_ms
         self.extra_args = tuple(extra_args)
         self.start_timeout = start_timeout
