@@ -34,23 +34,22 @@ def durable_server(track_server: Any) -> Iterator[RedisServer]:
         assert server.keys(PREFIX + "*") == [], "keys left behind after restarts"
 
 
-def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str, after_reads: int) -> list[int]:
-    """The first time ``command`` is sent, read ``after_reads`` replies for real, then fail as if the link died."""
+def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
+    """The first time ``command`` is sent, read the replies of its batch for real, then fail as if the link died."""
     real_send, real_read = Connection.send_many, Connection.read
-    state = {"armed": False, "reads": 0}
+    state = {"left": 0}
     fired: list[int] = []
 
     def send_many(self: Connection, commands: Any) -> None:
-        if not fired and any(c[0] == command for c in commands):
-            state["armed"] = True
+        if not fired and not state["left"] and any(c[0] == command for c in commands):
+            state["left"] = len(commands)
         real_send(self, commands)
 
     def read(self: Connection, timeout: float | None = None) -> Any:
         reply = real_read(self, timeout)
-        if state["armed"]:
-            state["reads"] += 1
-            if state["reads"] == after_reads:
-                state["armed"] = False
+        if state["left"]:
+            state["left"] -= 1
+            if not state["left"]:
                 fired.append(1)
                 raise ConnectionResetError(f"injected: reply to {command} lost")
         return reply
@@ -64,7 +63,7 @@ def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str, after_reads: int)
 def test_lost_commit_reply_commits_exactly_once(
     monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, server_config: dict[str, Any], size: int
 ) -> None:
-    fired = _lose_reply(monkeypatch, "EXEC", after_reads=5)  # MULTI, RPUSH, PEXPIRE, SET marker, EXEC
+    fired = _lose_reply(monkeypatch, "EXEC")
     with create_connector("redis", {**server_config, "chunk_bytes": CHUNK, **FAST_RETRY}) as conn:
         assert conn.put(0, 1, "once", {"v": torch.ones(size)}).ok
         assert fired, "the fault was not injected"
@@ -81,7 +80,7 @@ def test_lost_claim_reply_loses_nothing(
 ) -> None:
     with create_connector("redis", {**server_config, **FAST_RETRY}) as conn:
         assert conn.put(0, 1, "claimed", {"v": torch.arange(7)}).ok
-        fired = _lose_reply(monkeypatch, "BLMOVE" if blocking else "LMOVE", after_reads=2)  # move + PEXPIRE
+        fired = _lose_reply(monkeypatch, "BLMOVE" if blocking else "LMOVE")
         got = conn.get(0, 1, "claimed", timeout=5 if blocking else None)
         assert fired, "the fault was not injected"
         assert got is not None and torch.equal(got.data["v"], torch.arange(7))
@@ -184,3 +183,15 @@ def test_server_down_fails_in_bounded_time(durable_server: RedisServer) -> None:
         assert conn.put(0, 1, "back", {"v": 1}).ok  # reconnects after the outage
         got = conn.get(0, 1, "back")
         assert got is not None and got.data == {"v": 1}
+
+
+def test_failed_put_leaves_nothing_visible(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, server_config: dict[str, Any]
+) -> None:
+    fired = _lose_reply(monkeypatch, "EXEC")  # the commit ran, but the writer never learns it
+    with create_connector("redis", {**server_config, "chunk_bytes": CHUNK, "retry_attempts": 0}) as conn:
+        with pytest.raises(ConnectorError, match="'withdrawn'"):
+            conn.put(0, 1, "withdrawn", {"v": torch.ones(50_000)})
+        assert fired
+        assert conn.get(0, 1, "withdrawn") is None
+    assert redis_server.keys(PREFIX + "*") == []

@@ -43,7 +43,7 @@ def test_unix_url() -> None:
         {"url": "redis://127.0.0.1:1/0", "port": 2},
         {"chunk_bytes": 1024},
         {"chunk_bytes": 1 << 30},
-        {"inline_bytes": 8 << 20},
+        {"inline_bytes": -1},
         {"ttl_seconds": -1},
         {"key_prefix": "a{b}:"},
         {"key_prefix": "a b"},

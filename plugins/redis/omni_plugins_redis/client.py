@@ -334,13 +334,17 @@ class RedisClient:
         return list(dict.fromkeys(slot_map))
 
     # -- execution -------------------------------------------------------------
-    def run(self, slot: int, step: Callable[[Connection], T], *, what: str, key: str, deadline: float | None = None) -> T:
+    def run(
+        self, slot: int, step: Callable[[Connection], T], *, what: str, key: str, deadline: float | None = None, retries: int | None = None
+    ) -> T:
         """Run ``step`` on a connection to the server owning ``slot``, retrying transient failures.
 
         ``step`` must be safe to run again after a failure (the callers keep
-        progress in a state object). ``deadline`` (monotonic) cuts retries short.
+        progress in a state object). ``deadline`` (monotonic) cuts retries short;
+        ``retries`` overrides ``retry_attempts``.
         """
         cfg = self._config
+        max_attempts = cfg.retry_attempts if retries is None else retries
         delay = cfg.retry_backoff
         attempt = 0
         while True:
@@ -364,7 +368,7 @@ class RedisClient:
                 self._slot_map = None
             attempt += 1
             now = time.monotonic()
-            if attempt > cfg.retry_attempts or (deadline is not None and now + delay > deadline):
+            if attempt > max_attempts or (deadline is not None and now + delay > deadline):
                 raise ConnectorError(
                     f"{what} {key!r} on Redis {address} failed after {attempt} attempt(s): {type(failure).__name__}: {failure}"
                 ) from None

@@ -50,7 +50,9 @@ class RedisConfig(ConnectorSettings):
     key_prefix: str = Field("omni:", max_length=200, description="namespace of every key this connector writes")
     ttl_seconds: float = Field(300.0, ge=0, le=365 * 86400, description="expiry of unread payloads; 0 = never expire")
     chunk_bytes: int = Field(4 * MIB, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="size of one stored part")
-    inline_bytes: int = Field(64 * KIB, ge=0, le=MAX_CHUNK_BYTES, description="payloads up to this size travel in the manifest itself")
+    inline_bytes: int = Field(
+        256 * KIB, ge=0, le=MAX_CHUNK_BYTES, description="payloads up to this size (capped at chunk_bytes) travel in the manifest itself"
+    )
     read_window: int = Field(2, ge=1, le=64, description="part reads kept in flight on one connection")
     max_payload_bytes: int = Field(64 * GIB, ge=1, description="largest payload a manifest may announce (manifests are untrusted)")
 
@@ -101,8 +103,6 @@ class RedisConfig(ConnectorSettings):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> RedisConfig:
-        if self.inline_bytes > self.chunk_bytes:
-            raise ValueError("inline_bytes must not exceed chunk_bytes")
         if self.cluster and self.unix_socket:
             raise ValueError("cluster mode needs TCP nodes, not a unix socket")
         if self.cluster and self.db != 0:

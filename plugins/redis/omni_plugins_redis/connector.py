@@ -1,10 +1,11 @@
 """``RedisConnector``: payloads through Redis or Redis Cluster.
 
-Write path (:meth:`_put`): encode with ``omni_plugins.wire`` (zero copy), send
-large payloads as ``chunk_bytes`` parts in one pipelined burst of ``SET``s
-framed by hand (vectored ``sendmsg``, no Python copy), then commit with one
-``MULTI``: push the manifest, set its TTL and a commit marker. Only the
-manifest makes a payload visible, so a reader never sees half a payload.
+Write path (:meth:`_put`): encode with ``omni_plugins.wire`` (zero copy) and
+send one ``MULTI`` ... ``EXEC`` framed by hand (vectored ``sendmsg`` straight
+from tensor memory, no Python copy): the ``chunk_bytes`` parts of a large
+payload, the manifest ``RPUSH``, its TTL and a commit marker. Only the
+manifest makes a payload visible and the transaction is atomic, so a reader
+never sees half a payload; one round trip per put.
 
 Read path (:meth:`_get`): claim the manifest atomically (``LMOVE``/``BLMOVE``
 into a private claim list, see :mod:`.waiting`), stream the parts straight
@@ -38,7 +39,10 @@ log = logging.getLogger(__name__)
 #: Every command the connector sends; an ACL user needs these (plus ``cluster|slots`` in
 #: cluster mode) and the key pattern ``~<key_prefix>*``. Without ``blmove``,
 #: ``get(timeout=)`` falls back to polling.
-ACL_COMMANDS = ("get", "set", "rpush", "lmove", "blmove", "pexpire", "exists", "del", "unlink", "multi", "exec", "lrange", "lindex", "ping")
+ACL_COMMANDS = (
+    "get", "set", "rpush", "lpush", "lrem", "lmove", "blmove", "pexpire", "exists",
+    "del", "unlink", "multi", "exec", "lrange", "lindex", "ping",
+)  # fmt: skip
 
 
 def acl_rule(key_prefix: str, *, cluster: bool = False, commands: tuple[str, ...] = ACL_COMMANDS) -> str:
@@ -107,7 +111,7 @@ class RedisConnector(Connector):
         total = encoded.nbytes
         put_id = mf.new_put_id()
         buffers = encoded.buffers()
-        if total <= self.config.inline_bytes:
+        if total <= min(self.config.inline_bytes, self.config.chunk_bytes):
             manifest = mf.for_inline(total, put_id)
             element = Pieces([manifest.header(), *buffers])
             parts: list[Pieces] = []
@@ -119,7 +123,7 @@ class RedisConnector(Connector):
         try:
             self._client.run(keys.slot, lambda conn: self._put_step(conn, state), what="put", key=key)
         except ConnectorError:
-            self._forget_parts(state)
+            self._abandon(state)
             raise
         return PutResult(True, total, {"parts": manifest.nparts})
 
@@ -130,13 +134,14 @@ class RedisConnector(Connector):
         if state.attempts > 1 and conn.call("EXISTS", marker) == 1:
             conn.defer("DEL", marker)  # the lost reply was a successful commit
             return
+        # One transaction, one round trip: parts, manifest, TTL and commit marker become
+        # visible together or not at all (a part refused while queuing, e.g. OOM or an
+        # ACL denial, aborts the whole EXEC).
+        commit: list[tuple[Any, ...]] = [("MULTI",)]
         if state.parts:
             part_keys = keys.parts(manifest.put_id, manifest.nparts)
-            conn.send_many([("SET", k, p, *self._expiry(self._part_ttl_ms)) for k, p in zip(part_keys, state.parts, strict=True)])
-            failures = [r for r in (conn.read() for _ in part_keys) if isinstance(r, ReplyError)]
-            if failures:
-                raise failures[0]
-        commit: list[tuple[Any, ...]] = [("MULTI",), ("RPUSH", keys.manifest, state.element)]
+            commit += [("SET", k, p, *self._expiry(self._part_ttl_ms)) for k, p in zip(part_keys, state.parts, strict=True)]
+        commit.append(("RPUSH", keys.manifest, state.element))
         if self._ttl_ms:
             commit.append(("PEXPIRE", keys.manifest, self._ttl_ms))
         commit += [("SET", marker, b"1", "PX", MARKER_TTL_MS), ("EXEC",)]
@@ -155,15 +160,25 @@ class RedisConnector(Connector):
                 raise reply
         conn.defer("DEL", marker)
 
-    def _forget_parts(self, state: _PutState) -> None:
-        """Best effort: remove the parts of a put that failed (TTL catches the rest)."""
-        if not state.parts:
-            return
-        names = state.keys.parts(state.manifest.put_id, state.manifest.nparts)
+    def _abandon(self, state: _PutState) -> None:
+        """Best effort after a failed put: withdraw its manifest (if a lost reply hid a commit) and parts.
+
+        The caller was told the put failed, so nothing of it may stay visible.
+        Whatever this cannot reach expires by TTL.
+        """
+        keys, manifest = state.keys, state.manifest
+        element = b"".join(bytes(b) for b in state.element.buffers)
+        doomed = [keys.marker(manifest.put_id), *keys.parts(manifest.put_id, manifest.nparts)]
+
+        def step(conn: Connection) -> None:
+            conn.send_many([("LREM", keys.manifest, 0, element), ("UNLINK", *doomed)])
+            conn.read()
+            conn.read()
+
         try:
-            self._client.run(state.keys.slot, lambda conn: conn.call("UNLINK", *names), what="put cleanup", key=state.keys.key)
+            self._client.run(keys.slot, step, what="put cleanup", key=keys.key, retries=1)
         except ConnectorError as exc:
-            log.debug("could not remove parts of a failed put: %s", exc)
+            log.debug("could not withdraw a failed put: %s", exc)
 
     # -- get -------------------------------------------------------------------
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
@@ -176,11 +191,17 @@ class RedisConnector(Connector):
             manifest = mf.parse(raw, self.config.max_payload_bytes)
         except mf.ManifestError as exc:
             raise ConnectorError(f"get {key!r} on Redis {self._client.label}: corrupt manifest: {exc}") from None
-        # one copy either way: inline bytes into a writable buffer, or parts streamed into one
-        buffer = bytearray(memoryview(raw)[mf.HEADER_SIZE :]) if manifest.inline else self._read_parts(keys, manifest, raw)
+        # one copy either way: the inline bytes (already a fresh bytearray when large), or parts streamed into one buffer
+        buffer: bytearray | memoryview
+        if not manifest.inline:
+            buffer = self._read_parts(keys, manifest, raw)
+        elif isinstance(raw, bytearray):
+            buffer = memoryview(raw)[mf.HEADER_SIZE :]
+        else:
+            buffer = bytearray(memoryview(raw)[mf.HEADER_SIZE :])
         return GetResult(wire.decode(buffer, copy=False), manifest.total)
 
-    def _read_parts(self, keys: PayloadKeys, manifest: mf.Manifest, raw: bytes) -> bytearray:
+    def _read_parts(self, keys: PayloadKeys, manifest: mf.Manifest, raw: bytes | bytearray) -> bytearray:
         buffer = bytearray(manifest.total)
         whole = memoryview(buffer)
         views, offset = [], 0
@@ -232,7 +253,7 @@ class RedisConnector(Connector):
         except ConnectorError as exc:
             log.warning("%s (keys expire by TTL)", exc)
 
-    def _restore(self, keys: PayloadKeys, raw: bytes) -> None:
+    def _restore(self, keys: PayloadKeys, raw: bytes | bytearray) -> None:
         """Give a claimed payload back (at the head of its list) after reads failed for good."""
         commands: list[tuple[Any, ...]] = [("LPUSH", keys.manifest, raw)]
         if self._ttl_ms:
@@ -253,7 +274,7 @@ class RedisConnector(Connector):
     def _cleanup(self, key: str) -> bool:
         keys = self._keys(key)
 
-        def step(conn: Connection) -> list[bytes]:
+        def step(conn: Connection) -> list[bytes | bytearray]:
             conn.send_many([("MULTI",), ("LRANGE", keys.manifest, 0, -1), ("DEL", keys.manifest), ("EXEC",)])
             replies = [conn.read() for _ in range(4)]
             results = replies[-1]
@@ -261,7 +282,7 @@ class RedisConnector(Connector):
                 raise results
             if not isinstance(results, list) or not isinstance(results[0], list):
                 raise ReplyError("EXECABORT cleanup transaction discarded")
-            elements = [e for e in results[0] if isinstance(e, bytes)]
+            elements = [e for e in results[0] if isinstance(e, (bytes, bytearray))]
             doomed: list[bytes] = []
             for element in elements:
                 try:
@@ -284,8 +305,8 @@ class RedisConnector(Connector):
                 self._client.run_on(slot_owner, lambda conn: conn.call("PING"), what="health check")
             status["nodes"] = len(nodes)
             status["ping_ms"] = round((time.perf_counter() - started) * 1000 / max(len(nodes), 1), 3)
-        except ConnectorError as exc:
-            status.update(ok=False, error=str(exc))
+        except (ConnectorError, OSError) as exc:
+            status.update(ok=False, error=f"{type(exc).__name__}: {exc}")
         return status
 
     def _close(self) -> None:

@@ -52,7 +52,7 @@ class Pieces:
 
 
 Arg = bytes | str | int | float | memoryview | Pieces
-Reply = Union[None, int, bytes, str, ReplyError, list["Reply"]]  # noqa: UP007 (recursive alias)
+Reply = Union[None, int, bytes, bytearray, str, ReplyError, list["Reply"]]  # noqa: UP007 (recursive alias)
 
 
 def as_bytes_view(buf: Buffer) -> memoryview:
@@ -147,14 +147,38 @@ class ReplyReader:
                 return line
             self._fill()
 
-    def _exact(self, n: int) -> bytes:
+    def _exact(self, n: int) -> bytes | bytearray:
+        """A bulk string body: ``bytes`` when small, a fresh writable ``bytearray`` (read in place) when large."""
+        if n >= _READ_CHUNK:
+            data = bytearray(n)
+            self._read_into(memoryview(data))
+            return data
         while len(self._buf) - self._pos < n + 2:
             self._fill()
-        data = bytes(self._buf[self._pos : self._pos + n])
+        small = bytes(self._buf[self._pos : self._pos + n])
         if self._buf[self._pos + n : self._pos + n + 2] != b"\r\n":
             raise ProtocolError("bulk string not terminated by CRLF")
         self._pos += n + 2
-        return data
+        return small
+
+    def _read_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` from the buffer, then straight from the socket; consume the CRLF."""
+        n = dest.nbytes
+        have = min(len(self._buf) - self._pos, n)
+        if have:
+            dest[:have] = self._buf[self._pos : self._pos + have]
+            self._pos += have
+        offset = have
+        while offset < n:
+            got = self._sock.recv_into(dest[offset:])
+            if got == 0:
+                raise ConnectionError("server closed the connection mid-value")
+            offset += got
+        while len(self._buf) - self._pos < 2:
+            self._fill()
+        if self._buf[self._pos : self._pos + 2] != b"\r\n":
+            raise ProtocolError("bulk string not terminated by CRLF")
+        self._pos += 2
 
     def read(self) -> Reply:
         """Read one reply. Error replies are *returned* as :class:`ReplyError` (callers raise)."""
@@ -192,21 +216,7 @@ class ReplyReader:
             return False
         if n != dest.nbytes:
             raise ProtocolError(f"stored part is {n} bytes, manifest says {dest.nbytes}")
-        have = min(len(self._buf) - self._pos, n)
-        if have:
-            dest[:have] = self._buf[self._pos : self._pos + have]
-            self._pos += have
-        offset = have
-        while offset < n:
-            got = self._sock.recv_into(dest[offset:])
-            if got == 0:
-                raise ConnectionError("server closed the connection mid-value")
-            offset += got
-        while len(self._buf) - self._pos < 2:
-            self._fill()
-        if self._buf[self._pos : self._pos + 2] != b"\r\n":
-            raise ProtocolError("bulk string not terminated by CRLF")
-        self._pos += 2
+        self._read_into(dest)
         return True
 
 

@@ -63,7 +63,7 @@ def for_inline(total: int, put_id: str) -> Manifest:
     return Manifest(total=total, chunk=0, nparts=0, put_id=put_id)
 
 
-def parse(raw: bytes, max_total: int) -> Manifest:
+def parse(raw: bytes | bytearray, max_total: int) -> Manifest:
     """Validate and unpack a manifest; raises :class:`ManifestError`."""
     if len(raw) < HEADER_SIZE:
         raise ManifestError(f"manifest is {len(raw)} bytes, shorter than its {HEADER_SIZE}-byte header")

@@ -44,7 +44,7 @@ class Claimer:
         """False once the server refused ``BLMOVE`` (then ``get(timeout=)`` polls)."""
         return self._blocking
 
-    def claim(self, keys: PayloadKeys, claim_key: bytes, timeout: float | None) -> bytes | None:
+    def claim(self, keys: PayloadKeys, claim_key: bytes, timeout: float | None) -> bytes | bytearray | None:
         """Return the claimed manifest element, or None if none arrived in time."""
         deadline = None if not timeout or timeout <= 0 else time.monotonic() + timeout
         state = _ClaimState()
@@ -75,17 +75,19 @@ class Claimer:
                     exc,
                 )
 
-    def _recover(self, conn: Connection, claim_key: bytes, state: _ClaimState) -> bytes | None:
+    def _recover(self, conn: Connection, claim_key: bytes, state: _ClaimState) -> bytes | bytearray | None:
         """After a failed attempt: did the lost reply carry our manifest?"""
         if not state.sent:
             return None
         element = conn.call("LINDEX", claim_key, 0)
-        if not isinstance(element, bytes):
+        if not isinstance(element, (bytes, bytearray)):
             return None
         conn.defer("UNLINK", claim_key)
         return element
 
-    def _blocking_step(self, conn: Connection, keys: PayloadKeys, claim_key: bytes, deadline: float, state: _ClaimState) -> bytes | None:
+    def _blocking_step(
+        self, conn: Connection, keys: PayloadKeys, claim_key: bytes, deadline: float, state: _ClaimState
+    ) -> bytes | bytearray | None:
         found = self._recover(conn, claim_key, state)
         if found is not None:
             return found
@@ -104,7 +106,7 @@ class Claimer:
         state.sent = False
         return _taken(conn, claim_key, moved, expire)
 
-    def _move_once(self, conn: Connection, keys: PayloadKeys, claim_key: bytes, state: _ClaimState) -> bytes | None:
+    def _move_once(self, conn: Connection, keys: PayloadKeys, claim_key: bytes, state: _ClaimState) -> bytes | bytearray | None:
         found = self._recover(conn, claim_key, state)
         if found is not None:
             return found
@@ -115,7 +117,7 @@ class Claimer:
         state.sent = False
         return _taken(conn, claim_key, moved, expire)
 
-    def _poll(self, keys: PayloadKeys, claim_key: bytes, deadline: float | None, state: _ClaimState) -> bytes | None:
+    def _poll(self, keys: PayloadKeys, claim_key: bytes, deadline: float | None, state: _ClaimState) -> bytes | bytearray | None:
         delay = 0.001
         while True:
             found = self._client.run(
@@ -139,7 +141,7 @@ class _ClaimState:
         self.sent = False
 
 
-def _taken(conn: Connection, claim_key: bytes, moved: Reply, expire: Reply) -> bytes | None:
+def _taken(conn: Connection, claim_key: bytes, moved: Reply, expire: Reply) -> bytes | bytearray | None:
     """The claimed element (or None); the claim list is dropped with the next write.
 
     Once the element is in our hands the claim list has done its job (surviving a
@@ -152,7 +154,7 @@ def _taken(conn: Connection, claim_key: bytes, moved: Reply, expire: Reply) -> b
         raise expire
     if moved is None:
         return None
-    if not isinstance(moved, bytes):
+    if not isinstance(moved, (bytes, bytearray)):
         raise ReplyError(f"unexpected reply to LMOVE: {type(moved).__name__}")
     conn.defer("UNLINK", claim_key)
     return moved
