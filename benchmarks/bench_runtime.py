@@ -170,9 +170,11 @@ def _sleep_until(t: float) -> None:
         time.sleep(delay)
 
 
-def producer_server(cmds: Any, results: Any) -> None:
+def producer_server(cmds: Any, results: Any, switch_interval: float | None = None) -> None:
     """Spawned producer process: run ``produce`` per command until None."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if switch_interval:
+        sys.setswitchinterval(switch_interval)
     while True:
         cmd = cmds.get()
         if cmd is None:
@@ -261,11 +263,14 @@ def main() -> None:
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--chunk-floats", type=int, default=1024, help="float32 values per chunk (default 4 KiB)")
     ap.add_argument("--quick", action="store_true", help="1 round of 4 chunks per stream")
+    ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in both processes (GIL hand-off, default 5 ms)")
     ap.add_argument("--json", help="write results to this file")
     ap.add_argument("--plot", help="write a latency CDF plot (PNG)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.chunks = 1, 4
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     backend = args.backend
     if backend is None:
         try:
@@ -284,7 +289,7 @@ def main() -> None:
     if backend == "shm":
         ctx = mp.get_context("spawn")
         cmds, results = ctx.Queue(), ctx.Queue()
-        proc = ctx.Process(target=producer_server, args=(cmds, results), daemon=True)
+        proc = ctx.Process(target=producer_server, args=(cmds, results, args.switch_interval), daemon=True)
         proc.start()
     try:
         with tqdm(total=total, desc=f"hand-off ({backend})", unit="chunk") as bar:
@@ -326,7 +331,7 @@ def main() -> None:
         "benchmark": "bench_runtime",
         "backend": backend,
         "cross_process": backend == "shm",
-        "config": {k: getattr(args, k) for k in ("streams", "chunks", "period", "pattern", "rounds", "step_ms", "chunk_floats")},
+        "config": {k: getattr(args, k) for k in ("streams", "chunks", "period", "pattern", "rounds", "step_ms", "chunk_floats", "switch_interval")},
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()},
         "modes": {},
     }
