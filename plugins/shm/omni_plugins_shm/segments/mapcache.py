@@ -66,7 +66,9 @@ class MapCache:
         self._entries: OrderedDict[tuple[int, int], Mapping] = OrderedDict()
         self._bytes = 0
         self._last_sweep = 0.0
-        self._lock = threading.Lock()
+        # re-entrant: weakref finalizers of zero-copy/owned results take this lock and can run
+        # in the middle of any allocation, including one made while this thread holds it
+        self._lock = threading.RLock()
 
     def lookup(self, ident: tuple[int, int]) -> Mapping | None:
         """The cached mapping of the file with ``(st_dev, st_ino)``, if any."""

@@ -31,7 +31,9 @@ class PrivateBuffers:
         self._hugepages = hugepages
         self._free: dict[int, list[mmap.mmap]] = {}
         self._bytes = 0
-        self._lock = threading.Lock()
+        # re-entrant: weakref finalizers of zero-copy/owned results take this lock and can run
+        # in the middle of any allocation, including one made while this thread holds it
+        self._lock = threading.RLock()
         self._closed = False
 
     def take(self, nbytes: int) -> np.ndarray:
