@@ -121,3 +121,16 @@ def test_unix_socket_server(track_server: Any) -> None:
         assert config["url"].startswith("unix://")
         _roundtrip(config)
         assert server.keys("*") == []
+
+
+def test_tls_cluster_with_password(track_server: Any) -> None:
+    from omni_plugins_redis.testing import RedisCluster
+
+    with RedisCluster(masters=3, tls=True, password=ADMIN_PW) as cluster:
+        track_server(cluster)
+        config = cluster.connector_config(key_prefix=PREFIX)
+        assert config["tls"] is True
+        _roundtrip(config)
+        with create_connector("redis", config) as conn:
+            assert conn.health()["nodes"] == 3
+        assert cluster.keys(PREFIX + "*") == []

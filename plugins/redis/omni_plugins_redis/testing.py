@@ -15,7 +15,7 @@ whatever a crashed test left running. Example::
 Options: ``password`` (for the ``default`` user), ``acl_users`` (extra
 ``user`` directives, e.g. ``["app on >pw ~t:* +get +set"]``), ``tls`` (TLS-only
 server; CA, server and client certificates are made with ``openssl``),
-``unix_socket`` (unix socket only), ``persistent`` (AOF with
+``unix_socket`` (unix socket only; ``RedisCluster`` takes ``tls`` too), ``persistent`` (AOF with
 ``appendfsync always``: survives :meth:`RedisServer.restart`).
 """
 
@@ -204,7 +204,7 @@ class RedisServer:
             ]
             args += ["--tls-ca-cert-file", str(t.ca), "--tls-auth-clients", "optional"]
             if self.cluster:
-                args += ["--tls-cluster", "yes"]
+                args += ["--tls-cluster", "yes", "--tls-replication", "yes"]
         else:
             args += ["--port", str(self.port)]
         if self.persistent:
@@ -285,16 +285,21 @@ class RedisServer:
 class RedisCluster:
     """A Redis Cluster of ``masters`` primaries (no replicas) built with ``redis-cli --cluster create``."""
 
-    def __init__(self, *, masters: int = 3, password: str | None = None, acl_users: Sequence[str] = (), persistent: bool = False) -> None:
+    def __init__(
+        self, *, masters: int = 3, password: str | None = None, acl_users: Sequence[str] = (), persistent: bool = False, tls: bool = False
+    ) -> None:
         if masters < 3:
             raise ValueError("redis-cli --cluster create needs at least 3 masters")
         self.password = password
+        self._tls_dir = Path(tempfile.mkdtemp(prefix="omni-redis-tls-")) if tls else None
+        self.tls_files = TlsFiles(self._tls_dir) if self._tls_dir is not None else None
         self.nodes = [
             RedisServer(
                 password=password,
                 acl_users=acl_users,
                 persistent=persistent,
                 cluster=True,
+                tls_files=self.tls_files,
                 extra_args=["--masterauth", password] if password else [],
             )
             for _ in range(masters)
@@ -312,6 +317,9 @@ class RedisCluster:
         config: dict[str, Any] = {"cluster": True, "startup_nodes": self.startup_nodes}
         if self.password is not None:
             config["password"] = self.password
+        if self.tls_files is not None:
+            t = self.tls_files
+            config.update(tls=True, tls_ca_file=str(t.ca), tls_cert_file=str(t.client_cert), tls_key_file=str(t.client_key))
         config.update(overrides)
         return config
 
@@ -331,6 +339,9 @@ class RedisCluster:
             for node in self.nodes:
                 node.start()
             cmd = [REDIS_CLI, "--cluster", "create", *self.startup_nodes, "--cluster-replicas", "0", "--cluster-yes"]
+            if self.tls_files is not None:
+                t = self.tls_files
+                cmd += ["--tls", "--cacert", str(t.ca), "--cert", str(t.client_cert), "--key", str(t.client_key)]
             env = dict(os.environ)
             if self.password:
                 env["REDISCLI_AUTH"] = self.password
@@ -368,6 +379,8 @@ class RedisCluster:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+        if self._tls_dir is not None:
+            shutil.rmtree(self._tls_dir, ignore_errors=True)
 
     def __enter__(self) -> RedisCluster:
         return self.start()
