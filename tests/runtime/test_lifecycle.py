@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 from rt_helpers import FAST, RawConnector, Req, collect_until, make_runtime, wait_until
 
@@ -166,3 +167,17 @@ def test_many_requests_aborted_and_finished_leave_nothing(runtimes: list, namesp
         p.cleanup_finished_request(f"r{n}")
     assert c.active_request_count() == 0 and p.active_request_count() == 0
     assert p.connector.keys() == []
+
+
+def test_cleanup_survives_a_failing_flush(runtimes: list, namespace: str, caplog: pytest.LogCaptureFixture) -> None:
+    p = make_runtime(0, namespace, custom_process_next_stage_input_func="rt_builders.whole", model_stage="t")
+    runtimes.append(p)
+    p.accumulate_full_payload_output("r", {"h": torch.ones(1, 2)}, Req("r"))
+
+    def boom(ids: object) -> list:
+        raise RuntimeError("backend exploded")
+
+    p.flush_full_payload_outputs = boom  # type: ignore[method-assign]
+    assert p.cleanup_finished_request("r") is True  # logged, not raised
+    assert p.active_request_count() == 0
+    assert any("during cleanup failed" in r.getMessage() for r in caplog.records)

@@ -201,3 +201,16 @@ def test_many_streams_in_order(mode: str, runtimes: list, namespace: str) -> Non
     collect_until(c, lambda s: finished.update(s.chunk_finished) or len(finished) == n, timeout=10)
     for i in range(n):
         assert c.get_local_stage_payload(f"r{i}")["ids"]["prompt"] == list(range(chunks))
+
+
+def test_accumulation_buffer_kept_until_the_stream_finishes(runtimes: list, namespace: str) -> None:
+    p, c = _pair(runtimes, namespace)
+    c.register_chunk_recv(Req("r"))
+    req = Req("r")
+    p.send_chunk(req, {"embed": {"decode": torch.ones(1, 2)}})
+    collect_until(c, lambda s: "r" in s.chunk_ready)  # woken and collected, stream still open
+    assert c.request_payload["r"]["embed"]["decode"].shape == (1, 2)
+    req.done = True
+    p.send_chunk(req, {"embed": {"decode": torch.ones(1, 2)}})
+    collect_until(c, lambda s: "r" in s.chunk_finished)
+    assert "r" not in c.request_payload
