@@ -115,14 +115,16 @@ def produce(
         conn = create_connector(cfg["name"], cfg["extra"])
         try:
             _sleep_until(start_at)
+            cpu0 = time.process_time()
             for k in range(RAW_ITEMS):
                 t0 = time.monotonic()
                 conn.put(0, 1, f"raw_0_{k}", {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [t0]}})
                 time.sleep(step_s / 4)
+            cpu = time.process_time() - cpu0
             release()
         finally:
             conn.close()
-        return {"send_call_us": None}
+        return {"send_call_us": None, "process_cpu_us_per_chunk": cpu / RAW_ITEMS * 1e6}
     rt = StageTransferRuntime(StageConfig(stage_id=0, async_chunk=True, custom_process_next_stage_input_func=BUILDER), cfg)
     put_lat: list[float] = []
     conn = rt.connector
@@ -140,6 +142,7 @@ def produce(
     call_s = 0.0
     try:
         _sleep_until(start_at)
+        cpu0 = time.process_time()
         next_step = time.monotonic()
         for emitting in schedule(streams, chunks, period, pattern):
             for i in emitting:
@@ -152,6 +155,7 @@ def produce(
             next_step += step_s
             _sleep_until(next_step)
         rt.wait_sends(60)
+        cpu = time.process_time() - cpu0
         release()  # the consumer has read everything: now the connector may go
         for r in reqs:
             rt.cleanup_finished_request(r.request_id)
@@ -161,6 +165,7 @@ def produce(
     return {
         "send_call_us": call_s / (streams * chunks) * 1e6,
         "send_to_put_done_p50_ms": put_lat[len(put_lat) // 2] * 1e3 if put_lat else None,
+        "process_cpu_us_per_chunk": cpu / (streams * chunks) * 1e6,
     }
 
 
@@ -190,6 +195,7 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
     """Consumer stage on this process's model thread: returns latencies (s) and model-thread cost."""
     cfg = connector_config(backend, namespace)
     lat: list[float] = []
+    cpu0 = time.process_time()
     if mode == "raw":
         conn = create_connector(cfg["name"], cfg["extra"])
         try:
@@ -201,7 +207,8 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
                 lat.append(t1 - got.data["ts"]["send"][0])
         finally:
             conn.close()
-        return {"latencies": lat, "model_thread_us": None, "missing": RAW_ITEMS - len(lat)}
+        cpu = time.process_time() - cpu0
+        return {"latencies": lat, "model_thread_us": None, "missing": RAW_ITEMS - len(lat), "cpu_us_per_chunk": cpu / max(1, len(lat)) * 1e6}
     rt = StageTransferRuntime(StageConfig(stage_id=1, async_chunk=True, recv_timeout_s=60), cfg, tuning=tuning_for(mode))
     ids = [f"{mode}{i}" for i in range(streams)]
     for rid in ids:
@@ -225,6 +232,7 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
             sig = rt.collect_signals()
             finished |= sig.chunk_finished
             model_s += time.monotonic() - t_wake
+        cpu = time.process_time() - cpu0
         for rid in ids:
             rt.cleanup_finished_request(rid)
         leftover = rt.active_request_count()
@@ -235,6 +243,7 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
         "latencies": lat,
         "model_thread_us": model_s / max(1, len(lat)) * 1e6,
         "missing": streams * chunks - len(lat),
+        "cpu_us_per_chunk": cpu / max(1, len(lat)) * 1e6,
         "leftover_states": leftover,
         "receiver": recv_stats,
     }
@@ -283,6 +292,7 @@ def main() -> None:
     per_mode: dict[str, list[dict]] = {m: [] for m in MODES}
     sends: dict[str, list[float]] = {m: [] for m in MODES}
     put_done: dict[str, list[float]] = {m: [] for m in MODES}
+    prod_cpu: dict[str, list[float]] = {m: [] for m in MODES}
     total = args.rounds * 2 * args.streams * args.chunks
     step_s = args.step_ms / 1e3
     cmds = results = proc = None
@@ -320,6 +330,8 @@ def main() -> None:
                     per_mode[mode].append(out)
                     if prod.get("send_call_us") is not None:
                         sends[mode].append(prod["send_call_us"])
+                    if prod.get("process_cpu_us_per_chunk") is not None:
+                        prod_cpu[mode].append(prod["process_cpu_us_per_chunk"])
                     if prod.get("send_to_put_done_p50_ms") is not None:
                         put_done[mode].append(prod["send_to_put_done_p50_ms"])
     finally:
@@ -343,6 +355,8 @@ def main() -> None:
         entry["consumer_model_thread_us_per_chunk"] = statistics.fmean(model) if model else None
         entry["producer_send_chunk_us_per_chunk"] = statistics.fmean(sends[mode]) if sends[mode] else None
         entry["producer_send_to_put_done_p50_ms"] = statistics.median(put_done[mode]) if put_done[mode] else None
+        entry["consumer_cpu_us_per_chunk"] = statistics.fmean(r["cpu_us_per_chunk"] for r in per_mode[mode]) if per_mode[mode] else None
+        entry["producer_cpu_us_per_chunk"] = statistics.fmean(prod_cpu[mode]) if prod_cpu[mode] else None
         entry["leftover_states"] = sum(r.get("leftover_states", 0) for r in per_mode[mode])
         entry["receiver"] = per_mode[mode][-1].get("receiver") if per_mode[mode] else None
         report["modes"][mode] = entry
@@ -355,6 +369,10 @@ def main() -> None:
         "p50_runtime_vs_poll5ms": ratio(rt["p50_ms"], poll["p50_ms"]),
         "p99_runtime_vs_poll5ms": ratio(rt["p99_ms"], poll["p99_ms"]),
         "p50_runtime_vs_raw_connector": ratio(rt["p50_ms"], raw["p50_ms"]),
+        # CPU per chunk (robust to machine load): runtime vs the bare connector put/get
+        "consumer_cpu_runtime_vs_raw": ratio(rt["consumer_cpu_us_per_chunk"], raw["consumer_cpu_us_per_chunk"]),
+        "producer_cpu_runtime_vs_raw": ratio(rt["producer_cpu_us_per_chunk"], raw["producer_cpu_us_per_chunk"]),
+        "consumer_cpu_runtime_vs_poll5ms": ratio(rt["consumer_cpu_us_per_chunk"], poll["consumer_cpu_us_per_chunk"]),
     }
     report["target"] = {"p50_ms_max": 1.0, "met": rt["p50_ms"] is not None and rt["p50_ms"] <= 1.0}
     text = json.dumps(report, indent=2)
