@@ -195,3 +195,22 @@ def test_failed_put_leaves_nothing_visible(
         assert fired
         assert conn.get(0, 1, "withdrawn") is None
     assert redis_server.keys(PREFIX + "*") == []
+
+
+def test_deferred_replies_never_mix_with_later_replies(redis_server: RedisServer, server_config: dict[str, Any]) -> None:
+    from omni_plugins_redis.client import Address
+    from omni_plugins_redis.config import RedisConfig
+
+    raw = redis_server.client()
+    raw.set(PREFIX + "str", "x")
+    conn = Connection(Address(host="127.0.0.1", port=redis_server.port), RedisConfig(**server_config))
+    try:
+        conn.defer("LPUSH", PREFIX + "str", "y")  # WRONGTYPE: logged, not raised
+        conn.defer("DEL", PREFIX + "str")
+        assert conn.call("ECHO", "first") == b"first"
+        conn.defer("DEL", PREFIX + "nothing")
+        assert conn.call("ECHO", "second") == b"second"
+        assert conn.unconfirmed() == []
+    finally:
+        conn.close()
+    assert raw.exists(PREFIX + "str") == 0

@@ -61,8 +61,8 @@ class Connection:
     def __init__(self, address: Address, config: RedisConfig) -> None:
         self.address = address
         self._config = config
-        self._deferred: deque[tuple[Arg, ...]] = deque()  # sent or queued, reply not read yet
-        self._outbox: list[tuple[Arg, ...]] = []  # queued, not sent yet
+        self._sent: deque[tuple[Arg, ...]] = deque()  # deferred, sent, reply not read yet
+        self._outbox: list[tuple[Arg, ...]] = []  # deferred, not sent yet
         self.broken = False
         self._sock = self._open()
         self._reader = ReplyReader(self._sock)
@@ -127,6 +127,7 @@ class Connection:
         """Send commands in one write, preceded by any deferred commands not yet sent."""
         if self._outbox:
             commands = [*self._outbox, *commands]
+            self._sent.extend(self._outbox)
             self._outbox.clear()
         send_buffers(self._sock, pack_many(commands))
 
@@ -138,24 +139,20 @@ class Connection:
         deleting big parts, to free server memory at once). If the connection
         dies first, :meth:`unconfirmed` hands it back so the pool re-sends it.
         """
-        self._deferred.append(args)
         self._outbox.append(args)
         if flush:
             self.send_many([])
 
     def _drain(self) -> None:
-        retry: list[tuple[Arg, ...]] = []
-        while self._deferred:
+        """Read the replies of deferred commands already sent (they precede any other reply)."""
+        while self._sent:
             reply = self._reader.read()
-            command = self._deferred.popleft()
+            command = self._sent.popleft()
             if isinstance(reply, ReplyError):
                 if reply.code in _TRANSIENT_REPLIES:
-                    retry.append(command)  # e.g. LOADING after a restart: send again with the next write
+                    self._outbox.append(command)  # e.g. LOADING after a restart: send again with the next write
                 else:
                     log.warning("Redis %s: deferred %s failed: %s", self.address, command[0], reply)
-        for command in retry:
-            self._deferred.append(command)
-            self._outbox.append(command)
 
     def settle(self) -> None:
         """Send and confirm all deferred commands now."""
@@ -165,14 +162,14 @@ class Connection:
 
     def unconfirmed(self) -> list[tuple[Arg, ...]]:
         """Deferred commands not known to have run (taken out of this connection)."""
-        commands = list(self._deferred)
-        self._deferred.clear()
+        commands = [*self._sent, *self._outbox]
+        self._sent.clear()
         self._outbox.clear()
         return commands
 
     def read(self, timeout: float | None = None) -> Reply:
         """Read the next reply; ``timeout`` overrides the socket timeout for this read."""
-        if self._deferred:
+        if self._sent:
             self._drain()
         if timeout is None:
             return self._reader.read()
