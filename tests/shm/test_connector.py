@@ -305,3 +305,14 @@ def test_symlink_at_a_key_is_rejected_without_following_it(pair: Any, namespace:
     with pytest.raises(ConnectorError, match="not a regular file"):
         consumer.get(0, 1, "ln")
     assert target.exists() and not os.path.lexists(link)
+
+
+def test_infinite_timeout_waits_and_wakes(pair: Any) -> None:
+    import threading
+
+    producer, consumer = pair
+    timer = threading.Timer(0.1, lambda: producer.put(0, 1, "inf", {"v": 1}))
+    timer.start()
+    got = consumer.get(0, 1, "inf", timeout=float("inf"))
+    timer.join()
+    assert got is not None and got.data == {"v": 1}

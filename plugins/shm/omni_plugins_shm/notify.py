@@ -42,6 +42,8 @@ IN_NONBLOCK = 0o4000
 IN_CLOEXEC = 0o2000000
 _EVENT = struct.Struct("iIII")
 _BUF = 64 * 1024
+#: one poll() sleeps at most this long (an infinite timeout must not overflow poll's int)
+_MAX_SLEEP = 3600.0
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.inotify_init1.argtypes = [ctypes.c_int]
@@ -81,7 +83,7 @@ class _Watch:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            if not self._poll.poll(math.ceil(remaining * 1000)):
+            if not self._poll.poll(math.ceil(min(remaining, _MAX_SLEEP) * 1000)):
                 continue  # re-check the clock; poll's millisecond rounding must not end the wait early
             try:
                 data = os.read(self.fd, _BUF)
