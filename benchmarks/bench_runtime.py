@@ -74,9 +74,12 @@ def tuning_for(mode: str) -> RuntimeTuning:
     return RuntimeTuning.fixed_poll(0.005) if mode == "poll5ms" else RuntimeTuning()
 
 
+SHM_DIR = "/dev/shm/omni-bench-runtime"  # private dir: the connector's wait wakes on every event in its dir
+
+
 def connector_config(backend: str, namespace: str) -> dict[str, Any]:
     if backend == "shm":
-        return {"name": "shm", "extra": {"namespace": namespace, "pool_bytes": 64 << 20}}
+        return {"name": "shm", "extra": {"namespace": namespace, "pool_bytes": 64 << 20, "shm_dir": SHM_DIR}}
     return {"name": "memory", "extra": {"namespace": namespace}}
 
 
@@ -297,6 +300,7 @@ def main() -> None:
     step_s = args.step_ms / 1e3
     cmds = results = proc = None
     if backend == "shm":
+        os.makedirs(SHM_DIR, mode=0o700, exist_ok=True)
         ctx = mp.get_context("spawn")
         cmds, results = ctx.Queue(), ctx.Queue()
         proc = ctx.Process(target=producer_server, args=(cmds, results, args.switch_interval), daemon=True)
@@ -338,6 +342,12 @@ def main() -> None:
         if cmds is not None and proc is not None:
             cmds.put(None)
             proc.join(30)
+        if backend == "shm":
+            left = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
+            if left:
+                print(f"warning: {len(left)} file(s) left in {SHM_DIR}: {left[:5]}", file=sys.stderr)
+            else:
+                os.rmdir(SHM_DIR)
 
     report: dict[str, Any] = {
         "benchmark": "bench_runtime",
