@@ -86,6 +86,7 @@ class Orchestrator:
         self.report = RunReport(pipeline=plan.filename, requests=options.requests, concurrency=options.concurrency)
         self.in_flight: set[str] = set()
         self.done: set[str] = set()
+        self.progress: dict[str, set[tuple[int, int]]] = {}  # request -> stage ranks done with it
         self.run_tag = uuid.uuid4().hex[:6]
 
     # ------------------------------------------------------------------ processes
@@ -111,27 +112,33 @@ class Orchestrator:
         proc = self._proc(int(msg.get("stage", -1)), int(msg.get("rank", -1)))
         if kind == "ready" and proc:
             proc.ready = True
-        elif kind == "done":
-            rid = str(msg["rid"])
-            if rid in self.in_flight:
-                self.in_flight.discard(rid)
-                self.done.add(rid)
-                self.report.completed += 1
-                bar.update(1)
-            else:
-                self.report.problems.append(f"completion of unknown or duplicate request {rid}")
-        elif kind == "failed":
-            rid = str(msg["rid"])
-            self.report.failed.setdefault(rid, str(msg.get("reason")))
-            if rid in self.in_flight:
-                self.in_flight.discard(rid)
-                self.done.add(rid)
-                bar.update(1)
+        elif kind == "finished":
+            self._finished(str(msg["rid"]), msg.get("reason"), proc, bar)
         elif kind == "error" and proc:
             proc.error = str(msg.get("error"))
             logger.debug("%s traceback:\n%s", proc.label, msg.get("traceback"))
         elif kind == "final" and proc:
             proc.final = msg
+
+    def _finished(self, rid: str, reason: Any, proc: _Proc | None, bar: Any) -> None:
+        """One stage rank is done with ``rid``; the request completes when every stage rank is."""
+        if rid not in self.in_flight:
+            self.report.problems.append(f"{proc.label if proc else '?'}: report about unknown or finished request {rid}")
+            return
+        if reason and rid not in self.report.failed:
+            self.report.failed[rid] = str(reason)
+            for q in self.inboxes.values():  # the other stages drop it now instead of waiting for input that never comes
+                q.put(("abort", rid))
+        ranks = self.progress.setdefault(rid, set())
+        ranks.add((proc.stage, proc.rank) if proc else (-1, -1))
+        if len(ranks) < len(self.procs):
+            return
+        del self.progress[rid]
+        self.in_flight.discard(rid)
+        self.done.add(rid)
+        if rid not in self.report.failed:
+            self.report.completed += 1
+        bar.update(1)
 
     def _pump(self, timeout: float, bar: Any) -> None:
         try:
@@ -230,6 +237,9 @@ class Orchestrator:
         for p in self.procs:
             p.process.join(max(0.1, min(10.0, deadline - time.monotonic())))
         self._pump(0.05, bar)
+        for p in self.procs:
+            if p.process.exitcode is None and p.final is not None:
+                p.process.join(10)  # done and exiting: let it finish
         stuck = [p for p in self.procs if p.process.exitcode is None]
         for p in stuck:
             with contextlib.suppress(OSError):

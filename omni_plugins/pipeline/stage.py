@@ -109,6 +109,7 @@ class StageRunner:
         if self.rt.kv_manager is not None:
             self.rt.kv_manager.layout = "nhd"
         self.requests: dict[str, _Req] = {}
+        self.aborted: set[str] = set()
         self.stop = False
         tag = f"{self.up.stage_id}->{self.me.stage_id}" if self.up else ""
         conn = self.me.connector or "-"
@@ -144,7 +145,7 @@ class StageRunner:
 
     # ------------------------------------------------------------------ control
     def _control(self, idle: bool) -> dict[str, Any]:
-        plan: dict[str, Any] = {"admit": [], "stop": False}
+        plan: dict[str, Any] = {"admit": [], "abort": [], "stop": False}
         if self.leader:
             wait = 0.02 if idle and not self.requests else 0.0
             while True:
@@ -155,6 +156,8 @@ class StageRunner:
                 wait = 0.0
                 if msg[0] == "admit":
                     plan["admit"].append(msg[1])
+                elif msg[0] == "abort":
+                    plan["abort"].append(msg[1])
                 elif msg[0] == "stop":
                     plan["stop"] = True
         if self.tp is not None:
@@ -164,6 +167,13 @@ class StageRunner:
     def _admit(self, rid: str) -> None:
         req = _Req(SynthRequest(rid, rid))
         self.requests[rid] = req
+        if rid in self.aborted:
+            self.aborted.discard(rid)
+            req.failed = f"stage {self.me.stage_id} rank {self.rank}: aborted (failed elsewhere)"
+            if self.leader and self.downstream is not None:
+                self.downstream.put(("admit", rid))
+            self._finish(req)
+            return
         if self.up is not None:
             self.rt.register_chunk_recv(req.request)
         if self.leader and self.downstream is not None:
@@ -280,12 +290,8 @@ class StageRunner:
     def _finish(self, req: _Req) -> None:
         del self.requests[req.rid]
         self.rt.cleanup_finished_request(req.rid, aborted=req.failed is not None)
-        if not self.leader:
-            return
-        if req.failed:
-            self.post("failed", rid=req.rid, reason=req.failed)
-        elif self.me.downstream is None:
-            self.post("done", rid=req.rid)
+        # every rank of every stage reports: a request is complete when all of them are done with it
+        self.post("finished", rid=req.rid, reason=req.failed)
 
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
@@ -296,6 +302,13 @@ class StageRunner:
             plan = self._control(idle)
             for rid in plan["admit"]:
                 self._admit(rid)
+            for rid in plan["abort"]:
+                req = self.requests.get(rid)
+                if req is None:
+                    self.aborted.add(rid)  # not admitted here yet
+                else:
+                    req.failed = req.failed or f"stage {self.me.stage_id} rank {self.rank}: aborted (failed elsewhere)"
+                    self._finish(req)
             if plan["stop"]:
                 break
             progress = self._receive()
