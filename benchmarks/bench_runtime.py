@@ -233,6 +233,16 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
                 bar.update(len(sends) - seen[rid])
                 seen[rid] = len(sends)
             sig = rt.collect_signals()
+            # a chunk that landed between recv_chunk and collect_signals is reported in
+            # chunk_ready; the runner reads it from the local cache (reference semantics)
+            late = sig.chunk_ready - ready.keys()
+            if late:
+                t_late = time.monotonic()
+                for rid in late:
+                    sends = rt.get_local_stage_payload(rid)["ts"]["send"]
+                    lat.extend(t_late - t0 for t0 in sends[seen[rid] :])
+                    bar.update(len(sends) - seen[rid])
+                    seen[rid] = len(sends)
             finished |= sig.chunk_finished
             model_s += time.monotonic() - t_wake
         cpu = time.process_time() - cpu0
