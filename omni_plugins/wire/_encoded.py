@@ -11,6 +11,18 @@ from omni_plugins.errors import WireFormatError
 
 _ZEROS = bytes(64)
 
+#: below this, memoryview assignment wins; above it torch's multi-threaded ``copy_``
+#: is faster (~9 GB/s against ~6 GB/s for one thread, measured here)
+TORCH_COPY_MIN = 256 * 1024
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    """Copy ``src`` into ``dst`` (same length) the fastest way for its size."""
+    if src.nbytes >= TORCH_COPY_MIN and not src.readonly:  # torch warns on read-only sources
+        torch.frombuffer(dst, dtype=torch.uint8).copy_(torch.frombuffer(src, dtype=torch.uint8))
+    else:
+        dst[:] = src
+
 
 class Segment:
     """One out-of-band buffer: where it goes in the message and what holds its bytes."""
@@ -104,7 +116,7 @@ class Encoded:
             if start > cursor:
                 mv[cursor:start] = _ZEROS[: start - cursor]
             if seg.nbytes:
-                mv[start : start + seg.nbytes] = seg.view()
+                _copy(mv[start : start + seg.nbytes], seg.view())
             cursor = start + seg.nbytes
         return self.nbytes
 

@@ -42,8 +42,6 @@ log = logging.getLogger(__name__)
 
 #: owned copies at least this large go to recycled (huge-page) private mappings; smaller ones to a bytearray
 _PRIVATE_MIN = 256 << 10
-#: encoded buffers at least this large are copied with torch (multi-threaded) instead of a memoryview assignment
-_TORCH_COPY_MIN = 256 << 10
 _PUT_RETRIES = 4
 
 
@@ -105,7 +103,7 @@ class ShmConnector(Connector):
             try:
                 header = Header(self._owner, seg.no, seg.capacity, enc.nbytes, key_digest(key), seg.pooled)
                 seg.view[:HEADER_SIZE] = header.pack()
-                _write_encoded(enc, seg.view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + enc.nbytes])
+                enc.write_into(seg.view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + enc.nbytes])
                 published_ok = self._publish(seg, published, key)
             except BaseException:
                 self._pool.abandon(seg)
@@ -328,26 +326,6 @@ def _scan(directory: str, prefix: str) -> list[str]:
             return [e.name for e in it if e.name.startswith(prefix)]
     except FileNotFoundError:
         return []
-
-
-def _write_encoded(enc: wire.Encoded, dest: memoryview) -> None:
-    """The one copy of ``put``: the encoded message straight into the segment.
-
-    ``Encoded.write_into`` copies with memoryview assignment (one thread, ~6 GB/s here);
-    for large messages the vectored form (``Encoded.buffers()``) copied with torch
-    (``copy_``, multi-threaded, ~9 GB/s) is faster. Same bytes either way.
-    """
-    if enc.nbytes < _TORCH_COPY_MIN:
-        enc.write_into(dest)
-        return
-    off = 0
-    for buf in enc.buffers():
-        n = buf.nbytes
-        if n >= _TORCH_COPY_MIN and not buf.readonly:  # torch warns on read-only buffers (bytes values)
-            torch.frombuffer(dest[off : off + n], dtype=torch.uint8).copy_(torch.frombuffer(buf, dtype=torch.uint8))
-        elif n:
-            dest[off : off + n] = buf
-        off += n
 
 
 def _return_segment(directory: str, names: Names, claim: str, header: Header, mapping: Mapping, maps: MapCache, leased: bool) -> None:
