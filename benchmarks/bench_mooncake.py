@@ -2,8 +2,8 @@
 
 One process, a fresh loopback ``mooncake_master`` (or ``--master host:port``), two
 endpoints per backend (producer and consumer, each its own engine/client, talking
-over TCP on 127.0.0.1). Per payload size (1, 16, 64 MiB of uint8), iterations
-interleave the four variants so machine noise hits them alike:
+over TCP on 127.0.0.1). Per payload size (1, 16, 64 MiB of uint8), every
+iteration runs all variants in a shuffled order so machine noise hits them alike:
 
 - ``store_raw``: ``put_from`` a pre-filled registered buffer (placed in the
   putter's own segment, as the connector does), then ``get_into`` another
@@ -16,7 +16,8 @@ interleave the four variants so machine noise hits them alike:
   over the control channel, one-sided read, finish, zero-copy decode).
 
 Ratios are raw time / connector time (1.0 = as fast as raw; target >= 0.8):
-``store`` vs ``store_raw`` (put_from + get_into); ``te`` vs ``te_raw_read`` (the
+``store`` vs ``store_raw`` (put_from + get_into: strict) and vs the same plus
+the forced remove a consuming reader needs too; ``te`` vs ``te_raw_read`` (the
 single transfer a pull needs: strict) and vs ``te_raw_write + te_raw_read``
 (the issue's "write/read"). Segments and buffers are warmed first.
 
@@ -33,10 +34,12 @@ import json
 import mmap
 import os
 import platform
+import random
 import statistics
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -134,16 +137,17 @@ class Bench:
         self.raw_cons.close()
 
     # -- one timed round per variant ----------------------------------------------
-    def store_raw(self, size: int) -> float:
+    def store_raw(self, size: int) -> tuple[float, float]:
+        """(put_from + get_into, the forced remove a consuming reader also needs)."""
         key = f"raw-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
         rc = self.raw_prod.put_from(key, self.src.addr, size, self.raw_replicate)
         got = self.raw_cons.get_into(key, self.dst.addr, self.dst.size)
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
         if rc != 0 or got != size:
             raise RuntimeError(f"raw store round failed: put {rc}, get {got}")
         self.raw_cons.remove(key, True)
-        return dt
+        return t1 - t0, time.perf_counter() - t1
 
     def store(self, payload: dict[str, torch.Tensor]) -> tuple[float, float]:
         key = f"conn-{uuid.uuid4().hex}"
@@ -186,6 +190,23 @@ class Bench:
         return t1 - t0, t2 - t1
 
 
+def _one_round(bench: Bench, size: int, payload: dict[str, torch.Tensor], rng: random.Random) -> dict[str, float]:
+    """Every variant once, in a shuffled order (no variant always runs first, after gc, or last)."""
+    variants: list[tuple[tuple[str, ...], Callable[[], Any]]] = [
+        (("store_raw", "store_raw_remove"), partial(bench.store_raw, size)),
+        (("store_put", "store_get"), partial(bench.store, payload)),
+        (("te_raw_read",), partial(bench.te_raw_read, size)),
+        (("te_raw_write",), partial(bench.te_raw_write, size)),
+        (("te_put", "te_get"), partial(bench.te, payload)),
+    ]
+    rng.shuffle(variants)
+    got: dict[str, float] = {}
+    for names, run_variant in variants:
+        result = run_variant()
+        got.update(zip(names, result if isinstance(result, tuple) else (result,), strict=True))
+    return got
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
@@ -196,6 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds = {s: _iters(s, args.quick) for s in sizes}
     total = sum(w + n for w, n in rounds.values())
     results: list[dict[str, Any]] = []
+    rng = random.Random(0)
     with _master(args.master) as master:
         bench = Bench(master, max(sizes), segment=args.segment_mib * MIB)
         try:
@@ -204,19 +226,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     payload = {"x": torch.randint(0, 256, (size,), dtype=torch.uint8)}
                     warm, n = rounds[size]
                     samples: dict[str, list[float]] = {
-                        k: [] for k in ("store_raw", "store_put", "store_get", "te_raw_read", "te_raw_write", "te_put", "te_get")
+                        k: []
+                        for k in (
+                            "store_raw",
+                            "store_raw_remove",
+                            "store_put",
+                            "store_get",
+                            "te_raw_read",
+                            "te_raw_write",
+                            "te_put",
+                            "te_get",
+                        )
                     }
                     for i in range(warm + n):
                         bar.set_postfix(size=f"{size // MIB}MiB")
                         gc.collect()
-                        sr = bench.store_raw(size)
-                        sp, sg = bench.store(payload)
-                        tr = bench.te_raw_read(size)
-                        tw = bench.te_raw_write(size)
-                        tp, tg = bench.te(payload)
+                        got = _one_round(bench, size, payload, rng)
                         if i >= warm:
-                            for k, v in zip(samples, (sr, sp, sg, tr, tw, tp, tg), strict=True):
-                                samples[k].append(v)
+                            for k in samples:
+                                samples[k].append(got[k])
                         bar.update(1)
                     med = {k: _median(v) for k, v in samples.items()}
                     store_conn = med["store_put"] + med["store_get"]
@@ -235,6 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             },
                             "ratio": {
                                 "store_vs_raw_put_from_get_into": med["store_raw"] / store_conn,
+                                "store_vs_raw_with_remove": (med["store_raw"] + med["store_raw_remove"]) / store_conn,
                                 "te_vs_raw_read": med["te_raw_read"] / te_conn,
                                 "te_vs_raw_write_plus_read": (med["te_raw_read"] + med["te_raw_write"]) / te_conn,
                                 "te_get_vs_raw_read": med["te_raw_read"] / med["te_get"],
