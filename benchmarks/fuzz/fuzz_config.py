@@ -93,7 +93,15 @@ def main() -> None:
     with open(f"/proc/{os.getpid()}/statm") as f:
         limit = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + (headroom << 20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    # warm up outside libFuzzer's -timeout: the first parse imports the plugin registry (and torch)
+    # warm up outside libFuzzer's -timeout: a first parse imports the plugin registry, and a connector
+    # name such as "memory" or "pkg.mod:Class" imports its module (torch with it): seconds on a busy machine
+    import importlib
+
+    for module in ("torch", "omni_plugins.memory", "omni_plugins_shm.config", "omni_plugins_redis.config", "omni_plugins_mooncake.config"):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
     for seed in (b"\x00" + TEMPLATE.encode(), b"\x00;"):
         test_one_input(seed)
     atheris.Setup(argv, test_one_input)
