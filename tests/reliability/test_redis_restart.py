@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from rel_pipeline import Plan, StageProcess, StreamConsumer, make_runtime, track
 
-CHUNKS = 60
+CHUNKS = 40
 
 
 @pytest.fixture
@@ -31,7 +31,7 @@ def test_pipeline_survives_redis_restart(persistent_redis: Any) -> None:
     prefix = f"rr-{uuid.uuid4().hex[:6]}:"
     conn = {"name": "redis", "extra": persistent_redis.connector_config(key_prefix=prefix)}
     # two streams carry 256 KiB chunks (stored as parts), the rest travel inline in the manifest
-    plans = [Plan(f"rr-{i}", chunks=CHUNKS, elems=64 * 1024 if i < 2 else 300) for i in range(6)]
+    plans = [Plan(f"rr-{i}", chunks=CHUNKS, elems=64 * 1024 if i < 2 else 300) for i in range(5)]
     ids = [p.id for p in plans]
     rt = make_runtime(1, conn, recv_timeout_s=60.0)
     consumer = StreamConsumer(rt)

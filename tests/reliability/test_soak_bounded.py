@@ -31,9 +31,9 @@ soak = _load_soak()
 @pytest.mark.parametrize("backend", ["shm", "redis"])
 def test_bounded_soak_leaves_nothing(backend: str, redis_server: object) -> None:
     b = soak.make_backend(backend, server=redis_server) if backend == "redis" else soak.make_backend(backend)
-    result = soak.run_soak(b, requests=200, abort_fraction=0.1, chunks=4, window=50, window_timeout=60.0)
+    result = soak.run_soak(b, requests=150, abort_fraction=0.1, chunks=4, window=50, window_timeout=60.0)
     assert result.bad == {}
-    assert (result.finished, result.aborted) == (180, 20)
+    assert (result.finished, result.aborted) == (135, 15)
     assert result.consumer_active == 0, "per-request state left in the consumer runtime"
     assert result.producer_active == 0, "per-request state left in the producer runtime"
     assert result.leftovers_open == [], f"payloads left in the backend while open: {result.leftovers_open[:5]}"
