@@ -508,13 +508,15 @@ class StageTransferRuntime:
         """Drop everything of a request (internal or external id). Returns True if it was known.
 
         Any accumulated full payload is flushed first (a failure is logged, not
-        raised). Send-side state waits for in-flight sends; chunks put for this
-        request but never read are freed from the connector. ``aborted`` also
-        drops KV shards this rank sent.
+        raised). Send-side state waits for in-flight sends; chunks sent to this
+        stage for the request but never read are freed from the connector.
+        ``aborted`` (the request will not complete) skips the flush, drops
+        queued sends and frees every key this stage put for the request (once
+        a running put completed) and the KV shards this rank sent.
         """
         with self._lock:
             state = self._registry.get(req_id)
-            accumulating = state is not None and state.full_payload is not None
+            accumulating = state is not None and state.full_payload is not None and not aborted
         if accumulating and state is not None:
             try:
                 self.flush_full_payload_outputs([state.request_id])
@@ -525,11 +527,19 @@ class StageTransferRuntime:
             ids = {req_id} if state is None else {req_id, state.request_id, state.external_id}
             self._registry.outbox.forget(ids)
             keys: list[str] = []
+            purge: list[str] = []
             if state is not None:
                 if self._receiver is not None:
                     keys = self._delivery.abort_keys(state)
+                if aborted and self._sender is not None and state.next_send_chunk:
+                    if self._sender.abort(state):
+                        state.purge_sent = True  # the running put's completion frees them
+                    else:
+                        purge = self._sender.keys_put(state)
                 self._registry.release(state)
         self._free_keys(keys)
+        if purge and self._sender is not None and self._connector is not None and not self._connector.closed:
+            self._sender.purge(purge)
         self._kv.cleanup(req_id, aborted=aborted)
         return state is not None
 

@@ -5,7 +5,9 @@ at a time). A ``put`` that fails or raises goes back to the front of its
 request's queue, after a short backoff, up to ``max_retries`` times; then it is
 dropped, logged and the request reported as failed. Each request counts its
 sends in flight; a request released by cleanup while sends are in flight is
-freed when the last one completes.
+freed when the last one completes. An aborted request's queued puts are
+dropped and, once its running put (if any) completed, every key it put is
+freed from the connector (nobody will read them).
 """
 
 from __future__ import annotations
@@ -57,6 +59,24 @@ class Sender:
                 state.in_send_ring = True
                 self._ring.append(state)
             self._cond.notify()
+
+    def keys_put(self, state: RequestState) -> list[str]:
+        """Every key this stage has put (or is putting) for ``state``."""
+        return [f"{state.external_id}_{self._from}_{i}" for i in range(state.next_send_chunk)]
+
+    def abort(self, state: RequestState) -> int:
+        """Lock held: drop the request's queued puts; returns the puts still running (0 or 1)."""
+        state.in_flight -= len(state.send_queue)
+        state.send_queue.clear()
+        return state.in_flight
+
+    def purge(self, keys: list[str]) -> None:
+        """Free keys of an aborted request (those already consumed are simply absent)."""
+        for key in keys:
+            try:
+                self._connector.cleanup(key)
+            except Exception:
+                logger.debug("cleanup of %s failed", key, exc_info=True)
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no task is queued or in flight (tests, orderly shutdown)."""
@@ -115,11 +135,10 @@ class Sender:
             state, task = picked
             ok = self._put(state, task)
             with self._cond:
-                if ok:
-                    self._done(state)
-                else:
-                    self._retry_or_drop(state, task)
+                purge = self._done(state) if ok or state.purge_sent else self._retry_or_drop(state, task)
                 self._cond.notify_all()
+            if purge:
+                self.purge(purge)
 
     def _put(self, state: RequestState, task: SendTask) -> bool:
         try:
@@ -133,12 +152,16 @@ class Sender:
         self.stats["puts" if ok else "put_failures"] += 1
         return ok
 
-    def _done(self, state: RequestState) -> None:
+    def _done(self, state: RequestState) -> list[str]:
+        """One put finished; free a released request after its last. Returns keys to purge (aborted)."""
         state.in_flight -= 1
         if state.in_flight == 0 and state.released:
             self._registry.drop(state)
+            if state.purge_sent:
+                return self.keys_put(state)
+        return []
 
-    def _retry_or_drop(self, state: RequestState, task: SendTask) -> None:
+    def _retry_or_drop(self, state: RequestState, task: SendTask) -> list[str]:
         task.attempts += 1
         if task.attempts <= self.max_retries and not self._stop:
             task.not_before = time.monotonic() + self._backoff * (2 ** (task.attempts - 1))
@@ -147,8 +170,8 @@ class Sender:
                 state.in_send_ring = True
                 self._ring.appendleft(state)
             logger.warning("re-queued %s (retry %d/%d)", task.key, task.attempts, self.max_retries)
-            return
+            return []
         logger.error("giving up on %s after %d retries; request %s reported failed", task.key, self.max_retries, state.request_id)
         self.stats["dropped"] += 1
         self._registry.outbox.failed.add(state.request_id)
-        self._done(state)
+        return self._done(state)

@@ -56,6 +56,7 @@ class RequestState:
     in_flight: int = 0  # queued or being put
     in_send_ring: bool = False
     released: bool = False  # cleanup asked for; freed when in_flight reaches 0
+    purge_sent: bool = False  # aborted: free what this stage put, once the last put completed
     full_payload: FullPayloadAccumulator | None = None
     code_prompt_token_ids: list[Any] = field(default_factory=list)  # builder scratch (reference compat)
 

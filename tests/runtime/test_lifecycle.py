@@ -181,3 +181,42 @@ def test_cleanup_survives_a_failing_flush(runtimes: list, namespace: str, caplog
     assert p.cleanup_finished_request("r") is True  # logged, not raised
     assert p.active_request_count() == 0
     assert any("during cleanup failed" in r.getMessage() for r in caplog.records)
+
+
+def test_aborted_producer_frees_what_nobody_will_read(runtimes: list, namespace: str) -> None:
+    p = make_runtime(0, namespace, **STREAM)
+    runtimes.append(p)
+    for i in range(3):
+        p.send_chunk(Req("r"), {"ids": {"prompt": [i]}})
+    p.wait_sends()
+    assert len(p.connector.keys()) == 3
+    assert p.cleanup_finished_request("r", aborted=True)
+    assert p.connector.keys() == [] and p.active_request_count() == 0
+
+
+def test_aborted_producer_drops_queued_puts_and_purges_after_the_running_one(runtimes: list, namespace: str) -> None:
+    from rt_helpers import GatedConnector
+
+    conn = GatedConnector(namespace)
+    p = make_runtime(0, namespace, connector=conn, **STREAM)
+    runtimes.append(p)
+    for i in range(4):
+        p.send_chunk(Req("r"), {"ids": {"prompt": [i]}})
+    assert conn.entered.wait(5)  # chunk 0 is being put, 1..3 queued
+    p.cleanup_finished_request("r", aborted=True)
+    state = p.debug_state()["requests"]["r"]
+    assert state["queued_sends"] == 0 and state["in_flight"] == 1 and state["released"]
+    conn.gate.set()
+    wait_until(lambda: p.active_request_count() == 0)
+    assert conn.keys() == []  # chunk 0 was put, then freed; 1..3 were never put
+    assert p.debug_state()["sender"]["puts"] == 1
+
+
+def test_normal_cleanup_keeps_chunks_for_the_consumer(runtimes: list, namespace: str) -> None:
+    p = make_runtime(0, namespace, **STREAM)
+    runtimes.append(p)
+    p.send_chunk(Req("r"), {"ids": {"prompt": [0]}})
+    p.wait_sends()
+    p.cleanup_finished_request("r")
+    assert p.connector.keys() == ["r_0_0"]
+    p.connector.cleanup("r_0_0")
