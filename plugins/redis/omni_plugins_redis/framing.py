@@ -67,34 +67,48 @@ def pack(*args: Arg) -> list[Buffer]:
     return pack_many([args])
 
 
+_TOKENS: dict[str, bytes] = {}
+
+
+def _token(text: str) -> bytes:
+    """RESP bulk encoding of a short string argument (command names, options), cached."""
+    framed = _TOKENS.get(text)
+    if framed is None:
+        data = text.encode()
+        framed = b"$%d\r\n%b\r\n" % (len(data), data)
+        if len(_TOKENS) < 256:
+            _TOKENS[text] = framed
+    return framed
+
+
 def pack_many(commands: Iterable[Sequence[Arg]]) -> list[Buffer]:
     """Frame a pipeline of commands; small pieces are joined, big value buffers passed through."""
     out: list[Buffer] = []
-    head = bytearray()
+    parts: list[bytes | memoryview] = []
     for command in commands:
-        head += b"*%d\r\n" % len(command)
+        parts.append(b"*%d\r\n" % len(command))
         for arg in command:
             if isinstance(arg, bytes):
-                head += b"$%d\r\n%b\r\n" % (len(arg), arg)
+                parts.append(b"$%d\r\n%b\r\n" % (len(arg), arg))
             elif isinstance(arg, str):
-                data = arg.encode()
-                head += b"$%d\r\n%b\r\n" % (len(data), data)
+                parts.append(_token(arg) if len(arg) <= 16 else b"$%d\r\n%b\r\n" % (len(arg.encode()), arg.encode()))
             elif isinstance(arg, int | float):
                 data = repr(arg).encode()
-                head += b"$%d\r\n%b\r\n" % (len(data), data)
+                parts.append(b"$%d\r\n%b\r\n" % (len(data), data))
             else:
                 views = arg.buffers if isinstance(arg, Pieces) else [as_bytes_view(arg)]
-                head += b"$%d\r\n" % sum(v.nbytes for v in views)
+                parts.append(b"$%d\r\n" % sum(v.nbytes for v in views))
                 for view in views:
                     if view.nbytes >= _BIG:
-                        out.append(bytes(head))
+                        if parts:
+                            out.append(b"".join(parts))
+                            parts = []
                         out.append(view)
-                        head = bytearray()
                     else:
-                        head += view
-                head += b"\r\n"
-    if head:
-        out.append(bytes(head))
+                        parts.append(view)
+                parts.append(b"\r\n")
+    if parts:
+        out.append(b"".join(parts))
     return out
 
 

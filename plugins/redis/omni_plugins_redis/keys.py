@@ -18,9 +18,6 @@ Roles:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-
 from redis.crc import key_slot
 
 
@@ -29,24 +26,21 @@ def escape_key(key: str) -> str:
     return key.replace("%", "%25").replace("{", "%7B").replace("}", "%7D")
 
 
-@dataclass(frozen=True)
 class PayloadKeys:
-    """Names of all Redis keys of one user key under one prefix."""
+    """Names of all Redis keys of one user key under one prefix (computed once: hot path)."""
 
-    prefix: str
-    key: str
+    __slots__ = ("base", "key", "manifest", "prefix", "slot")
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.key, str) or not self.key:
-            raise ValueError(f"key must be a non-empty string, got {self.key!r}")
-
-    @cached_property
-    def base(self) -> bytes:
-        return f"{self.prefix}{{{escape_key(self.key)}}}".encode()
-
-    @cached_property
-    def manifest(self) -> bytes:
-        return self.base + b":m"
+    def __init__(self, prefix: str, key: str) -> None:
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"key must be a non-empty string, got {key!r}")
+        self.prefix = prefix
+        self.key = key
+        tag = escape_key(key) if ("%" in key or "{" in key or "}" in key) else key
+        self.base = f"{prefix}{{{tag}}}".encode()
+        self.manifest = self.base + b":m"
+        # the slot of "<prefix>{tag}..." is the CRC16 of the tag (tags are never empty)
+        self.slot = int(key_slot(self.manifest))
 
     def part(self, put_id: str, index: int) -> bytes:
         return self.base + f":p:{put_id}:{index}".encode()
@@ -59,8 +53,3 @@ class PayloadKeys:
 
     def claim(self, get_id: str) -> bytes:
         return self.base + f":c:{get_id}".encode()
-
-    @cached_property
-    def slot(self) -> int:
-        """Cluster slot of every key of this payload."""
-        return int(key_slot(self.manifest))
