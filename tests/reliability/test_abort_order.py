@@ -5,8 +5,8 @@ Producer first (then consumer) is what ``benchmarks/soak.py`` does and it leaves
 abort frees the chunks already put, but chunks the producer puts *after* that -- the
 rest of its queue, or the steps it runs before its own abort arrives -- are never read
 and never freed by the runtime: they stay until the producer's connector closes (shm)
-or their TTL (Redis). Marked strict-xfail until the runtime frees, on an aborted
-cleanup, the keys this stage put that were not consumed (see docs/reliability.md).
+or their TTL (Redis). The runtime now frees, on an aborted cleanup, the keys this
+stage put that were not consumed (``cleanup_finished_request(aborted=True)``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-import pytest
 from rel_pipeline import Req, StreamConsumer, chunk_output, make_runtime
 
 
@@ -42,10 +41,8 @@ def _abort_consumer_first(conn: dict[str, Any], leftovers: Any, *, after_close: 
     return leftovers()
 
 
-XFAIL = pytest.mark.xfail(strict=True, reason="runtime: an aborted producer does not free chunks it put that nobody will read")
 
 
-@XFAIL
 def test_shm_abort_reaching_the_consumer_first(shm_namespace: str) -> None:
     from omni_plugins_shm.testing import namespace_segments
 
@@ -57,7 +54,6 @@ def test_shm_abort_reaching_the_consumer_first(shm_namespace: str) -> None:
     assert left == []
 
 
-@XFAIL
 def test_redis_abort_reaching_the_consumer_first(redis_server: Any) -> None:
     prefix = f"ab-{uuid.uuid4().hex[:6]}:"
     conn = {"name": "redis", "extra": redis_server.connector_config(key_prefix=prefix)}
