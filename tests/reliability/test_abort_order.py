@@ -3,10 +3,9 @@
 Producer first (then consumer) is what ``benchmarks/soak.py`` does and it leaves nothing
 (``test_soak_bounded``). Consumer first is the case the peer leaked on: the consumer's
 abort frees the chunks already put, but chunks the producer puts *after* that -- the
-rest of its queue, or the steps it runs before its own abort arrives -- are never read
-and never freed by the runtime: they stay until the producer's connector closes (shm)
-or their TTL (Redis). The runtime now frees, on an aborted cleanup, the keys this
-stage put that were not consumed (``cleanup_finished_request(aborted=True)``).
+rest of its queue, or the steps it runs before its own abort arrives -- are never read.
+They used to stay until the producer's connector closed (shm) or their TTL (Redis); since
+d255b1e an aborted cleanup on the producer drops its queued sends and frees every key it put.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ def _abort_consumer_first(conn: dict[str, Any], leftovers: Any, *, after_close: 
         producer.shutdown()
         consumer_rt.shutdown()
     return leftovers()
-
-
 
 
 def test_shm_abort_reaching_the_consumer_first(shm_namespace: str) -> None:
