@@ -204,3 +204,20 @@ def test_stale_cluster_slot_map_is_refreshed_on_moved(redis_cluster: RedisCluste
         assert len(set(client._slot_map)) == 3, "the map was refreshed from MOVED replies"
         assert conn.get(0, 1, "warm") is not None
     assert redis_cluster.keys(PREFIX + "*") == []
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_cleanup_keys_after_operations(redis_server: RedisServer, server_config: dict[str, Any], lazy: bool) -> None:
+    with create_connector("redis", {**server_config, "lazy_cleanup": lazy}) as conn:
+        assert conn.put(0, 1, "tidy", {"v": torch.arange(3)}).ok
+        assert conn.get(0, 1, "tidy") is not None
+        left = redis_server.keys(PREFIX + "*")
+        if not lazy:
+            deadline = time.monotonic() + 5  # sent at once; the server runs them right away
+            while left and time.monotonic() < deadline:
+                time.sleep(0.01)
+                left = redis_server.keys(PREFIX + "*")
+            assert left == []
+        else:
+            assert all(b":w:" in k or b":c:" in k for k in left)  # only small markers wait for the next write
+    assert redis_server.keys(PREFIX + "*") == []

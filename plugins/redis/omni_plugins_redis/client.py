@@ -140,7 +140,7 @@ class Connection:
         dies first, :meth:`unconfirmed` hands it back so the pool re-sends it.
         """
         self._outbox.append(args)
-        if flush:
+        if flush or not self._config.lazy_cleanup:
             self.send_many([])
 
     def _drain(self) -> None:

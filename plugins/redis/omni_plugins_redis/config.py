@@ -56,6 +56,12 @@ class RedisConfig(ConnectorSettings):
     read_window: int = Field(2, ge=1, le=64, description="part reads kept in flight on one connection")
     max_payload_bytes: int = Field(64 * GIB, ge=1, description="largest payload a manifest may announce (manifests are untrusted)")
 
+    lazy_cleanup: bool = Field(
+        True,
+        description="send small cleanup commands (commit marker, claim list) with the next write on the same connection "
+        "instead of at once: saves a system call per put/get; off = no key outlives its operation, at one extra send",
+    )
+
     connect_timeout: float = Field(5.0, gt=0, le=3600)
     socket_timeout: float = Field(30.0, gt=0, le=3600, description="bound on every socket read/write; nothing waits forever")
     pool_size: int = Field(16, ge=1, le=1024, description="connections per server")
