@@ -234,6 +234,7 @@ def plot(result: BenchResult, path: str | Path) -> None:
     ax1.set_ylabel("put+get GB/s (cross-process)")
     ax1.legend(fontsize=7)
     ax2.axhline(1.0, color="grey", lw=0.8)
+    ax2.set_yscale("log")
     ax2.set_ylabel("omni / raw throughput")
     ax2.legend(fontsize=7)
     fig.suptitle("omni-plugins bench: connectors vs raw backend baselines (same run)")

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--sizes needs at least one positive size")
     opts = BenchOptions(backends, sizes, args.quick, args.redis_url, args.mooncake_master, progress=not args.no_progress)
     result = run_bench(opts)
-    result.command = "omni-plugins " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else "omni-plugins bench"
+    result.command = "omni-plugins " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print(result.table())
     if args.json:
         write_json(result, args.json)
