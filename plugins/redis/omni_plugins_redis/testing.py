@@ -129,6 +129,8 @@ class RedisServer:
         self.dir = Path(tempfile.mkdtemp(prefix="omni-redis-"))
         self.dir.chmod(0o700)
         self.tls_files = tls_files or (TlsFiles(self.dir) if tls else None)
+        self._auto_port = port is None
+        self._started_once = False
         self.port = port or free_port(also_plus=10000 if cluster else None)
         self.socket_path = self.dir / "redis.sock" if unix_socket else None
         self.process: subprocess.Popen[bytes] | None = None
@@ -220,6 +222,24 @@ class RedisServer:
         return args + self.extra_args
 
     def start(self) -> RedisServer:
+        """Start (or restart) the server and wait until it accepts connections.
+
+        A port taken by someone else between choosing and binding is replaced by a
+        fresh one (first start only, when no port was given). On failure the
+        server is stopped, its directory removed, and the log tail is raised.
+        """
+        for attempt in range(3):
+            failure = self._start_once()
+            if failure is None:
+                return self
+            retry = self._auto_port and not self._started_once and "address already in use" in failure.lower() and attempt < 2
+            self.stop(remove=not retry)
+            if not retry:
+                raise RuntimeError(failure)
+            self.port = free_port(also_plus=10000 if self.cluster else None)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> str | None:
         log_file = self.dir / "redis.log"
         offset = log_file.stat().st_size if log_file.exists() else 0
         self.process = subprocess.Popen(
@@ -231,12 +251,12 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
-                raise RuntimeError(f"redis-server exited with {self.process.returncode}: {err.strip()} {self._log_tail(offset)}")
+                return f"redis-server exited with {self.process.returncode}: {err.strip()} {self._log_tail(offset)}"
             if log_file.exists() and "ready to accept connections" in log_file.read_text(errors="replace")[offset:].lower():
-                return self
+                self._started_once = True
+                return None
             time.sleep(0.02)
-        self.stop(remove=False)
-        raise RuntimeError(f"redis-server on port {self.port} not ready after {self.start_timeout}s: {self._log_tail(offset)}")
+        return f"redis-server on port {self.port} not ready after {self.start_timeout}s: {self._log_tail(offset)}"
 
     def _log_tail(self, offset: int = 0) -> str:
         with contextlib.suppress(OSError):
