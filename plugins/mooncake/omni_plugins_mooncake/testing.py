@@ -15,6 +15,7 @@ metadata server stays off). The process is stopped by pid, never by name.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import shutil
@@ -41,6 +42,15 @@ def free_port(host: str = LOOPBACK) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the launching process dies (Linux), so no master outlives a killed test run."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def find_master_binary() -> str:
@@ -154,7 +164,14 @@ class MooncakeMaster:
         self.log_path = self._log_dir / f"mooncake_master-{os.getpid()}-{self.rpc_port}.log"
         env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"))
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env)
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                env=env,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
         self.launched_pids.append(self.proc.pid)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
