@@ -221,3 +221,18 @@ def test_cleanup_keys_after_operations(redis_server: RedisServer, server_config:
         else:
             assert all(b":w:" in k or b":c:" in k for k in left)  # only small markers wait for the next write
     assert redis_server.keys(PREFIX + "*") == []
+
+
+@pytest.mark.parametrize("target", ["standalone", "cluster"])
+def test_wait_any_sees_a_later_put_without_consuming(target: str, request: pytest.FixtureRequest) -> None:
+    config = request.getfixturevalue("server_config" if target == "standalone" else "cluster_config")
+    keys = [f"any-{i}" for i in range(8)]
+    with create_connector("redis", config) as conn, create_connector("redis", config) as producer:
+        assert conn.wait_any(keys, timeout=0.05) == []
+        timer = threading.Timer(0.2, lambda: producer.put(0, 1, keys[5], {"v": 5}))
+        timer.start()
+        ready = conn.wait_any(keys, timeout=10)
+        timer.join()
+        assert ready == [keys[5]]
+        got = conn.get(0, 1, keys[5])
+        assert got is not None and got.data == {"v": 5}

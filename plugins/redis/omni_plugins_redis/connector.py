@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,6 +270,31 @@ class RedisConnector(Connector):
             self._client.run(keys.slot, step, what="get restore", key=keys.key)
         except ConnectorError as exc:
             log.warning("%s; the payload is lost (its parts expire by TTL)", exc)
+
+    # -- existence check (used by the core's wait_any fallback) -------------------
+    def _available(self, keys: Sequence[str]) -> list[str] | None:
+        """The keys whose manifest list exists now: one pipelined ``EXISTS`` per key, one round trip per server.
+
+        Redis has no blocking wait on several lists that does not pop, so
+        ``wait_any`` polls this check with backoff (``capabilities.wait_any`` stays False).
+        """
+        by_slot: dict[int, list[PayloadKeys]] = {}
+        for key in keys:
+            try:
+                pk = PayloadKeys(self.config.key_prefix, key)
+            except ValueError:
+                continue
+            by_slot.setdefault(pk.slot if self.config.cluster else 0, []).append(pk)
+        found: list[str] = []
+        for slot, group in by_slot.items():
+
+            def step(conn: Connection, group: list[PayloadKeys] = group) -> list[str]:
+                conn.send_many([("EXISTS", pk.manifest) for pk in group])
+                replies = [conn.read() for _ in group]
+                return [pk.key for pk, n in zip(group, replies, strict=True) if n == 1]
+
+            found += self._client.run(slot, step, what="wait_any", key=group[0].key)
+        return found
 
     # -- cleanup / health / close ------------------------------------------------
     def _cleanup(self, key: str) -> bool:
