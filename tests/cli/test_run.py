@@ -156,3 +156,22 @@ def test_cli_run_start_servers_redis(tmp_path: Path) -> None:
     assert len(started) == 1 and "password set" in started[0]
     pid = int(re.search(r"pid (\d+)", started[0]).group(1))  # type: ignore[union-attr]
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "the private redis-server is still running"
+
+
+def test_stage_exception_is_reported_with_its_message(tmp_path: Path) -> None:
+    from omni_plugins.pipeline import run_pipeline
+
+    path = tiny_pipeline(tmp_path, extra=f"{{namespace: bad, shm_dir: {tmp_path / 'missing'}}}")
+    report = run_pipeline(path, RunOptions(requests=1, progress=False))
+    assert not report.ok and report.completed == 0
+    assert len(report.deaths) == 2
+    for stage, death in zip((0, 1), sorted(report.deaths), strict=True):
+        assert f"stage {stage} rank 0" in death and "exit code 1 (ConfigError" in death and "is not a directory" in death
+
+
+def test_exit_reasons() -> None:
+    from omni_plugins.pipeline.launcher import exit_reason
+
+    assert exit_reason(-9) == "killed by signal SIGKILL"
+    assert exit_reason(-11) == "killed by signal SIGSEGV"
+    assert exit_reason(3) == "exit code 3"
