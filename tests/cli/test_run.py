@@ -54,6 +54,7 @@ stages:
         ("{outputs: [{name: a.b, shape: [1, 2]}], kv: {heads: 8}}", "true", "kv_transfer: must be true on both ends"),
         ("{steps: 2}", "true", "emits no outputs"),
     ],
+    ids=["steps", "dtype", "name", "shape-1d", "reserved", "unknown-field", "stream-to-full", "kv-flags", "no-outputs"],
 )
 def test_synthetic_schema_errors_name_file_stage_field(synthetic: str, receiver_stream: str, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
