@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import abc
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -43,6 +45,10 @@ class Capabilities:
         cross_host: a payload can cross machines.
         zero_copy_get: ``get`` can hand out views over backend memory.
         consume_on_get: a successful ``get`` removes the payload.
+        wait_any: :meth:`Connector.wait_any` waits for *any* of several keys
+            without polling (one waiter can watch every pending key). Without
+            it the base class's fallback polls (or merely sleeps), so a runtime
+            should keep its own strategy.
     """
 
     blocking_get: bool = False
@@ -50,6 +56,13 @@ class Capabilities:
     cross_host: bool = False
     zero_copy_get: bool = False
     consume_on_get: bool = True
+    wait_any: bool = False
+
+
+#: fallback ``wait_any`` without an existence check sleeps at most this long per call
+_WAIT_ANY_BLIND_S = 0.005
+#: fallback ``wait_any`` with an existence check: first and largest pause between checks
+_WAIT_ANY_BACKOFF = (0.0005, 0.02)
 
 
 class Connector(abc.ABC):
@@ -80,6 +93,20 @@ class Connector(abc.ABC):
         """
         self._check_open()
         return self._get(str(from_stage), str(to_stage), key, timeout)
+
+    def wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        """Block until at least one of ``keys`` is probably available, or ``timeout`` seconds pass.
+
+        Returns the keys that became available (empty on timeout). A hint, not a
+        claim: the result may be spurious or stale (another consumer may win the
+        key), so the caller still takes each key with a non-blocking ``get``.
+        Nothing is consumed. ``timeout`` is required and bounded: there is no
+        wait forever. Cheap and precise only with ``capabilities.wait_any``.
+        """
+        self._check_open()
+        if not keys:
+            return []
+        return self._wait_any(keys, max(0.0, float(timeout)))
 
     def cleanup(self, key: str) -> bool:
         """Free the payload under ``key`` (if any). Returns True when something was freed."""
@@ -121,6 +148,35 @@ class Connector(abc.ABC):
 
     @abc.abstractmethod
     def _cleanup(self, key: str) -> bool: ...
+
+    def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        """Fallback for connectors without ``capabilities.wait_any``.
+
+        With a cheap existence check (:meth:`_available` not returning None) it
+        polls that check with exponential backoff (0.5 ms doubling to 20 ms)
+        until a key shows up or the timeout passes. Without one it cannot know:
+        it sleeps ``min(timeout, 5 ms)`` and returns every key as *possibly*
+        available -- a bounded poll, the caller's ``get`` decides.
+        """
+        deadline = time.monotonic() + timeout
+        pause = _WAIT_ANY_BACKOFF[0]
+        while True:
+            found = self._available(keys)
+            if found is None:
+                time.sleep(min(timeout, _WAIT_ANY_BLIND_S))
+                return list(keys)
+            remaining = deadline - time.monotonic()
+            if found or remaining <= 0 or self._closed:
+                return found
+            time.sleep(min(pause, remaining))
+            pause = min(pause * 2, _WAIT_ANY_BACKOFF[1])
+
+    def _available(self, keys: Sequence[str]) -> list[str] | None:
+        """Optional cheap existence check used by the fallback ``_wait_any``: the keys present now.
+
+        None (the default) means the connector has no such check.
+        """
+        return None
 
     def _health(self) -> dict[str, Any]:
         return {}

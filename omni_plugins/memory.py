@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -38,7 +39,7 @@ class _Store:
 class MemoryConnector(Connector):
     """In-process connector: the reference implementation of the contract."""
 
-    capabilities = Capabilities(blocking_get=True, cross_process=False)
+    capabilities = Capabilities(blocking_get=True, cross_process=False, wait_any=True)
     config_model = MemoryConfig
     _stores: ClassVar[dict[str, _Store]] = {}
     _stores_lock: ClassVar[threading.Lock] = threading.Lock()
@@ -76,6 +77,17 @@ class MemoryConnector(Connector):
             blob = self._store.items.pop(key)
             self._store.nbytes -= len(blob)
         return GetResult(wire.decode(blob, copy=True), len(blob))
+
+    def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        deadline = time.monotonic() + timeout
+        with self._store.cond:
+            while True:
+                items = self._store.items
+                found = [k for k in keys if k in items]
+                remaining = deadline - time.monotonic()
+                if found or remaining <= 0 or self.closed:
+                    return found
+                self._store.cond.wait(min(remaining, 0.5))
 
     def _cleanup(self, key: str) -> bool:
         with self._store.cond:

@@ -161,6 +161,33 @@ class ConnectorContract:
         finally:
             producer.close()
 
+    # -- wait_any (only connectors that claim the capability) ----------------
+    def test_wait_any_sees_later_put(self, connector: Connector, connector_spec: tuple[str, dict[str, Any]], key: str) -> None:
+        if not connector.capabilities.wait_any:
+            pytest.skip("connector does not offer wait_any")
+        name, config = connector_spec
+        keys = [f"{key}-{i}" for i in range(10)]
+        producer = create_connector(name, config)
+        timer = threading.Timer(0.2, lambda: producer.put(0, 1, keys[6], {"v": torch.arange(3)}))
+        timer.start()
+        try:
+            ready = connector.wait_any(keys, timeout=10)
+        finally:
+            timer.join()
+        try:
+            assert keys[6] in ready
+            assert set(ready) <= set(keys)
+            got = connector.get(0, 1, keys[6])  # wait_any consumed nothing
+            assert got is not None and torch.equal(got.data["v"], torch.arange(3))
+        finally:
+            producer.close()
+
+    def test_wait_any_on_absent_keys_returns_empty(self, connector: Connector, key: str) -> None:
+        if not connector.capabilities.wait_any:
+            pytest.skip("connector does not offer wait_any")
+        assert connector.wait_any([f"{key}-{i}" for i in range(10)], timeout=0.05) == []
+        assert connector.wait_any([], timeout=0.05) == []
+
     def test_health_reports_ok(self, connector: Connector) -> None:
         status = connector.health()
         assert status["ok"] is True
