@@ -19,6 +19,7 @@ import logging
 import os
 import stat
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
 from omni_plugins_shm import gc
 from omni_plugins_shm.config import ShmConfig
-from omni_plugins_shm.naming import Names, key_digest, parse_name
+from omni_plugins_shm.naming import HASHED, PUBLISHED, Names, key_digest, parse_name
 from omni_plugins_shm.notify import Notifier
 from omni_plugins_shm.proc import Owner
 from omni_plugins_shm.segments.files import unlink_quiet
@@ -43,12 +44,16 @@ log = logging.getLogger(__name__)
 #: owned copies at least this large go to recycled (huge-page) private mappings; smaller ones to a bytearray
 _PRIVATE_MIN = 256 << 10
 _PUT_RETRIES = 4
+#: published names of keys remembered for ``wait_any`` before the cache starts over
+_NAME_CACHE_MAX = 4096
 
 
 class ShmConnector(Connector):
     """Shared-memory connector for processes on one machine (``shm`` / ``SharedMemoryConnector``)."""
 
-    capabilities = Capabilities(blocking_get=True, cross_process=True, cross_host=False, zero_copy_get=True, consume_on_get=True)
+    capabilities = Capabilities(
+        blocking_get=True, cross_process=True, cross_host=False, zero_copy_get=True, consume_on_get=True, wait_any=True
+    )
     config_model = ShmConfig
 
     def __init__(self, config: ShmConfig | None = None) -> None:
@@ -78,6 +83,8 @@ class ShmConnector(Connector):
         self._maps = MapCache(self.config.map_cache_bytes)
         self._private = PrivateBuffers(self.config.recycle_bytes, self.config.hugepage_copies)
         self._notifier = Notifier(self._dir)
+        self._published_prefixes = tuple(f"{self._names.prefix}{kind}.".encode() for kind in (PUBLISHED, HASHED))
+        self._published_cache: dict[str, bytes] = {}
         self._claim_numbers = itertools.count()
 
     def _path(self, name: str) -> str:
@@ -143,7 +150,23 @@ class ShmConnector(Connector):
             claim = self._claim(published)
         if claim is None:
             return None
+        self._notifier.forget(self._published_bytes(key))
         return self._consume(claim, key, zero_copy)
+
+    # -- wait_any -------------------------------------------------------------------------
+    def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        self._check_process()
+        return self._notifier.wait_any({self._published_bytes(k): k for k in keys}, self._published_prefixes, timeout)
+
+    def _published_bytes(self, key: str) -> bytes:
+        """The published name of ``key`` as bytes (cached: a waiter asks for the same keys again and again)."""
+        cache = self._published_cache
+        name = cache.get(key)
+        if name is None:
+            if len(cache) >= _NAME_CACHE_MAX:
+                cache.clear()
+            name = cache[key] = os.fsencode(self._names.published(key))
+        return name
 
     def _claim(self, published_name: str) -> str | None:
         """Rename the published segment to a name only we use; None if it is not there."""

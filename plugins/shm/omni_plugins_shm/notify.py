@@ -29,7 +29,7 @@ import select
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,10 @@ _EVENT = struct.Struct("iIII")
 _BUF = 64 * 1024
 #: one poll() sleeps at most this long (an infinite timeout must not overflow poll's int)
 _MAX_SLEEP = 3600.0
+#: a tracked set of published names larger than this is rebuilt from a directory scan
+_SEEN_MAX = 8192
+#: stands for a queue overflow among the names read (not a valid file name)
+OVERFLOW = b"/"
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _libc.inotify_init1.argtypes = [ctypes.c_int]
@@ -53,7 +57,15 @@ T = TypeVar("T")
 
 
 class _Watch:
-    """One inotify instance watching one directory for entries appearing."""
+    """One inotify instance watching one directory for entries appearing.
+
+    With tracking on (the first :meth:`Notifier.wait_any` of its thread turns it
+    on) it also keeps ``seen``: the published names (``prefixes``) that appeared
+    since tracking started -- seeded from a directory scan, fed by every event
+    this watch reads (also while a plain ``get`` waits on it), rebuilt from a
+    scan after a queue overflow or when it grows past ``_SEEN_MAX``. Entries
+    may be stale (claimed since); a waiter verifies candidates with ``lstat``.
+    """
 
     def __init__(self, directory: str) -> None:
         fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
@@ -66,15 +78,60 @@ class _Watch:
             raise OSError(err, f"inotify_add_watch({directory}): {os.strerror(err)}")
         self.fd = fd
         self.busy = False
+        self._dir = directory
+        self._bdir = os.fsencode(directory) + b"/"
         self._poll = select.poll()
         self._poll.register(fd, select.POLLIN)
+        self.seen: set[bytes] | None = None
+        self._prefixes: tuple[bytes, ...] = ()
+
+    def _read(self) -> list[bytes] | None:
+        """Names of the pending events (None: nothing pending); a queue overflow yields ``[OVERFLOW]``."""
+        try:
+            data = os.read(self.fd, _BUF)
+        except BlockingIOError:
+            return None
+        names: list[bytes] = []
+        off = 0
+        while off + _EVENT.size <= len(data):
+            _wd, mask, _cookie, length = _EVENT.unpack_from(data, off)
+            if mask & (IN_Q_OVERFLOW | IN_IGNORED):
+                names.append(OVERFLOW)
+            else:
+                names.append(data[off + _EVENT.size : off + _EVENT.size + length].rstrip(b"\0"))
+            off += _EVENT.size + length
+        seen = self.seen
+        if seen is not None:
+            if OVERFLOW in names or len(seen) > _SEEN_MAX:
+                self._rescan()
+            else:
+                prefixes = self._prefixes
+                seen.update(n for n in names if n.startswith(prefixes))
+        return names
 
     def drain(self) -> None:
-        try:
-            while os.read(self.fd, _BUF):
-                pass
-        except BlockingIOError:
+        while self._read() is not None:
             pass
+
+    def track(self, prefixes: tuple[bytes, ...]) -> None:
+        """Start (or keep) tracking published names; the scan happens after draining, so nothing falls between."""
+        if self.seen is not None and prefixes == self._prefixes:
+            return
+        self._prefixes = prefixes
+        self.drain()
+        self._rescan()
+
+    def _rescan(self) -> None:
+        prefixes = self._prefixes
+        try:
+            with os.scandir(self._dir) as it:
+                self.seen = {n for n in (os.fsencode(e.name) for e in it) if n.startswith(prefixes)}
+        except OSError:
+            self.seen = set()
+
+    def forget(self, name: bytes) -> None:
+        if self.seen is not None:
+            self.seen.discard(name)
 
     def wait(self, names: frozenset[bytes], seconds: float) -> bool:
         """Sleep up to ``seconds`` for an event naming one of ``names``; True if one (or an overflow) came."""
@@ -85,17 +142,50 @@ class _Watch:
                 return False
             if not self._poll.poll(math.ceil(min(remaining, _MAX_SLEEP) * 1000)):
                 continue  # re-check the clock; poll's millisecond rounding must not end the wait early
-            try:
-                data = os.read(self.fd, _BUF)
-            except BlockingIOError:
-                continue
-            off = 0
-            while off + _EVENT.size <= len(data):
-                _wd, mask, _cookie, length = _EVENT.unpack_from(data, off)
-                name = data[off + _EVENT.size : off + _EVENT.size + length].rstrip(b"\0")
-                off += _EVENT.size + length
-                if mask & (IN_Q_OVERFLOW | IN_IGNORED) or name in names:
-                    return True
+            got = self._read()
+            if got and (OVERFLOW in got or not names.isdisjoint(got)):
+                return True
+
+    def wait_any(self, wanted: Mapping[bytes, T], seconds: float) -> list[T]:
+        """Up to ``seconds`` for any name in ``wanted`` to be present; the values of those that are.
+
+        Needs :meth:`track` first. One full check against ``seen`` (verified by
+        ``lstat``), then only the names of new events are compared with
+        ``wanted``: an event for an unrelated name costs a read and a set test,
+        and never ends the wait.
+        """
+        assert self.seen is not None
+        deadline = time.monotonic() + seconds
+        self.drain()
+        candidates: Iterable[bytes] = [n for n in wanted if n in self.seen]
+        while True:
+            found = [wanted[n] for n in candidates if self._present(n)]
+            if found:
+                return found
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                if not self._poll.poll(math.ceil(min(remaining, _MAX_SLEEP) * 1000)):
+                    continue
+                got = self._read()
+                if not got:
+                    continue
+                if OVERFLOW in got:
+                    candidates = [n for n in wanted if n in self.seen]
+                    break
+                hits = [n for n in got if n in wanted]
+                if hits:
+                    candidates = hits
+                    break
+
+    def _present(self, name: bytes) -> bool:
+        try:
+            os.lstat(self._bdir + name)
+        except FileNotFoundError:
+            self.forget(name)
+            return False
+        return True
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -164,6 +254,42 @@ class Notifier:
                     watch.busy = False
                     if self._closed:  # close() left this watch to us because we were using it
                         watch.close()
+
+    def wait_any(self, wanted: Mapping[bytes, T], prefixes: tuple[bytes, ...], timeout: float) -> list[T]:
+        """Values of ``wanted`` (published name -> key) whose names are present, waiting up to ``timeout``.
+
+        One inotify watch per thread, as for ``get``; the thread's watch tracks
+        the published names (``prefixes``) from its first call on. Without
+        inotify it checks ``lstat`` with exponential backoff (0.2 ms up to 20 ms).
+        """
+        deadline = time.monotonic() + timeout
+        watch = self._watch()
+        if watch is None:
+            bdir = os.fsencode(self._dir) + b"/"
+            backoff = 0.0002
+            while True:
+                found = [k for n, k in wanted.items() if os.path.lexists(bdir + n)]
+                remaining = deadline - time.monotonic()
+                if found or remaining <= 0 or self._closed:
+                    return found
+                time.sleep(min(backoff, remaining))
+                backoff = min(backoff * 2, 0.02)
+        with self._lock:
+            watch.busy = True
+        try:
+            watch.track(prefixes)
+            return watch.wait_any(wanted, timeout)
+        finally:
+            with self._lock:
+                watch.busy = False
+                if self._closed:
+                    watch.close()
+
+    def forget(self, name: bytes) -> None:
+        """This thread claimed ``name``: drop it from its watch's tracked set (no-op when not tracking)."""
+        watch: _Watch | None = getattr(self._local, "watch", None)
+        if watch is not None:
+            watch.forget(name)
 
     def close(self) -> None:
         """Close every idle watch; a watch in use is closed by its waiter when its wait ends."""
