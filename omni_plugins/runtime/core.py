@@ -622,6 +622,7 @@ class StageTransferRuntime:
         snap["sender"] = dict(self._sender.stats) if self._sender else None
         snap["receiver"] = dict(self._receiver.stats) if self._receiver else None
         snap["arrival_mode"] = self.arrival_mode
+        snap["arrival_waits_any"] = self._receiver.waits_any if self._receiver else None
         return snap
 
     # ------------------------------------------------------------------ KV

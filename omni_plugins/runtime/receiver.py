@@ -7,8 +7,17 @@ spend more than ~10% of a core on sweeping. They differ in how the time
 between sweeps is spent:
 
 * **poll** sleeps (a registration wakes it).
-* **block** (connectors with ``capabilities.blocking_get``) parks in a
-  blocking ``get`` on the request most likely to be next -- the earliest
+* **block, wait-any** (connectors with ``capabilities.wait_any``, unless
+  ``RuntimeTuning.wait_any`` is off) does not sweep on a schedule: it waits
+  in one ``connector.wait_any`` on the next key of every pollable request
+  (bounded by ``_WAIT_ANY_MAX_S``, so deadlines, registrations and shutdown
+  are seen) and takes the keys it reports with non-blocking ``get``s, in any
+  order. A full sweep every ``_SAFETY_SWEEP_S`` is the safety net against a
+  missed notification; reported keys that turn out absent back the waits off
+  (``poll_min_s`` doubling to ``poll_max_s``) so a connector whose hint is
+  wrong cannot spin the thread.
+* **block, park-one** (connectors with only ``capabilities.blocking_get``)
+  parks in a blocking ``get`` on the request most likely to be next -- the earliest
   expected arrival (last arrival plus its running inter-arrival gap) -- until
   the next sweep is due. Periodic streams (a chunk every N tokens, every
   stream once per model step) are then taken the moment they land, one
@@ -38,6 +47,10 @@ logger = logging.getLogger(__name__)
 _EXPIRY_EVERY_S = 0.02
 #: a request this much overdue (and more than two of its gaps) stops being the park target
 _STALL_S = 0.05
+#: longest single wait_any: a new registration joins the waited set within this
+_WAIT_ANY_MAX_S = 0.01
+#: wait-any mode: full sweep this often, in case a connector's notification was missed
+_SAFETY_SWEEP_S = 1.0
 
 
 class ArrivalHandler(Protocol):
@@ -77,13 +90,25 @@ class Receiver:
         if mode == "auto":
             mode = "block" if connector.capabilities.blocking_get else "poll"
         self.mode = mode
+        #: block mode waits on every pending key at once (connector's wait_any)
+        self.waits_any = mode == "block" and tuning.wait_any and connector.capabilities.wait_any
         self._consume = connector.capabilities.consume_on_get
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_error_log = 0.0
         self._next_expiry = 0.0
-        self.stats = {"sweeps": 0, "gets": 0, "arrivals": 0, "parks": 0, "park_hits": 0, "errors": 0}
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.stats = {
+            "sweeps": 0,
+            "gets": 0,
+            "arrivals": 0,
+            "parks": 0,
+            "park_hits": 0,
+            "waits": 0,
+            "wait_hits": 0,
+            "wait_spurious": 0,
+            "errors": 0,
+        }
+        self._thread = threading.Thread(target=self._run_wait_any if self.waits_any else self._run, name=name, daemon=True)
         self._thread.start()
 
     def notify(self) -> None:
@@ -200,6 +225,45 @@ class Receiver:
                 if self._wake.is_set():
                     self._wake.clear()
                     next_sweep = 0.0  # a registration: look now
+            except Exception:  # never let the thread die
+                logger.exception("receive loop error")
+                self._stop.wait(t.poll_max_s)
+
+    def _run_wait_any(self) -> None:
+        """Block mode over ``connector.wait_any``: wait on every pending key, take what is reported."""
+        t = self._tuning
+        next_sweep = 0.0
+        backoff = t.poll_min_s
+        while not self._stop.is_set():
+            try:
+                batch = self._plan()
+                if not batch:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                now = time.monotonic()
+                if now >= next_sweep:
+                    next_sweep = now + _SAFETY_SWEEP_S
+                    if self._sweep(batch):
+                        continue
+                self._wake.clear()  # registrations made so far are in the next plan
+                pending = {key: (state, index) for state, index, key in batch}
+                self.stats["waits"] += 1
+                ready = self._connector.wait_any(list(pending), min(_WAIT_ANY_MAX_S, max(next_sweep - now, 0.0)))
+                if not ready:
+                    continue
+                progress = False
+                for key in ready:
+                    item = pending.get(key)
+                    if item is not None and not self._stop.is_set():
+                        progress = self._fetch(item[0], item[1], key, timeout=None) or progress
+                if progress:
+                    self.stats["wait_hits"] += 1
+                    backoff = t.poll_min_s
+                else:  # reported but not there (taken by someone else, or a wrong hint): do not spin
+                    self.stats["wait_spurious"] += 1
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, t.poll_max_s)
             except Exception:  # never let the thread die
                 logger.exception("receive loop error")
                 self._stop.wait(t.poll_max_s)

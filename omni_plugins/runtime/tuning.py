@@ -16,6 +16,9 @@ class RuntimeTuning:
         arrival: ``"block"`` spends the time between sweeps in the connector's
             blocking ``get`` on the most likely next key; ``"poll"`` sleeps;
             ``"auto"`` blocks when the connector has ``capabilities.blocking_get``.
+        wait_any: in block mode, with a connector that has
+            ``capabilities.wait_any``, wait on every pending key at once
+            (default); False keeps parking on the one predicted key.
         poll_min_s / poll_max_s: sweep interval, doubling while sweeps find
             nothing, reset when one does (bounds the wait of an unpredicted arrival).
         max_send_retries: re-queues of a failed ``put`` before it is dropped.
@@ -29,6 +32,7 @@ class RuntimeTuning:
     """
 
     arrival: ArrivalMode = "auto"
+    wait_any: bool = True
     poll_min_s: float = 0.0005
     poll_max_s: float = 0.005
     max_send_retries: int = 3

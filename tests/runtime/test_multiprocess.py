@@ -46,6 +46,8 @@ def _consume(name: str, config: dict[str, Any], producer: tuple[Any, Any]) -> No
     whole = StageTransferRuntime(StageConfig(stage_id=1, recv_timeout_s=120), conn, tuning=tuning)
     try:
         assert stream.arrival_mode == "block"  # both backends can wait for a key
+        # shm waits on every pending key at once; a connector without wait_any keeps parking on one
+        assert stream.debug_state()["arrival_waits_any"] is stream.connector.capabilities.wait_any
         for i in range(N):
             stream.register_chunk_recv(Req(f"s{i}"))
             whole.register_chunk_recv(Req(f"f{i}"))

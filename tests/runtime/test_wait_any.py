@@ -1,0 +1,201 @@
+"""The receive thread over ``connector.wait_any`` (block mode, connectors with the capability).
+
+Unit level: memory-connector subclasses that count calls, give wrong hints or
+never notify (fault injection). Real shm across processes: ``test_multiprocess``
+and ``tests/shm/test_wait_any.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from rt_helpers import FAST, Req, make_runtime
+
+from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+from omni_plugins.errors import ConnectorClosedError
+from omni_plugins.memory import MemoryConfig, MemoryConnector
+from omni_plugins.runtime import RuntimeTuning
+
+STREAM = {"async_chunk": True, "custom_process_next_stage_input_func": "rt_builders.stream"}
+
+
+class CountingConnector(MemoryConnector):
+    """Memory connector recording every wait_any and the keys it waited on."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(MemoryConfig(namespace=namespace))
+        self.waited: list[int] = []
+        self.blocking_gets = 0
+
+    def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        self.waited.append(len(keys))
+        return super()._wait_any(keys, timeout)
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        if timeout:
+            self.blocking_gets += 1
+        return super()._get(from_stage, to_stage, key, timeout)
+
+
+class LyingConnector(MemoryConnector):
+    """wait_any reports every key at once, present or not (a wrong hint)."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(MemoryConfig(namespace=namespace))
+
+    def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        return list(keys)
+
+
+class DeafConnector(MemoryConnector):
+    """wait_any never sees anything (a lost notification): only the safety sweep finds arrivals."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(MemoryConfig(namespace=namespace))
+
+    def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        time.sleep(timeout)
+        return []
+
+
+def _stream(c: Any, p: Any, n: int, chunks: int, *, reverse: bool = True) -> dict[str, list[int]]:
+    """Send ``chunks`` chunks to ``n`` streams (request order reversed per round); return what arrived per stream."""
+    reqs = [Req(f"r{i}") for i in range(n)]
+    for r in reqs:
+        c.register_chunk_recv(Req(r.request_id))
+    got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    finished: set[str] = set()
+    for k in range(chunks):
+        for r in reversed(reqs) if reverse else reqs:
+            r.done = k == chunks - 1
+            p.send_chunk(r, {"ids": {"prompt": [k]}})
+    deadline = time.monotonic() + 20
+    while len(finished) < n and time.monotonic() < deadline:
+        c.wait_ready(0.05)
+        for rid in c.recv_chunk():
+            got[rid] = list(c.get_local_stage_payload(rid)["ids"]["prompt"])
+        sig = c.collect_signals()
+        assert not sig.failed and not sig.timed_out
+        finished |= sig.chunk_finished
+    assert finished == set(got)
+    for rid in got:
+        c.cleanup_finished_request(rid)
+        p.cleanup_finished_request(rid)
+    return got
+
+
+def test_block_mode_waits_on_every_pending_key(runtimes: list, namespace: str) -> None:
+    conn = CountingConnector(namespace)
+    p = make_runtime(0, namespace, **STREAM)
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    runtimes += [p, c]
+    assert c.arrival_mode == "block" and c.debug_state()["arrival_waits_any"] is True
+    got = _stream(c, p, 12, 4)
+    assert all(v == [0, 1, 2, 3] for v in got.values())
+    assert max(conn.waited) == 12  # one wait covers all twelve streams
+    assert conn.blocking_gets == 0  # ready keys are taken with non-blocking gets
+    stats = c.debug_state()["receiver"]
+    assert stats["waits"] > 0 and stats["parks"] == 0
+    assert c.active_request_count() == 0 and conn.keys() == []
+
+
+def test_wrong_hints_still_deliver_everything(runtimes: list, namespace: str) -> None:
+    conn = LyingConnector(namespace)
+    p = make_runtime(0, namespace, **STREAM)
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    runtimes += [p, c]
+    c.register_chunk_recv(Req("idle"))  # nothing ever arrives for it: every wait is (partly) a wrong hint
+    time.sleep(0.05)
+    assert c.debug_state()["receiver"]["wait_spurious"] > 0
+    got = _stream(c, p, 6, 3)
+    assert all(v == [0, 1, 2] for v in got.values())
+    c.cleanup_finished_request("idle")
+    assert c.active_request_count() == 0 and conn.keys() == []
+
+
+def test_safety_sweep_finds_arrivals_a_connector_never_reported(runtimes: list, namespace: str) -> None:
+    conn = DeafConnector(namespace)
+    p = make_runtime(0, namespace, **STREAM)
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    runtimes += [p, c]
+    got = _stream(c, p, 4, 3)
+    assert all(v == [0, 1, 2] for v in got.values())
+    stats = c.debug_state()["receiver"]
+    assert stats["wait_hits"] == 0 and stats["sweeps"] > 0
+    assert conn.keys() == []
+
+
+def test_tuning_keeps_park_one_mode(runtimes: list, namespace: str) -> None:
+    conn = CountingConnector(namespace)
+    p = make_runtime(0, namespace, **STREAM)
+    c = make_runtime(1, namespace, connector=conn, tuning=RuntimeTuning(**{**FAST.__dict__, "wait_any": False}), async_chunk=True)
+    runtimes += [p, c]
+    assert c.arrival_mode == "block" and c.debug_state()["arrival_waits_any"] is False
+    got = _stream(c, p, 6, 3)
+    assert all(v == [0, 1, 2] for v in got.values())
+    assert conn.waited == []
+
+
+def test_deadline_fires_while_waiting(runtimes: list, namespace: str) -> None:
+    c = make_runtime(1, namespace, async_chunk=True, recv_timeout_s=0.3)
+    runtimes.append(c)
+    c.register_chunk_recv(Req("late"))
+    deadline = time.monotonic() + 10
+    timed_out: set[str] = set()
+    while not timed_out and time.monotonic() < deadline:
+        c.wait_ready(0.05)
+        timed_out |= c.collect_signals().timed_out
+    assert timed_out == {"late"}
+
+
+# -- the contract's fallback for connectors without the capability ------------------------
+class _Plain(Connector):
+    capabilities = Capabilities()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items: dict[str, Any] = {}
+
+    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
+        self.items[key] = data
+        return PutResult(True, 1)
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        return GetResult(self.items.pop(key), 1) if key in self.items else None
+
+    def _cleanup(self, key: str) -> bool:
+        return self.items.pop(key, None) is not None
+
+
+class _WithExists(_Plain):
+    def _available(self, keys: Sequence[str]) -> list[str] | None:
+        return [k for k in keys if k in self.items]
+
+
+def test_fallback_without_existence_check_reports_every_key() -> None:
+    conn = _Plain()
+    assert conn.wait_any(["a", "b"], timeout=0.01) == ["a", "b"]  # cannot know: every key is possible
+    assert conn.wait_any([], timeout=0.01) == []
+
+
+def test_fallback_with_existence_check_polls() -> None:
+    conn = _WithExists()
+    assert conn.wait_any(["a", "b"], timeout=0.02) == []
+    timer = threading.Timer(0.05, lambda: conn.put(0, 1, "b", torch.ones(1)))
+    timer.start()
+    try:
+        assert conn.wait_any(["a", "b"], timeout=10) == ["b"]
+    finally:
+        timer.join()
+
+
+def test_wait_any_after_close_raises(namespace: str) -> None:
+    conn = MemoryConnector(MemoryConfig(namespace=namespace))
+    conn.close()
+    with pytest.raises(ConnectorClosedError):
+        conn.wait_any(["k"], timeout=0.01)
