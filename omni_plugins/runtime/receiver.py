@@ -249,7 +249,15 @@ class Receiver:
                 self._wake.clear()  # registrations made so far are in the next plan
                 pending = {key: (state, index) for state, index, key in batch}
                 self.stats["waits"] += 1
-                ready = self._connector.wait_any(list(pending), min(_WAIT_ANY_MAX_S, max(next_sweep - now, 0.0)))
+                try:
+                    ready = self._connector.wait_any(list(pending), min(_WAIT_ANY_MAX_S, max(next_sweep - now, 0.0)))
+                except Exception:  # a backend failure: keep going (deadlines still fire), log at most once a second
+                    self.stats["errors"] += 1
+                    if now - self._last_error_log > 1.0:
+                        self._last_error_log = now
+                        logger.warning("wait_any failed (retrying until the requests time out)", exc_info=True)
+                    self._stop.wait(t.poll_max_s)
+                    continue
                 if not ready:
                     continue
                 progress = False

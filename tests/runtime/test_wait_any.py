@@ -199,3 +199,23 @@ def test_wait_any_after_close_raises(namespace: str) -> None:
     conn.close()
     with pytest.raises(ConnectorClosedError):
         conn.wait_any(["k"], timeout=0.01)
+
+
+class BrokenWaitConnector(MemoryConnector):
+    """wait_any always fails (a backend error): the thread must survive and the safety sweep deliver."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(MemoryConfig(namespace=namespace))
+
+    def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        raise RuntimeError("backend down")
+
+
+def test_failing_wait_any_does_not_kill_the_thread(runtimes: list, namespace: str) -> None:
+    conn = BrokenWaitConnector(namespace)
+    p = make_runtime(0, namespace, **STREAM)
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    runtimes += [p, c]
+    got = _stream(c, p, 3, 2)
+    assert all(v == [0, 1] for v in got.values())
+    assert c.debug_state()["receiver"]["errors"] > 0
