@@ -102,12 +102,12 @@ class StageRunner:
                     "model_stage": stage.model_stage or f"synthetic-{stage.stage_id}",
                 }
             )
+        if stage.kv_layout == "auto":
+            stage = stage.model_copy(update={"kv_layout": "nhd"})  # the synthetic caches are built NHD
         kwargs: dict[str, Any] = {"tp_group": self.tp} if self.tp is not None else {}
         if self.tp is None and stage.tp_size > 1:
             kwargs["local_rank"] = self.rank
         self.rt = StageTransferRuntime(stage, plan.config.stage_connector_config(stage.stage_id), **kwargs)
-        if self.rt.kv_manager is not None:
-            self.rt.kv_manager.layout = "nhd"
         self.requests: dict[str, _Req] = {}
         self.aborted: set[str] = set()
         self.stop = False

@@ -158,6 +158,7 @@ class StageTransferRuntime:
                 rank_mapping=self.rank_mapping,
                 local_rank=self.local_rank,
                 recv_timeout_s=stage_config.recv_timeout_s,
+                layout=stage_config.kv_layout,
             )
             self._owns_kv = True
         self._kv = KVBridge(
