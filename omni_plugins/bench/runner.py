@@ -153,9 +153,9 @@ def _backend(name: str, opts: BenchOptions, max_bytes: int) -> Iterator[DriverSp
         with RedisServer(password=password, extra_args=["--proto-max-bulk-len", str(max(512 << 20, 2 * max_bytes))]) as server:
             url = f"redis://:{password}@127.0.0.1:{server.port}/0"
             yield DriverSpec(name, "redis", {"url": url, "key_prefix": "omnibench:"}, max_bytes, {"url": url})
-            left = server.keys("*")
-            if left:
-                logger.warning("redis bench left %d key(s)", len(left))
+            left_keys = server.keys("*")
+            if left_keys:
+                logger.warning("redis bench left %d key(s)", len(left_keys))
     else:
         from omni_plugins_mooncake.testing import MooncakeMaster, loopback_environment  # type: ignore[import-not-found]
 
