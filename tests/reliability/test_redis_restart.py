@@ -68,11 +68,6 @@ def test_pipeline_survives_redis_restart(persistent_redis: Any) -> None:
     assert all(0 < ttl <= 600_000 for ttl in ttls.values()), ttls
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="redis connector: a get that claimed a payload and then loses the server for longer than its retries "
-    "cannot restore the claim; the payload stays in its claim list until TTL and is lost to every reader",
-)
 def test_payload_claimed_before_a_long_outage_is_not_lost(persistent_redis: Any) -> None:
     """Kill the server while a get is reading a claimed multi-part payload; keep it down past the retries.
 
@@ -202,11 +197,6 @@ class _ReplyDropper:
         self.listener.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="redis connector: a claim whose reply is lost is recovered only by a retry inside the same get; "
-    "a short get (the runtime parks for milliseconds) does not retry, and the next get uses a new claim list",
-)
 def test_lost_claim_reply_with_a_short_get_is_not_lost(redis_server: Any) -> None:
     """The reply to a successful BLMOVE/LMOVE is lost (connection drops); the payload must still be readable."""
     import torch

@@ -19,9 +19,11 @@ live on one node and each step talks to one connection.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +35,7 @@ from omni_plugins_redis.client import Connection, RedisClient
 from omni_plugins_redis.config import RedisConfig
 from omni_plugins_redis.framing import Buffer, Pieces, ProtocolError, ReplyError
 from omni_plugins_redis.keys import PayloadKeys
-from omni_plugins_redis.waiting import Claimer
+from omni_plugins_redis.waiting import Claimer, peek_claim
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,12 @@ class RedisConnector(Connector):
         self.config = config
         self._client = RedisClient(config)
         self._claimer = Claimer(self._client, config)
+        # Claim lists are named by this instance and the key, so a get that lost its reply
+        # (or the server, while reading parts) finds the claimed payload again next time.
+        self._claim_tag = mf.new_put_id()
+        self._suspect: set[str] = set()  # keys whose claim list may still hold a payload
+        self._suspect_lock = threading.Lock()
+        self._key_locks = _KeyLocks()
         ttl_ms = round(config.ttl_seconds * 1000)
         self._ttl_ms = ttl_ms
         self._part_ttl_ms = ttl_ms + PART_TTL_GRACE_MS if ttl_ms else 0
@@ -184,25 +192,49 @@ class RedisConnector(Connector):
     # -- get -------------------------------------------------------------------
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
         keys = self._keys(key)
-        claim_key = keys.claim(mf.new_put_id())
-        raw = self._claimer.claim(keys, claim_key, timeout)
-        if raw is None:
-            return None
-        try:
-            manifest = mf.parse(raw, self.config.max_payload_bytes)
-        except mf.ManifestError as exc:
-            raise ConnectorError(f"get {key!r} on Redis {self._client.label}: corrupt manifest: {exc}") from None
-        # one copy either way: the inline bytes (already a fresh bytearray when large), or parts streamed into one buffer
-        buffer: bytearray | memoryview
-        if not manifest.inline:
-            buffer = self._read_parts(keys, manifest, raw)
-        elif isinstance(raw, bytearray):
-            buffer = memoryview(raw)[mf.HEADER_SIZE :]
-        else:
-            buffer = bytearray(memoryview(raw)[mf.HEADER_SIZE :])
-        return GetResult(wire.decode(buffer, copy=False), manifest.total)
+        claim_key = keys.claim(self._claim_tag)
+        with self._key_locks.hold(key):  # one claim list per (instance, key): one get of a key at a time
+            raw = self._recover_claim(keys, claim_key) if self._is_suspect(key) else None
+            if raw is None:
+                try:
+                    raw = self._claimer.claim(keys, claim_key, timeout)
+                except ConnectorError:
+                    self._mark_suspect(key, True)  # the move may have run with its reply lost
+                    raise
+                if raw is None:
+                    return None
+            try:
+                manifest = mf.parse(raw, self.config.max_payload_bytes)
+            except mf.ManifestError as exc:
+                self._discard(keys, [claim_key])
+                raise ConnectorError(f"get {key!r} on Redis {self._client.label}: corrupt manifest: {exc}") from None
+            # one copy either way: the inline bytes (already a fresh bytearray when large), or parts streamed into one buffer
+            buffer: bytearray | memoryview
+            if not manifest.inline:
+                buffer = self._read_parts(keys, manifest, raw, claim_key)
+            else:
+                self._discard(keys, [claim_key])
+                buffer = memoryview(raw)[mf.HEADER_SIZE :] if isinstance(raw, bytearray) else bytearray(memoryview(raw)[mf.HEADER_SIZE :])
+            return GetResult(wire.decode(buffer, copy=False), manifest.total)
 
-    def _read_parts(self, keys: PayloadKeys, manifest: mf.Manifest, raw: bytes | bytearray) -> bytearray:
+    def _is_suspect(self, key: str) -> bool:
+        with self._suspect_lock:
+            return key in self._suspect
+
+    def _mark_suspect(self, key: str, suspect: bool) -> None:
+        with self._suspect_lock:
+            (self._suspect.add if suspect else self._suspect.discard)(key)
+
+    def _recover_claim(self, keys: PayloadKeys, claim_key: bytes) -> bytes | bytearray | None:
+        """A payload an earlier get of this key claimed but never finished reading (None if none)."""
+        found = self._client.run(keys.slot, lambda conn: peek_claim(conn, claim_key), what="get recover", key=keys.key)
+        if found is None:
+            self._mark_suspect(keys.key, False)
+        else:
+            log.info("get %r on Redis %s: recovered a payload claimed by an earlier, interrupted get", keys.key, self._client.label)
+        return found
+
+    def _read_parts(self, keys: PayloadKeys, manifest: mf.Manifest, raw: bytes | bytearray, claim_key: bytes) -> bytearray:
         buffer = bytearray(manifest.total)
         whole = memoryview(buffer)
         views, offset = [], 0
@@ -214,12 +246,15 @@ class RedisConnector(Connector):
         try:
             self._client.run(keys.slot, lambda conn: self._read_step(conn, state, part_keys), what="get", key=keys.key)
         except _PartUnusable as exc:
-            self._discard(keys, part_keys)
+            self._discard(keys, [claim_key, *part_keys])
+            self._mark_suspect(keys.key, False)
             raise ConnectorError(f"get {keys.key!r} on Redis {self._client.label}: {exc}") from None
         except ConnectorError:
-            self._restore(keys, raw)
+            # give it back to the manifest list; if even that fails it stays in our claim list
+            self._mark_suspect(keys.key, not self._restore(keys, raw, claim_key))
             raise
-        self._discard(keys, part_keys)
+        self._discard(keys, [claim_key, *part_keys])
+        self._mark_suspect(keys.key, False)
         return buffer
 
     def _read_step(self, conn: Connection, state: _ReadState, part_keys: list[bytes]) -> None:
@@ -244,7 +279,7 @@ class RedisConnector(Connector):
             state.next_part += 1
 
     def _discard(self, keys: PayloadKeys, part_keys: list[bytes]) -> None:
-        """Delete a consumed payload's parts now (reply read lazily: no round trip)."""
+        """Delete a consumed payload's parts and claim list now (reply read lazily: no round trip)."""
 
         def step(conn: Connection) -> None:
             conn.defer("UNLINK", *part_keys, flush=True)
@@ -254,22 +289,33 @@ class RedisConnector(Connector):
         except ConnectorError as exc:
             log.warning("%s (keys expire by TTL)", exc)
 
-    def _restore(self, keys: PayloadKeys, raw: bytes | bytearray) -> None:
-        """Give a claimed payload back (at the head of its list) after reads failed for good."""
-        commands: list[tuple[Any, ...]] = [("LPUSH", keys.manifest, raw)]
+    def _restore(self, keys: PayloadKeys, raw: bytes | bytearray, claim_key: bytes) -> bool:
+        """Give a claimed payload back (at the head of its list) after reads failed for good.
+
+        One transaction moves it back and deletes the claim list, so the payload is
+        never in both. Returns False when the server could not be reached: the payload
+        then stays in the claim list, where this connector's next get of the key finds it.
+        """
+        commands: list[tuple[Any, ...]] = [("MULTI",), ("LPUSH", keys.manifest, raw)]
         if self._ttl_ms:
             commands.append(("PEXPIRE", keys.manifest, self._ttl_ms))
+        commands += [("UNLINK", claim_key), ("EXEC",)]
 
         def step(conn: Connection) -> None:
             conn.send_many(commands)
-            for reply in [conn.read() for _ in commands]:
+            replies = [conn.read() for _ in commands]
+            for reply in replies:
                 if isinstance(reply, ReplyError):
                     raise reply
+            if not isinstance(replies[-1], list):
+                raise ReplyError("EXECABORT restore transaction discarded")
 
         try:
             self._client.run(keys.slot, step, what="get restore", key=keys.key)
         except ConnectorError as exc:
-            log.warning("%s; the payload is lost (its parts expire by TTL)", exc)
+            log.warning("%s; the payload stays claimed and the next get of this key retries it", exc)
+            return False
+        return True
 
     # -- existence check (used by the core's wait_any fallback) -------------------
     def _available(self, keys: Sequence[str]) -> list[str] | None:
@@ -299,16 +345,25 @@ class RedisConnector(Connector):
     # -- cleanup / health / close ------------------------------------------------
     def _cleanup(self, key: str) -> bool:
         keys = self._keys(key)
+        claim_key = keys.claim(self._claim_tag)
 
         def step(conn: Connection) -> list[bytes | bytearray]:
-            conn.send_many([("MULTI",), ("LRANGE", keys.manifest, 0, -1), ("DEL", keys.manifest), ("EXEC",)])
-            replies = [conn.read() for _ in range(4)]
+            conn.send_many(
+                [
+                    ("MULTI",),
+                    ("LRANGE", keys.manifest, 0, -1),
+                    ("LRANGE", claim_key, 0, -1),
+                    ("DEL", keys.manifest, claim_key),
+                    ("EXEC",),
+                ]
+            )
+            replies = [conn.read() for _ in range(5)]
             results = replies[-1]
             if isinstance(results, ReplyError):
                 raise results
-            if not isinstance(results, list) or not isinstance(results[0], list):
+            if not isinstance(results, list) or not isinstance(results[0], list) or not isinstance(results[1], list):
                 raise ReplyError("EXECABORT cleanup transaction discarded")
-            elements = [e for e in results[0] if isinstance(e, (bytes, bytearray))]
+            elements = [e for e in (*results[0], *results[1]) if isinstance(e, (bytes, bytearray))]
             doomed: list[bytes] = []
             for element in elements:
                 try:
@@ -320,7 +375,9 @@ class RedisConnector(Connector):
                 conn.call("UNLINK", *doomed)
             return elements
 
-        return bool(self._client.run(keys.slot, step, what="cleanup", key=key))
+        found = bool(self._client.run(keys.slot, step, what="cleanup", key=key))
+        self._mark_suspect(key, False)
+        return found
 
     def _health(self) -> dict[str, Any]:
         status: dict[str, Any] = {"server": self._client.label, "cluster": self.config.cluster, "blocking_get": self._claimer.blocking}
@@ -337,6 +394,30 @@ class RedisConnector(Connector):
 
     def _close(self) -> None:
         self._client.close()
+
+
+class _KeyLocks:
+    """A lock per key, created on demand and dropped when nobody holds or waits for it."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, tuple[threading.Lock, int]] = {}
+
+    @contextlib.contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        with self._guard:
+            lock, users = self._locks.get(key) or (threading.Lock(), 0)
+            self._locks[key] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._guard:
+                lock, users = self._locks[key]
+                if users == 1:
+                    del self._locks[key]
+                else:
+                    self._locks[key] = (lock, users - 1)
 
 
 class _PartUnusable(Exception):

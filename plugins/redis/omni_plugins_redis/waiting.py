@@ -1,8 +1,8 @@
 """Claiming a payload's manifest, waiting for it without client-side polling when allowed.
 
 A reader *claims* a payload by moving its manifest element atomically from
-the manifest list to a claim list private to this ``get`` (deleted, with
-the next write on that connection, once the element is in hand) (``LMOVE``; with a
+the manifest list to a claim list private to the connector instance and key
+(deleted with the parts once they are read) (``LMOVE``; with a
 timeout ``BLMOVE``, which blocks inside the server until a writer's ``RPUSH``
 arrives: no polling loop). Exactly one reader wins. Because the element is
 moved rather than popped, a reply lost when a server restarts mid-command is
@@ -79,11 +79,7 @@ class Claimer:
         """After a failed attempt: did the lost reply carry our manifest?"""
         if not state.sent:
             return None
-        element = conn.call("LINDEX", claim_key, 0)
-        if not isinstance(element, (bytes, bytearray)):
-            return None
-        conn.defer("UNLINK", claim_key)
-        return element
+        return peek_claim(conn, claim_key)
 
     def _blocking_step(
         self, conn: Connection, keys: PayloadKeys, claim_key: bytes, deadline: float, state: _ClaimState
@@ -141,12 +137,20 @@ class _ClaimState:
         self.sent = False
 
 
-def _taken(conn: Connection, claim_key: bytes, moved: Reply, expire: Reply) -> bytes | bytearray | None:
-    """The claimed element (or None); the claim list is dropped with the next write.
+def peek_claim(conn: Connection, claim_key: bytes) -> bytes | bytearray | None:
+    """The element held in a claim list, if any (left there by a get whose reply was lost)."""
+    element = conn.call("LINDEX", claim_key, 0)
+    return element if isinstance(element, (bytes, bytearray)) else None
 
-    Once the element is in our hands the claim list has done its job (surviving a
-    lost reply); if reading the parts fails later, the connector pushes the
-    element back onto the manifest list.
+
+def _taken(conn: Connection, claim_key: bytes, moved: Reply, expire: Reply) -> bytes | bytearray | None:
+    """The claimed element (or None).
+
+    The claim list keeps the element until the connector has read every part and
+    deletes it together with the parts: a reply lost now, or a server outage
+    while the parts are read, leaves the payload in the claim list, where the
+    connector's next get of the same key finds it (the claim list is named by
+    connector instance and key).
     """
     if isinstance(moved, ReplyError):
         raise moved
@@ -156,5 +160,4 @@ def _taken(conn: Connection, claim_key: bytes, moved: Reply, expire: Reply) -> b
         return None
     if not isinstance(moved, (bytes, bytearray)):
         raise ReplyError(f"unexpected reply to LMOVE: {type(moved).__name__}")
-    conn.defer("UNLINK", claim_key)
     return moved
