@@ -54,8 +54,9 @@ def _die_with_parent() -> None:
 
 
 def find_master_binary() -> str:
-    """``mooncake_master``: on PATH, next to this interpreter (an unactivated venv), or inside the wheel."""
-    candidates = [shutil.which("mooncake_master"), str(Path(sys.executable).parent / "mooncake_master")]
+    """``mooncake_master``: next to this interpreter (an unactivated venv), on PATH, or inside the wheel."""
+    # the interpreter's own (venv) binary first: it matches the installed mooncake module
+    candidates = [str(Path(sys.executable).parent / "mooncake_master"), shutil.which("mooncake_master")]
     spec = importlib.util.find_spec("mooncake")
     if spec is not None and spec.submodule_search_locations:
         candidates += [str(Path(loc) / "mooncake_master") for loc in spec.submodule_search_locations]
