@@ -18,29 +18,18 @@ import textwrap
 import uuid
 from typing import Any
 
+from omni_plugins.testing.nopickle import BLOCK_PICKLE_SOURCE
+
 SCRIPT = textwrap.dedent(
     """
     import importlib.abc, sys, types
 
     import msgpack, numpy, torch, yaml, pydantic, pluggy  # noqa: F401  (they import pickle themselves)
 
-    BLOCKED = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle"}
     already = sorted(m for m in sys.modules if m.startswith(("omni_plugins",)))
     assert not already, already
 
-    class Poisoned(types.ModuleType):
-        def __getattr__(self, name):
-            raise AssertionError(f"pickle used: {self.__name__}.{name}")
-
-    class Blocker(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in BLOCKED:
-                raise ImportError(f"{name} is blocked in this test")
-            return None
-
-    for name in BLOCKED:
-        sys.modules[name] = Poisoned(name)
-    sys.meta_path.insert(0, Blocker())
+    # <block-pickle>
 
     import omni_plugins.wire  # noqa: F401
     import omni_plugins_redis.connector  # noqa: F401
@@ -91,7 +80,7 @@ SCRIPT = textwrap.dedent(
                 assert getattr(value, "__name__", None) not in BLOCKED or not isinstance(value, types.ModuleType), name
     print("OK")
     """
-)
+).replace("# <block-pickle>", BLOCK_PICKLE_SOURCE)
 
 
 def test_data_path_round_trips_with_pickle_blocked(redis_server: Any) -> None:

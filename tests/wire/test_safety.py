@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from omni_plugins import wire
+from omni_plugins.testing.nopickle import BLOCK_PICKLE_SOURCE
 from omni_plugins.wire import decode, encode
 
 WIRE_DIR = Path(wire.__file__).parent
@@ -27,21 +28,8 @@ NO_PICKLE_SCRIPT = textwrap.dedent(
     import msgpack, numpy, torch  # noqa: F401
     assert not any(m == "omni_plugins.wire" or m.startswith("omni_plugins.wire.") for m in sys.modules)
 
-    BLOCKED = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle"}
 
-    class Poisoned(types.ModuleType):
-        def __getattr__(self, name):
-            raise AssertionError(f"pickle used: {self.__name__}.{name}")
-
-    class Blocker(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in BLOCKED:
-                raise ImportError(f"{name} is blocked in this test")
-            return None
-
-    for name in BLOCKED:
-        sys.modules[name] = Poisoned(name)
-    sys.meta_path.insert(0, Blocker())
+    # <block-pickle>
 
     from omni_plugins import wire
 
@@ -72,7 +60,7 @@ NO_PICKLE_SCRIPT = textwrap.dedent(
             assert not any(isinstance(v, Poisoned) for v in vars(module).values()), name
     print("NO-PICKLE OK")
     """
-)
+).replace("# <block-pickle>", BLOCK_PICKLE_SOURCE)
 
 # Runs after NO_PICKLE_SCRIPT in the same fresh process: torch's one-time "not writable"
 # warning has not been consumed yet, and every warning is an error.
