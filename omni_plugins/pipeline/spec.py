@@ -48,17 +48,32 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*$")
 RESERVED_SECTIONS = ("meta", "trace")
 
 
-def _check_dtype(v: str) -> str:
-    if v not in DTYPES:
-        raise ValueError(f"unknown dtype {v!r}; use one of {', '.join(DTYPES)}")
-    return v
-
-
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class TensorSpec(_Strict):
+class _Typed(_Strict):
+    """A spec with a ``dtype`` field naming one of :data:`DTYPES`."""
+
+    dtype: str
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str) -> str:
+        if v not in DTYPES:
+            raise ValueError(f"unknown dtype {v!r}; use one of {', '.join(DTYPES)}")
+        return v
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return self.torch_dtype.itemsize
+
+
+class TensorSpec(_Typed):
     """One tensor emitted per step, under ``section.field`` of the payload."""
 
     name: str = Field(description="'section.field', e.g. 'hidden.states' or 'codes.audio'")
@@ -74,24 +89,15 @@ class TensorSpec(_Strict):
             raise ValueError(f"section {v.split('.', 1)[0]!r} is reserved for the synthetic model's own fields")
         return v
 
-    @field_validator("dtype")
-    @classmethod
-    def _dtype(cls, v: str) -> str:
-        return _check_dtype(v)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
     @property
     def step_nbytes(self) -> int:
         n = 1
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=self.torch_dtype).element_size()
+        return n * self.itemsize
 
 
-class KVSpec(_Strict):
+class KVSpec(_Typed):
     """A KV cache the stage sends to the next stage when a request finishes (every TP rank sends its heads)."""
 
     layers: PositiveInt = 2
@@ -101,19 +107,10 @@ class KVSpec(_Strict):
     block_size: PositiveInt = 16
     dtype: str = "bfloat16"
 
-    @field_validator("dtype")
-    @classmethod
-    def _dtype(cls, v: str) -> str:
-        return _check_dtype(v)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
     @property
     def nbytes(self) -> int:
         """Bytes of the whole (all heads) K and V of one request."""
-        return 2 * self.layers * self.tokens * self.heads * self.head_dim * torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * self.layers * self.tokens * self.heads * self.head_dim * self.itemsize
 
 
 class SyntheticSpec(_Strict):
