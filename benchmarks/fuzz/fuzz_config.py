@@ -17,35 +17,16 @@ fuzzer names would run its code.
 from __future__ import annotations
 
 import os
-import resource
-import sys
 
 import atheris
+from _harness import run
 
 with atheris.instrument_imports(include=["omni_plugins.config", "yaml"]):
     from omni_plugins.config import PipelineConfig, parse_pipeline_config
     from omni_plugins.errors import ConfigError
+from omni_plugins.testing.configs import SAMPLE_PIPELINE_YAML
 
-TEMPLATE = """\
-connectors:
-  fast: {name: memory, extra: {namespace: "${NS:-pipeline}"}}
-  other: {name: memory}
-default_connector: fast
-stages:
-  - stage_id: 0
-    worker_type: ar
-    model_stage: thinker
-    custom_process_next_stage_input_func: omni_plugins.testing.builders.passthrough
-    output_connectors: {to_stage_1: fast}
-    rank_mapping: {from_tp: 2, to_tp: 1}
-  - stage_id: 1
-    async_chunk: true
-    worker_type: generation
-    recv_timeout_s: 30
-    input_connectors: {from_stage_0: fast}
-    output_connectors: {to_stage_2: other}
-  - {stage_id: 2, final_output: true, input_connectors: {from_stage_1: other}}
-"""
+TEMPLATE = SAMPLE_PIPELINE_YAML
 ENV = {"NS": "n", "PORT": "6379", "WEIRD": "[1, *a"}
 
 
@@ -79,22 +60,9 @@ def write_seeds(directory: str) -> None:
             f.write(b"\x00" + TEMPLATE.encode())
 
 
-def main() -> None:
-    headroom = 1024
-    argv = []
-    for arg in sys.argv:
-        if arg.startswith("--as-headroom-mib="):
-            headroom = int(arg.split("=", 1)[1])
-        else:
-            argv.append(arg)
-    for arg in argv[1:]:
-        if not arg.startswith("-") and (os.path.isdir(arg) or not os.path.exists(arg)):
-            write_seeds(arg)
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        limit = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + (headroom << 20)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    # warm up outside libFuzzer's -timeout: a first parse imports the plugin registry, and a connector
-    # name such as "memory" or "pkg.mod:Class" imports its module (torch with it): seconds on a busy machine
+def warm_up() -> None:
+    """Outside libFuzzer's -timeout: a first parse imports the plugin registry, and a connector name
+    such as "memory" or "pkg.mod:Class" imports its module (torch with it): seconds on a busy machine."""
     import importlib
 
     for module in ("torch", "omni_plugins.memory", "omni_plugins_shm.config", "omni_plugins_redis.config", "omni_plugins_mooncake.config"):
@@ -104,8 +72,10 @@ def main() -> None:
             pass
     for seed in (b"\x00" + TEMPLATE.encode(), b"\x00;"):
         test_one_input(seed)
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
+
+
+def main() -> None:
+    run(test_one_input, write_seeds, warm_up)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,12 @@ Crashes are written by libFuzzer as ``crash-<sha1>`` files; replay one with
 from __future__ import annotations
 
 import os
-import resource
 import struct
-import sys
 import zlib
 from typing import Any
 
 import atheris
+from _harness import run
 
 with atheris.instrument_imports(include=["omni_plugins.wire", "msgpack"]):
     from omni_plugins import wire
@@ -105,14 +104,6 @@ def test_one_input(data: bytes) -> None:
                 raise AssertionError(f"decoder left a named-check path: {text}") from exc
 
 
-def limit_address_space(headroom_mib: int) -> None:
-    """Cap the address space a little above what this process already maps."""
-    with open(f"/proc/{os.getpid()}/statm") as f:
-        vm_pages = int(f.read().split()[0])
-    limit = vm_pages * os.sysconf("SC_PAGE_SIZE") + (headroom_mib << 20)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
 def write_seeds(directory: str) -> None:
     """Seed an empty corpus directory with the valid sample messages (raw mode)."""
     os.makedirs(directory, exist_ok=True)
@@ -123,19 +114,7 @@ def write_seeds(directory: str) -> None:
 
 
 def main() -> None:
-    headroom = 1024
-    argv = []
-    for arg in sys.argv:
-        if arg.startswith("--as-headroom-mib="):
-            headroom = int(arg.split("=", 1)[1])
-        else:
-            argv.append(arg)
-    for arg in argv[1:]:
-        if not arg.startswith("-") and (os.path.isdir(arg) or not os.path.exists(arg)):
-            write_seeds(arg)
-    limit_address_space(headroom)
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
+    run(test_one_input, write_seeds)
 
 
 if __name__ == "__main__":

@@ -15,29 +15,11 @@ from hypothesis import strategies as st
 
 from omni_plugins.config import PipelineConfig, parse_pipeline_config
 from omni_plugins.errors import ConfigError
+from omni_plugins.testing.configs import SAMPLE_PIPELINE_YAML
 
 FUZZ = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-GOOD = """\
-connectors:
-  fast: {name: memory, extra: {namespace: "${NS:-pipeline}"}}
-  other: {name: memory}
-default_connector: fast
-stages:
-  - stage_id: 0
-    worker_type: ar
-    model_stage: thinker
-    custom_process_next_stage_input_func: omni_plugins.testing.builders.passthrough
-    output_connectors: {to_stage_1: fast}
-    rank_mapping: {from_tp: 2, to_tp: 1}
-  - stage_id: 1
-    async_chunk: true
-    worker_type: generation
-    recv_timeout_s: 30
-    input_connectors: {from_stage_0: fast}
-    output_connectors: {to_stage_2: other}
-  - {stage_id: 2, final_output: true, input_connectors: {from_stage_1: other}}
-"""
+GOOD = SAMPLE_PIPELINE_YAML
 #: builder paths the structured strategy may name (never arbitrary modules: importing runs their code)
 BUILDERS = ["omni_plugins.testing.builders.passthrough", "omni_plugins.testing.builders:wrong_signature", "nope.mod.fn", "", "x"]
 KEYS = [
