@@ -295,7 +295,7 @@ class StageTransferRuntime:
         with self._lock:
             index = state.next_send_chunk
             state.next_send_chunk += 1
-        self._sender.enqueue(state, f"{state.external_id}_{self.stage_id}_{index}", payload)
+            self._sender.enqueue_locked(state, f"{state.external_id}_{self.stage_id}_{index}", payload)
 
     def send_chunk(self, request: Any, pooling_output: Any = None) -> bool:
         """Streaming mode: build this step's chunk on the caller's thread and enqueue it.
@@ -490,19 +490,13 @@ class StageTransferRuntime:
             outbox.kv_sent.clear()
             outbox.failed.clear()
             outbox.timed_out.clear()
-            self._registry.settle()
-            if not self._has_undelivered_locked():
+            if not self._registry.settle() and not len(outbox):
                 self._delivery.ready.clear()
         if self._receiver is not None and self.worker_type == "generation":
             self._receiver.notify()  # a generation request may take its next chunk now
         return signals
 
     get_omni_connector_output = collect_signals
-
-    def _has_undelivered_locked(self) -> bool:
-        if len(self._registry.outbox):
-            return True
-        return any(s.has_pending_signal() for s in self._registry.signalled())
 
     # ------------------------------------------------------------------ lifecycle
     def cleanup_finished_request(self, req_id: str, *, aborted: bool = False) -> bool:

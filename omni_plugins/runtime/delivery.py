@@ -1,7 +1,7 @@
 """Receive-side semantics: what an arrival does to a request, and what the model thread sees.
 
 The receive thread calls :class:`Delivery` (as its ArrivalHandler) under the
-registry lock; the runtime calls the ``take_*``/``apply_*`` methods on the
+registry lock, then :meth:`Delivery.publish` once per batch of arrivals; the runtime calls the ``take_*``/``apply_*`` methods on the
 model thread. Packets exchanged between TP ranks are plain dicts of lists so
 they can be wire-encoded.
 """
@@ -49,6 +49,7 @@ class Delivery:
         self.ready = threading.Event()
         #: full payloads arrived and not yet published (read without the lock for a fast path)
         self.unpublished = 0
+        self._ready_due = False  # something was delivered since the last publish()
 
     # -- keys -------------------------------------------------------------------
     def recv_key(self, state: RequestState) -> str:
@@ -92,8 +93,14 @@ class Delivery:
         if self._multi_rank:
             outbox.dropped_for_followers.append((state.request_id, "timed_out" if timed_out else "failed"))
         self._registry.release(state)
-        self.ready.set()
+        self._ready_due = True
         return keys
+
+    def publish(self) -> None:
+        """Wake the model thread once for everything delivered since the last call (lock held)."""
+        if self._ready_due:
+            self._ready_due = False
+            self.ready.set()
 
     def _on_chunk(self, state: RequestState, chunk: Any) -> None:
         finished = payload_finished(chunk)
@@ -122,7 +129,7 @@ class Delivery:
             state.deadline = None
             self._registry.set_registered(state, False)
         self._registry.signal(state)
-        self.ready.set()
+        self._ready_due = True
 
     def _on_full_payload(self, state: RequestState, payload: Any) -> None:
         inputs = payload.get("engine_inputs", payload) if isinstance(payload, dict) else payload
@@ -133,7 +140,7 @@ class Delivery:
         state.deadline = None
         self._registry.set_registered(state, False)
         self._registry.signal(state)
-        self.ready.set()
+        self._ready_due = True
 
     # -- model thread: full-payload mode ---------------------------------------------
     def take_full_payload_packet(self) -> dict[str, Any]:

@@ -43,6 +43,7 @@ class KVBridge:
         self._registry = registry
         self.manager = manager
         self.from_tp, self.to_tp, self.local_rank = from_tp, to_tp, local_rank
+        self._used = False  # the KV lifecycle was entered (mark/ack) at least once
 
     # -- transfers ------------------------------------------------------------------
     def send(
@@ -129,6 +130,7 @@ class KVBridge:
     # -- lifecycle (lock held by the caller) -------------------------------------------
     def mark(self, req_id: str, seq_len: int, block_ids: list[int], custom_metadata: dict[str, Any] | None) -> bool:
         state = self._registry.ensure(req_id)
+        self._used = True
         if state.kv_phase in (KVPhase.PENDING, KVPhase.ACTIVE):
             return False  # dedup: already on its way
         transfer: dict[str, Any] = {"seq_len": seq_len, "block_ids": list(block_ids)}
@@ -146,6 +148,7 @@ class KVBridge:
         return out
 
     def ack(self, req_ids: Iterable[str]) -> None:
+        self._used = True
         for rid in req_ids:
             state = self._registry.get(rid) or self._registry.ensure(rid)
             state.kv_phase = KVPhase.COMPLETED
@@ -165,7 +168,8 @@ class KVBridge:
         return state is not None and state.kv_triggered
 
     def has_pending_work(self) -> bool:
-        return any(s.kv_phase is not KVPhase.NONE for s in self._registry)
+        """Any request in the KV lifecycle (a per-step call: free until the lifecycle is first used)."""
+        return self._used and any(s.kv_phase is not KVPhase.NONE for s in self._registry)
 
     # -- rank routing -------------------------------------------------------------------
     def remote_ranks(self) -> list[int]:

@@ -26,7 +26,7 @@ between sweeps is spent:
 
 Every ``get`` has a timeout, so shutdown and a dead peer never hang the thread.
 Deadlines (``recv_timeout_s`` since registration or the last arrival) are
-checked on every sweep.
+checked at most every ``_EXPIRY_EVERY_S``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from omni_plugins.runtime.tuning import RuntimeTuning
 logger = logging.getLogger(__name__)
 
 #: how often deadlines are checked (they are seconds to minutes long)
-_EXPIRY_EVERY_S = 0.02
+_EXPIRY_EVERY_S = 0.1
 #: a request this much overdue (and more than two of its gaps) stops being the park target
 _STALL_S = 0.05
 #: longest single wait_any: a new registration joins the waited set within this
@@ -64,6 +64,10 @@ class ArrivalHandler(Protocol):
 
     def on_failure(self, state: RequestState, *, timed_out: bool) -> list[str]:
         """Drop the request; return connector keys to clean (outside the lock)."""
+        ...
+
+    def publish(self) -> None:
+        """Wake the model thread for what ``on_payload``/``on_failure`` delivered (once per batch)."""
         ...
 
 
@@ -127,7 +131,11 @@ class Receiver:
         """Expire deadlines, then list (state, index, key) of every request to look for."""
         self._expire()
         with self._registry.lock:
-            return [(s, s.next_recv_chunk, self._handler.recv_key(s)) for s in self._registry.receiving() if self._handler.pollable(s)]
+            return self._plan_locked()
+
+    def _plan_locked(self) -> list[tuple[RequestState, int, str]]:
+        handler = self._handler
+        return [(s, s.next_recv_chunk, handler.recv_key(s)) for s in self._registry.receiving_iter() if handler.pollable(s)]
 
     def _expire(self) -> None:
         """Drop requests whose wait exceeded their timeout (at most every ``_EXPIRY_EVERY_S``)."""
@@ -143,6 +151,8 @@ class Receiver:
                         "request %s waited more than its timeout for chunk %d; dropping it", state.request_id, state.next_recv_chunk
                     )
                     cleanup += self._handler.on_failure(state, timed_out=True)
+            if cleanup:
+                self._handler.publish()
         self._cleanup(cleanup)
 
     def _target(self) -> tuple[RequestState, int, str] | None:
@@ -230,24 +240,37 @@ class Receiver:
                 self._stop.wait(t.poll_max_s)
 
     def _run_wait_any(self) -> None:
-        """Block mode over ``connector.wait_any``: wait on every pending key, take what is reported."""
+        """Block mode over ``connector.wait_any``: wait on every pending key, take what is reported.
+
+        The waited set (next key -> request) is rebuilt only when the set of
+        receiving requests changed (registry ``epoch``) or :meth:`notify` was
+        called; after an arrival only that request's entry moves to its next
+        key. Every key a wait reports is taken first, then all of them are
+        delivered under one lock hold and the model thread is woken once.
+        """
         t = self._tuning
         next_sweep = 0.0
         backoff = t.poll_min_s
+        pending: dict[str, tuple[RequestState, int]] = {}
+        epoch = -1
         while not self._stop.is_set():
             try:
-                batch = self._plan()
-                if not batch:
+                self._expire()
+                if self._wake.is_set() or self._registry.epoch != epoch:
+                    self._wake.clear()  # registrations made so far are in this plan
+                    with self._registry.lock:
+                        epoch = self._registry.epoch
+                        pending = {key: (state, index) for state, index, key in self._plan_locked()}
+                if not pending:
                     self._wake.wait(0.05)
-                    self._wake.clear()
                     continue
                 now = time.monotonic()
                 if now >= next_sweep:
                     next_sweep = now + _SAFETY_SWEEP_S
-                    if self._sweep(batch):
+                    progress = self._sweep([(state, index, key) for key, (state, index) in pending.items()])
+                    epoch = -1  # a sweep may have moved any request on: re-plan
+                    if progress:
                         continue
-                self._wake.clear()  # registrations made so far are in the next plan
-                pending = {key: (state, index) for state, index, key in batch}
                 self.stats["waits"] += 1
                 try:
                     ready = self._connector.wait_any(list(pending), min(_WAIT_ANY_MAX_S, max(next_sweep - now, 0.0)))
@@ -260,14 +283,17 @@ class Receiver:
                     continue
                 if not ready:
                     continue
-                progress = False
+                taken: list[tuple[RequestState, int, str, Any]] = []
                 for key in ready:
                     item = pending.get(key)
                     if item is not None and not self._stop.is_set():
-                        progress = self._fetch(item[0], item[1], key, timeout=None) or progress
-                if progress:
+                        got = self._take(item[0], item[1], key, timeout=None)
+                        if got is not _ABSENT:
+                            taken.append((item[0], item[1], key, got))
+                if taken:
                     self.stats["wait_hits"] += 1
                     backoff = t.poll_min_s
+                    self._deliver(taken, pending)
                 else:  # reported but not there (taken by someone else, or a wrong hint): do not spin
                     self.stats["wait_spurious"] += 1
                     self._stop.wait(backoff)
@@ -277,34 +303,66 @@ class Receiver:
                 self._stop.wait(t.poll_max_s)
 
     def _fetch(self, state: RequestState, index: int, key: str, *, timeout: float | None) -> bool:
+        """Take one key and deliver it (park-one and poll modes)."""
+        got = self._take(state, index, key, timeout=timeout)
+        if got is _ABSENT:
+            return False
+        self._deliver([(state, index, key, got)])
+        return True
+
+    def _take(self, state: RequestState, index: int, key: str, *, timeout: float | None) -> Any:
+        """The connector I/O of one arrival (no lock held): the payload, ``_UNDECODABLE`` or ``_ABSENT``."""
         self.stats["gets"] += 1
         try:
             result = self._connector.get(self._from, self._to, key, timeout=timeout)
         except WireFormatError:
             logger.error("payload under %s cannot be decoded; request %s reported failed", key, state.request_id, exc_info=True)
-            with self._registry.lock:
-                keys = self._handler.on_failure(state, timed_out=False) if self._current(state, index) else []
             self._cleanup_one(key)
-            self._cleanup(keys)
-            return True
+            return _UNDECODABLE
         except Exception:
             self.stats["errors"] += 1
             now = time.monotonic()
             if now - self._last_error_log > 1.0:
                 self._last_error_log = now
                 logger.warning("get of %s failed (retrying until the request times out)", key, exc_info=True)
-            return False
+            return _ABSENT
         if result is None:
-            return False
+            return _ABSENT
         if not self._consume:
             self._cleanup_one(key)
         self.stats["arrivals"] += 1
+        return result.data
+
+    def _deliver(
+        self, taken: list[tuple[RequestState, int, str, Any]], pending: dict[str, tuple[RequestState, int]] | None = None
+    ) -> None:
+        """Hand taken payloads over under one lock hold, wake the model thread once.
+
+        ``pending`` (wait-any mode): move each request's entry to its next key.
+        """
+        if not taken:
+            return
+        cleanup: list[str] = []
+        handler = self._handler
         with self._registry.lock:
-            if self._current(state, index):
-                self._handler.on_payload(state, result.data)
-            else:
-                logger.debug("dropping %s: request %s is gone or moved on", key, state.request_id)
-        return True
+            for state, index, key, data in taken:
+                if not self._current(state, index):
+                    logger.debug("dropping %s: request %s is gone or moved on", key, state.request_id)
+                elif data is _UNDECODABLE:
+                    cleanup += handler.on_failure(state, timed_out=False)
+                else:
+                    handler.on_payload(state, data)
+                if pending is not None:
+                    pending.pop(key, None)
+                    if state.registered and handler.pollable(state):
+                        pending[handler.recv_key(state)] = (state, state.next_recv_chunk)
+            handler.publish()
+        self._cleanup(cleanup)
 
     def _current(self, state: RequestState, index: int) -> bool:
         return state.registered and state.next_recv_chunk == index and self._registry.get(state.request_id) is state
+
+
+#: :meth:`Receiver._take` results that are not payloads
+_ABSENT = object()
+_UNDECODABLE = object()

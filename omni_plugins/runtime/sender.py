@@ -23,6 +23,9 @@ from omni_plugins.runtime.state import RequestRegistry, RequestState, SendTask
 
 logger = logging.getLogger(__name__)
 
+#: most puts the send thread makes per lock round (their completions are booked together)
+_BATCH = 16
+
 
 class Sender:
     """Owns the send thread of one runtime."""
@@ -53,12 +56,16 @@ class Sender:
     # -- model thread ---------------------------------------------------------
     def enqueue(self, state: RequestState, key: str, data: Any) -> None:
         with self._cond:
-            state.send_queue.append(SendTask(key, data))
-            state.in_flight += 1
-            if not state.in_send_ring:
-                state.in_send_ring = True
-                self._ring.append(state)
-            self._cond.notify()
+            self.enqueue_locked(state, key, data)
+
+    def enqueue_locked(self, state: RequestState, key: str, data: Any) -> None:
+        """:meth:`enqueue` with the registry lock already held."""
+        state.send_queue.append(SendTask(key, data))
+        state.in_flight += 1
+        if not state.in_send_ring:
+            state.in_send_ring = True
+            self._ring.append(state)
+        self._cond.notify()
 
     def keys_put(self, state: RequestState) -> list[str]:
         """Every key this stage has put (or is putting) for ``state``."""
@@ -98,44 +105,52 @@ class Sender:
             logger.warning("send thread did not stop within %.1fs", timeout)
 
     # -- send thread ---------------------------------------------------------
-    def _next_task(self) -> tuple[RequestState, SendTask] | None:
-        """Under the lock: the next due task, round-robin across requests, or None."""
+    def _next_tasks(self) -> list[tuple[RequestState, SendTask]]:
+        """Under the lock: the next due task of each request in the ring (round-robin, at most ``_BATCH``).
+
+        At most one task per request, so a failed put is re-queued before its
+        request's next task is taken.
+        """
         now = time.monotonic()
-        for _ in range(len(self._ring)):
-            state = self._ring[0]
+        ring = self._ring
+        picked: list[tuple[RequestState, SendTask]] = []
+        for _ in range(len(ring)):
+            state = ring[0]
             if not state.send_queue:
-                self._ring.popleft()
+                ring.popleft()
                 state.in_send_ring = False
                 continue
             task = state.send_queue[0]
             if task.not_before > now:
-                self._ring.rotate(-1)
+                ring.rotate(-1)
                 continue
             state.send_queue.popleft()
-            self._ring.popleft()
+            ring.popleft()
             if state.send_queue:
-                self._ring.append(state)
+                ring.append(state)
             else:
                 state.in_send_ring = False
-            return state, task
-        return None
+            picked.append((state, task))
+            if len(picked) >= _BATCH:
+                break
+        return picked
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                picked = None
+                picked: list[tuple[RequestState, SendTask]] = []
                 while not self._stop:
-                    picked = self._next_task()
-                    if picked is not None:
+                    picked = self._next_tasks()
+                    if picked:
                         break
                     self._cond.wait(self._backoff if self._ring else 0.1)
                 if self._stop:
                     return
-            assert picked is not None
-            state, task = picked
-            ok = self._put(state, task)
+            results = [self._put(state, task) for state, task in picked]
+            purge: list[str] = []
             with self._cond:
-                purge = self._done(state) if ok or state.purge_sent else self._retry_or_drop(state, task)
+                for (state, task), ok in zip(picked, results, strict=True):
+                    purge += self._done(state) if ok or state.purge_sent else self._retry_or_drop(state, task)
                 self._cond.notify_all()
             if purge:
                 self.purge(purge)

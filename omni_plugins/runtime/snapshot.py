@@ -15,12 +15,22 @@ import torch
 
 def snapshot_payload(obj: Any) -> Any:
     """Deep-copy dicts, lists, tuples and tensors; other leaves are shared (immutable or opaque)."""
-    if isinstance(obj, torch.Tensor):
+    # exact-type checks first: this runs on the model thread for every chunk
+    cls = type(obj)
+    if cls in _LEAVES:
+        return obj
+    if cls is dict:
+        return {k: snapshot_payload(v) for k, v in obj.items()}
+    if cls is torch.Tensor or isinstance(obj, torch.Tensor):
         return obj.detach().clone()
+    if cls is list or isinstance(obj, list):
+        return [snapshot_payload(v) for v in obj]
     if isinstance(obj, dict):
         return {k: snapshot_payload(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [snapshot_payload(v) for v in obj]
     if isinstance(obj, tuple):
         return tuple(snapshot_payload(v) for v in obj)
     return obj
+
+
+#: immutable leaf types returned as they are without further checks
+_LEAVES: frozenset[type] = frozenset({int, float, bool, str, bytes, type(None)})

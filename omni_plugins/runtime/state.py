@@ -158,6 +158,8 @@ class RequestRegistry:
         self._receiving: dict[str, RequestState] = {}
         self._signalled: dict[str, RequestState] = {}
         self.outbox = Outbox()
+        #: bumped whenever the receiving set changes (the receive thread re-plans only then)
+        self.epoch = 0
 
     # -- lookup -----------------------------------------------------------
     def get(self, request_id: str) -> RequestState | None:
@@ -192,8 +194,9 @@ class RequestRegistry:
         state.registered = registered
         if registered:
             self._receiving[state.request_id] = state
-        else:
-            self._receiving.pop(state.request_id, None)
+        elif self._receiving.pop(state.request_id, None) is None:
+            return
+        self.epoch += 1
 
     def receiving(self) -> list[RequestState]:
         """Registered states, the one whose last arrival is oldest first."""
@@ -216,9 +219,10 @@ class RequestRegistry:
     def signalled(self) -> list[RequestState]:
         return [s for s in self._signalled.values() if self._states.get(s.request_id) is s]
 
-    def settle(self) -> None:
-        """Forget states whose signals were all drained."""
+    def settle(self) -> bool:
+        """Forget states whose signals were all drained; True if any state still has a pending signal."""
         self._signalled = {rid: s for rid, s in self._signalled.items() if s.has_pending_signal() and self._states.get(rid) is s}
+        return bool(self._signalled)
 
     # -- removal ------------------------------------------------------------
     def drop(self, state: RequestState) -> None:
@@ -229,6 +233,7 @@ class RequestRegistry:
             del self._by_external[state.external_id]
         if self._receiving.get(state.request_id) is state:
             del self._receiving[state.request_id]
+            self.epoch += 1
         if self._signalled.get(state.request_id) is state:
             del self._signalled[state.request_id]
         state.registered = False
