@@ -20,6 +20,7 @@ live on one node and each step talks to one connection.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -27,9 +28,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorError
+from omni_plugins.wire._alloc import empty_bytes
 from omni_plugins_redis import manifest as mf
 from omni_plugins_redis.client import Connection, RedisClient
 from omni_plugins_redis.config import RedisConfig
@@ -78,7 +82,6 @@ class _ReadState:
 
     keys: PayloadKeys
     manifest: mf.Manifest
-    buffer: bytearray
     next_part: int = 0
     views: list[memoryview] = field(default_factory=list)
 
@@ -93,10 +96,13 @@ class RedisConnector(Connector):
         self.config = config
         self._client = RedisClient(config)
         self._claimer = Claimer(self._client, config)
-        # Claim lists are named by this instance and the key, so a get that lost its reply
-        # (or the server, while reading parts) finds the claimed payload again next time.
+        # Claim lists are named by this instance and a per-get counter: a deferred delete of
+        # one get's claim list can never hit a later get's. A get that lost its reply (or the
+        # server, while reading parts) records its claim list, and the next get of the key
+        # looks there first.
         self._claim_tag = mf.new_put_id()
-        self._suspect: set[str] = set()  # keys whose claim list may still hold a payload
+        self._claim_ids = itertools.count()
+        self._suspect: dict[str, bytes] = {}  # key -> claim list that may still hold a payload
         self._suspect_lock = threading.Lock()
         self._key_locks = _KeyLocks()
         ttl_ms = round(config.ttl_seconds * 1000)
@@ -192,69 +198,84 @@ class RedisConnector(Connector):
     # -- get -------------------------------------------------------------------
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
         keys = self._keys(key)
-        claim_key = keys.claim(self._claim_tag)
-        with self._key_locks.hold(key):  # one claim list per (instance, key): one get of a key at a time
-            raw = self._recover_claim(keys, claim_key) if self._is_suspect(key) else None
-            if raw is None:
+        with self._key_locks.hold(key):  # a recovered claim must be read by one get only
+            suspect = self._suspect_claim(key)
+            raw = None if suspect is None else self._recover_claim(keys, suspect)
+            if suspect is not None and raw is not None:
+                claim_key = suspect
+            else:
+                claim_key = keys.claim(f"{self._claim_tag}.{next(self._claim_ids):x}")
                 try:
                     raw = self._claimer.claim(keys, claim_key, timeout)
                 except ConnectorError:
-                    self._mark_suspect(key, True)  # the move may have run with its reply lost
+                    self._set_suspect(key, claim_key)  # the move may have run with its reply lost
                     raise
                 if raw is None:
                     return None
             try:
                 manifest = mf.parse(raw, self.config.max_payload_bytes)
             except mf.ManifestError as exc:
-                self._discard(keys, [claim_key])
+                self._discard(keys, [claim_key], flush=True)
+                self._set_suspect(key, None)
                 raise ConnectorError(f"get {key!r} on Redis {self._client.label}: corrupt manifest: {exc}") from None
             # one copy either way: the inline bytes (already a fresh bytearray when large), or parts streamed into one buffer
-            buffer: bytearray | memoryview
+            buffer: bytearray | memoryview | np.ndarray
             if not manifest.inline:
                 buffer = self._read_parts(keys, manifest, raw, claim_key)
             else:
-                self._discard(keys, [claim_key])
+                # the payload is in hand: the claim list's delete rides on the next write
+                self._discard(keys, [claim_key], flush=False)
+                self._set_suspect(key, None)
                 buffer = memoryview(raw)[mf.HEADER_SIZE :] if isinstance(raw, bytearray) else bytearray(memoryview(raw)[mf.HEADER_SIZE :])
             return GetResult(wire.decode(buffer, copy=False), manifest.total)
 
-    def _is_suspect(self, key: str) -> bool:
+    def _suspect_claim(self, key: str) -> bytes | None:
+        if not self._suspect:  # unlocked fast path: a stale read only delays recovery to the next get
+            return None
         with self._suspect_lock:
-            return key in self._suspect
+            return self._suspect.get(key)
 
-    def _mark_suspect(self, key: str, suspect: bool) -> None:
+    def _set_suspect(self, key: str, claim_key: bytes | None) -> None:
+        """Record (or, with None, forget) the claim list that may still hold ``key``'s payload."""
+        if claim_key is None and key not in self._suspect:
+            return  # the common case, without the lock (the per-key lock orders gets of a key)
         with self._suspect_lock:
-            (self._suspect.add if suspect else self._suspect.discard)(key)
+            if claim_key is None:
+                self._suspect.pop(key, None)
+            else:
+                self._suspect[key] = claim_key
 
     def _recover_claim(self, keys: PayloadKeys, claim_key: bytes) -> bytes | bytearray | None:
         """A payload an earlier get of this key claimed but never finished reading (None if none)."""
         found = self._client.run(keys.slot, lambda conn: peek_claim(conn, claim_key), what="get recover", key=keys.key)
         if found is None:
-            self._mark_suspect(keys.key, False)
+            self._set_suspect(keys.key, None)
         else:
             log.info("get %r on Redis %s: recovered a payload claimed by an earlier, interrupted get", keys.key, self._client.label)
         return found
 
-    def _read_parts(self, keys: PayloadKeys, manifest: mf.Manifest, raw: bytes | bytearray, claim_key: bytes) -> bytearray:
-        buffer = bytearray(manifest.total)
-        whole = memoryview(buffer)
+    def _read_parts(self, keys: PayloadKeys, manifest: mf.Manifest, raw: bytes | bytearray, claim_key: bytes) -> np.ndarray:
+        # uninitialised (no zero fill), huge pages when large: page faults are most of a fresh buffer's cost
+        buffer = empty_bytes(manifest.total)
+        whole = memoryview(buffer.data)
         views, offset = [], 0
         for size in manifest.part_sizes():
             views.append(whole[offset : offset + size])
             offset += size
-        state = _ReadState(keys=keys, manifest=manifest, buffer=buffer, views=views)
+        state = _ReadState(keys=keys, manifest=manifest, views=views)
         part_keys = keys.parts(manifest.put_id, manifest.nparts)
         try:
             self._client.run(keys.slot, lambda conn: self._read_step(conn, state, part_keys), what="get", key=keys.key)
         except _PartUnusable as exc:
-            self._discard(keys, [claim_key, *part_keys])
-            self._mark_suspect(keys.key, False)
+            self._discard(keys, [claim_key, *part_keys], flush=True)
+            self._set_suspect(keys.key, None)
             raise ConnectorError(f"get {keys.key!r} on Redis {self._client.label}: {exc}") from None
         except ConnectorError:
             # give it back to the manifest list; if even that fails it stays in our claim list
-            self._mark_suspect(keys.key, not self._restore(keys, raw, claim_key))
+            self._set_suspect(keys.key, None if self._restore(keys, raw, claim_key) else claim_key)
             raise
-        self._discard(keys, [claim_key, *part_keys])
-        self._mark_suspect(keys.key, False)
+        self._discard(keys, [claim_key, *part_keys], flush=True)  # frees server memory now
+        self._set_suspect(keys.key, None)
         return buffer
 
     def _read_step(self, conn: Connection, state: _ReadState, part_keys: list[bytes]) -> None:
@@ -278,11 +299,15 @@ class RedisConnector(Connector):
                 raise _PartUnusable(f"part {state.next_part} is missing (expired or deleted)")
             state.next_part += 1
 
-    def _discard(self, keys: PayloadKeys, part_keys: list[bytes]) -> None:
-        """Delete a consumed payload's parts and claim list now (reply read lazily: no round trip)."""
+    def _discard(self, keys: PayloadKeys, doomed: list[bytes], *, flush: bool) -> None:
+        """Delete a consumed payload's claim list (and parts); the reply is read lazily: no round trip.
+
+        ``flush`` sends the delete now (parts: free server memory at once); otherwise it
+        rides on the next write on this pooled connection (``lazy_cleanup``).
+        """
 
         def step(conn: Connection) -> None:
-            conn.defer("UNLINK", *part_keys, flush=True)
+            conn.defer("UNLINK", *doomed, flush=flush)
 
         try:
             self._client.run(keys.slot, step, what="get cleanup", key=keys.key)
@@ -345,25 +370,23 @@ class RedisConnector(Connector):
     # -- cleanup / health / close ------------------------------------------------
     def _cleanup(self, key: str) -> bool:
         keys = self._keys(key)
-        claim_key = keys.claim(self._claim_tag)
+        # only the claim list of an interrupted get can still hold a payload; others are consumed
+        lists = [keys.manifest]
+        claim_key = self._suspect_claim(key)
+        if claim_key is not None:
+            lists.append(claim_key)
+        commands: list[tuple[Any, ...]] = [("MULTI",), *(("LRANGE", k, 0, -1) for k in lists), ("DEL", *lists), ("EXEC",)]
 
         def step(conn: Connection) -> list[bytes | bytearray]:
-            conn.send_many(
-                [
-                    ("MULTI",),
-                    ("LRANGE", keys.manifest, 0, -1),
-                    ("LRANGE", claim_key, 0, -1),
-                    ("DEL", keys.manifest, claim_key),
-                    ("EXEC",),
-                ]
-            )
-            replies = [conn.read() for _ in range(5)]
+            conn.send_many(commands)
+            replies = [conn.read() for _ in commands]
             results = replies[-1]
             if isinstance(results, ReplyError):
                 raise results
-            if not isinstance(results, list) or not isinstance(results[0], list) or not isinstance(results[1], list):
+            found_lists = results[: len(lists)] if isinstance(results, list) else []
+            if not isinstance(results, list) or not all(isinstance(r, list) for r in found_lists):
                 raise ReplyError("EXECABORT cleanup transaction discarded")
-            elements = [e for e in (*results[0], *results[1]) if isinstance(e, (bytes, bytearray))]
+            elements = [e for found in found_lists if isinstance(found, list) for e in found if isinstance(e, (bytes, bytearray))]
             doomed: list[bytes] = []
             for element in elements:
                 try:
@@ -376,7 +399,7 @@ class RedisConnector(Connector):
             return elements
 
         found = bool(self._client.run(keys.slot, step, what="cleanup", key=key))
-        self._mark_suspect(key, False)
+        self._set_suspect(key, None)
         return found
 
     def _health(self) -> dict[str, Any]:
