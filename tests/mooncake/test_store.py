@@ -61,6 +61,28 @@ def test_received_tensors_outlive_later_gets(master: MooncakeMaster) -> None:
         assert conn.health()["buffers"]["in_use_bytes"] == 0  # leases came back
 
 
+def test_consumed_object_is_removed_in_the_background(master: MooncakeMaster) -> None:
+    """``get`` leaves the forced remove to a background thread; the object still goes, and a re-put survives it."""
+    key = f"bg-{uuid.uuid4().hex}"
+    with create_connector("mooncake-store", store_config(master)) as producer, create_connector(
+        "mooncake-store", store_config(master, global_segment_size=0)
+    ) as consumer:
+        for round_ in range(20):  # consume then immediately re-put the same key, from the consuming instance too
+            assert producer.put(0, 1, key, {"v": torch.full((64,), round_)}).ok
+            got = consumer.get(0, 1, key, timeout=5)
+            assert got is not None and int(got.data["v"][0]) == round_
+            assert consumer.get(0, 1, key) is None  # consumed, even while its removal may still be queued
+            assert consumer.put(0, 1, key, {"v": torch.full((64,), -round_)}).ok  # settles the pending removal first
+            again = producer.get(0, 1, key, timeout=5)
+            assert again is not None and int(again.data["v"][0]) == -round_
+        deadline = time.monotonic() + 10
+        while (producer.health()["pending_removals"] or consumer.health()["pending_removals"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert producer.health()["pending_removals"] == 0 and consumer.health()["pending_removals"] == 0
+        assert producer.health()["remove_failures"] == 0 and consumer.health()["remove_failures"] == 0
+        assert producer.get(0, 1, key) is None and consumer.get(0, 1, key) is None
+
+
 def _retry(fn: Any, attempts: int = 150) -> Any:
     last: Exception | None = None
     for _ in range(attempts):

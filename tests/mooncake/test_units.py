@@ -1,4 +1,4 @@
-"""Unit-level tests (no Mooncake engine): import errors, slab leasing, staging table, control framing."""
+"""Unit-level tests (no Mooncake engine): import errors, slab leasing, staging table, control framing, removals."""
 
 from __future__ import annotations
 
@@ -6,11 +6,13 @@ import gc
 import socket
 import struct
 import sys
+import threading
 import time
 
 import pytest
 import torch
 from omni_plugins_mooncake._import import explain_import_failure
+from omni_plugins_mooncake._remover import Remover
 from omni_plugins_mooncake.config import MooncakeStoreConfig, MooncakeTEConfig
 from omni_plugins_mooncake.memory import SlabPool, size_class
 from omni_plugins_mooncake.te.control import ControlClient, ControlServer
@@ -221,3 +223,113 @@ def test_vllm_omni_class_names_resolve(alias: str, name: str) -> None:
 
     spec = resolve_connector(alias)
     assert spec.name == name and spec.distribution == "omni-plugins-mooncake"
+
+
+# -- background removal of consumed store objects ------------------------------------
+class _FakeStore:
+    """Records removals; ``gate`` holds the remover thread inside a removal until set."""
+
+    def __init__(self) -> None:
+        self.removed: list[list[str]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.codes: dict[str, int] = {}
+
+    def one(self, key: str) -> int:
+        self.gate.wait(10)
+        self.removed.append([key])
+        return self.codes.get(key, 0)
+
+    def many(self, keys: list[str]) -> list[int]:
+        self.gate.wait(10)
+        self.removed.append(list(keys))
+        return [self.codes.get(k, 0) for k in keys]
+
+
+def _remover(store: _FakeStore, failures: list[tuple[str, int]]) -> Remover:
+    return Remover(store.one, store.many, lambda k, rc: failures.append((k, rc)), name="test-remover")
+
+
+def test_remover_removes_in_the_background_and_batches_what_queued_up() -> None:
+    store, failures = _FakeStore(), []
+    remover = _remover(store, failures)
+    try:
+        store.gate.clear()  # hold the thread inside the first removal
+        remover.submit("a")
+        deadline = time.monotonic() + 10
+        while not store.removed and time.monotonic() < deadline:
+            remover.submit("b")  # queued behind the held removal
+            remover.submit("c")
+            time.sleep(0.01)
+            if remover.pending("a"):
+                break
+        assert remover.pending("a") and remover.pending("b") and remover.pending("c")
+        store.gate.set()
+        assert remover.flush(10)
+        assert not remover.pending("a") and len(remover) == 0
+        flat = [k for batch in store.removed for k in batch]
+        assert sorted(flat) == ["a", "b", "c"]
+        assert any(len(batch) > 1 for batch in store.removed) or len(store.removed) == 3
+        assert failures == []
+    finally:
+        remover.close()
+
+
+def test_settle_removes_a_queued_key_before_returning() -> None:
+    store, failures = _FakeStore(), []
+
+    def one(key: str) -> int:  # only "held" waits for the gate
+        return store.one(key) if key == "held" else (store.removed.append([key]) or 0)
+
+    remover = Remover(one, store.many, lambda k, rc: failures.append((k, rc)), name="test-remover")
+    try:
+        store.gate.clear()
+        remover.submit("held")  # the thread takes this one and blocks in it
+        deadline = time.monotonic() + 10
+        while remover._queued and time.monotonic() < deadline:
+            time.sleep(0.005)
+        remover.submit("k")  # queued behind it
+        assert remover.settle("k") is True  # removed here and now, not left to the blocked thread
+        assert not remover.pending("k") and ["k"] in store.removed
+        assert remover.settle("k") is False
+        assert remover.pending("held")
+        threading.Timer(0.2, store.gate.set).start()
+        assert remover.settle("held") is True  # in flight: waits for the thread to finish it
+        assert not remover.pending("held") and ["held"] in store.removed
+        assert failures == []
+    finally:
+        store.gate.set()
+        remover.close()
+
+
+def test_remover_reports_failures_and_survives_exceptions() -> None:
+    store, failures = _FakeStore(), []
+    store.codes["bad"] = -900
+
+    def boom(key: str) -> int:
+        if key == "explodes":
+            raise RuntimeError("store gone")
+        return store.one(key)
+
+    remover = Remover(boom, store.many, lambda k, rc: failures.append((k, rc)), name="test-remover")
+    try:
+        remover.submit("explodes")
+        assert remover.flush(10)
+        remover.submit("bad")
+        assert remover.flush(10)
+        remover.submit("fine")
+        assert remover.flush(10)
+        assert ("explodes", -1) in failures and ("bad", -900) in failures
+        assert all(k != "fine" for k, _ in failures)
+    finally:
+        remover.close()
+
+
+def test_closed_remover_removes_synchronously() -> None:
+    store, failures = _FakeStore(), []
+    remover = _remover(store, failures)
+    remover.submit("a")
+    remover.close()
+    assert ["a"] in store.removed and len(remover) == 0
+    remover.submit("late")  # e.g. a get racing close: still removed, at once
+    assert ["late"] in store.removed

@@ -2,8 +2,10 @@
 
 ``put`` encodes the payload straight into a registered slab and hands it to the
 store with ``upsert_from`` (``put`` would keep an old value); ``get`` reads with
-``get_into`` into another registered slab and decodes zero-copy over it, then
-force-removes the key (a plain ``remove`` inside the lease fails with -706).
+``get_into`` into another registered slab and decodes zero-copy over it. The
+consumed key is force-removed (a plain ``remove`` inside the lease fails with
+-706) by a background :class:`~omni_plugins_mooncake._remover.Remover`, off the
+reader's critical path; until then this connector treats the key as gone.
 
 Data lives in the global segment of a client (the putter's, which this
 connector prefers) and disappears when that client closes: a producer must
@@ -23,6 +25,7 @@ from omni_plugins.errors import ConnectorError
 from omni_plugins_mooncake._backoff import poll
 from omni_plugins_mooncake._env import prepare_environment
 from omni_plugins_mooncake._import import import_mooncake
+from omni_plugins_mooncake._remover import Remover
 from omni_plugins_mooncake.config import MooncakeStoreConfig, parse_host_port
 from omni_plugins_mooncake.errors import BUFFER_TOO_SMALL, LEASE_EXPIRED, OBJECT_NOT_FOUND, describe
 from omni_plugins_mooncake.memory import SlabPool
@@ -82,11 +85,18 @@ class MooncakeStoreConnector(Connector):
         self._size_hint = 1  # bytes of the last payload read (racy by design: only a hint)
         self._stats_lock = threading.Lock()
         self._stats = {"puts": 0, "gets": 0, "bytes_put": 0, "bytes_got": 0, "remove_failures": 0}
+        self._remover = Remover(
+            lambda key: int(store.remove(key, True)),
+            lambda keys: [int(c) for c in store.batch_remove(keys, True)],
+            self._remove_failed,
+            name=f"mooncake-store remover ({cfg.master_address})",
+        )
 
     # -- contract ------------------------------------------------------------
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
         encoded = wire.encode(data)
         n = encoded.nbytes
+        self._remover.settle(key)  # a late removal of the key's consumed predecessor must not delete this one
         slab = self._pool.acquire(n)
         try:
             encoded.write_into(slab.view(n))
@@ -105,6 +115,8 @@ class MooncakeStoreConnector(Connector):
 
     def _try_get(self, key: str) -> GetResult | None:
         self._check_open()
+        if self._remover.pending(key):  # consumed here; its removal is still under way
+            return None
         # Read straight into a slab as large as the last payload: one RPC instead of
         # get_size + get_into. Only a larger payload pays a size lookup and a second read.
         slab = self._pool.acquire(self._size_hint)
@@ -128,7 +140,7 @@ class MooncakeStoreConnector(Connector):
             raise ConnectorError(f"mooncake store (master {self.config.master_address}): read of key {key!r} failed: {describe(got)}")
         self._size_hint = got
         view = self._pool.lease(slab, got)  # the slab returns to the pool when the decoded tensors die
-        self._remove(key)
+        self._remover.submit(key)
         try:
             data = wire.decode(view)
         finally:
@@ -146,6 +158,8 @@ class MooncakeStoreConnector(Connector):
         return got
 
     def _cleanup(self, key: str) -> bool:
+        if self._remover.settle(key):
+            return False  # already consumed
         rc = self._store.remove(key, True)
         if rc == 0:
             return True
@@ -163,23 +177,23 @@ class MooncakeStoreConnector(Connector):
             "segment": self._store.get_hostname(),
             "store_status": {0: "healthy", 1: "not initialised", 2: "master unreachable"}.get(rc, f"code {rc}"),
             "buffers": self._pool.stats(),
+            "pending_removals": len(self._remover),
             **stats,
         }
 
     def _close(self) -> None:
+        self._remover.close()  # consumed objects are removed before the client goes
         self._pool.close()
         rc = self._store.close()
         if rc != 0:
             logger.warning("closing mooncake store client of master %s returned %s", self.config.master_address, describe(rc))
 
     # -- helpers -------------------------------------------------------------
-    def _remove(self, key: str) -> None:
-        rc = self._store.remove(key, True)
-        if rc not in (0, OBJECT_NOT_FOUND):
-            self._count(remove_failures=1)
-            logger.warning(
-                "mooncake store (master %s): consumed key %r could not be removed: %s", self.config.master_address, key, describe(rc)
-            )
+    def _remove_failed(self, key: str, rc: int) -> None:
+        if rc == OBJECT_NOT_FOUND:  # cleaned up (or the master restarted) in between
+            return
+        self._count(remove_failures=1)
+        logger.warning("mooncake store (master %s): consumed key %r could not be removed: %s", self.config.master_address, key, describe(rc))
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
