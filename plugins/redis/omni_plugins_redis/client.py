@@ -198,15 +198,22 @@ class Connection:
 
 
 class NodePool:
-    """At most ``size`` connections to one server; idle ones are reused."""
+    """At most ``size`` connections to one server; idle ones are reused.
+
+    One plain lock guards the idle list and the count of connections in use (a
+    condition variable is touched only when the pool is full): the hot path of a
+    small get or put is one lock round each way.
+    """
 
     def __init__(self, address: Address, config: RedisConfig) -> None:
         self.address = address
         self._config = config
         self._idle: list[Connection] = []
         self._redo: list[tuple[Arg, ...]] = []  # deferred commands of connections that died
-        self._slots = threading.BoundedSemaphore(config.pool_size)
         self._lock = threading.Lock()
+        self._freed = threading.Condition(self._lock)
+        self._busy = 0  # connections handed out (counted against pool_size)
+        self._waiters = 0
         self._closed = False
 
     def use(self, step: Callable[[Connection], T]) -> T:
@@ -222,37 +229,57 @@ class NodePool:
 
     def _acquire(self) -> Connection:
         cfg = self._config
-        if not self._slots.acquire(timeout=cfg.pool_timeout):
-            raise ConnectorError(f"Redis {self.address}: all {cfg.pool_size} pooled connections busy for {cfg.pool_timeout}s")
+        with self._lock:
+            if self._busy >= cfg.pool_size:
+                deadline = time.monotonic() + cfg.pool_timeout
+                self._waiters += 1
+                try:
+                    while self._busy >= cfg.pool_size:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0:
+                            raise ConnectorError(
+                                f"Redis {self.address}: all {cfg.pool_size} pooled connections busy for {cfg.pool_timeout}s"
+                            )
+                        self._freed.wait(remaining)
+                finally:
+                    self._waiters -= 1
+            self._busy += 1
+            conn = self._idle.pop() if self._idle else None
+            redo, self._redo = self._redo, []
         try:
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
             if conn is None:
                 conn = Connection(self.address, cfg)
-            if self._redo:
-                with self._lock:
-                    redo, self._redo = self._redo, []
-                for command in redo:
-                    conn.defer(*command)
+            for command in redo:
+                conn.defer(*command)
         except BaseException:
-            self._slots.release()
+            if conn is not None:
+                conn.close()
+            with self._lock:
+                self._redo[:0] = redo
+                self._unbusy()
             raise
         return conn
+
+    def _unbusy(self) -> None:
+        """One connection fewer in use (caller holds the lock)."""
+        self._busy -= 1
+        if self._waiters:
+            self._freed.notify()
 
     def _release(self, conn: Connection) -> None:
         with self._lock:
             keep = not (self._closed or conn.broken)
             if keep:
                 self._idle.append(conn)
+            self._unbusy()
         if not keep:
             conn.close()
-        self._slots.release()
 
     def _discard(self, conn: Connection) -> None:
         conn.close()  # state unknown (half-read reply?): never reuse
         with self._lock:
             self._redo.extend(conn.unconfirmed())
-        self._slots.release()
+            self._unbusy()
 
     def close(self) -> None:
         """Close idle connections after confirming their deferred commands (best effort)."""

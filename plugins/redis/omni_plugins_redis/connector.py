@@ -19,12 +19,11 @@ live on one node and each step talks to one connection.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,7 +103,6 @@ class RedisConnector(Connector):
         self._claim_ids = itertools.count()
         self._suspect: dict[str, bytes] = {}  # key -> claim list that may still hold a payload
         self._suspect_lock = threading.Lock()
-        self._key_locks = _KeyLocks()
         ttl_ms = round(config.ttl_seconds * 1000)
         self._ttl_ms = ttl_ms
         self._part_ttl_ms = ttl_ms + PART_TTL_GRACE_MS if ttl_ms else 0
@@ -198,59 +196,56 @@ class RedisConnector(Connector):
     # -- get -------------------------------------------------------------------
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
         keys = self._keys(key)
-        with self._key_locks.hold(key):  # a recovered claim must be read by one get only
-            suspect = self._suspect_claim(key)
-            raw = None if suspect is None else self._recover_claim(keys, suspect)
-            if suspect is not None and raw is not None:
-                claim_key = suspect
-            else:
-                claim_key = keys.claim(f"{self._claim_tag}.{next(self._claim_ids):x}")
-                try:
-                    raw = self._claimer.claim(keys, claim_key, timeout)
-                except ConnectorError:
-                    self._set_suspect(key, claim_key)  # the move may have run with its reply lost
-                    raise
-                if raw is None:
-                    return None
-            try:
-                manifest = mf.parse(raw, self.config.max_payload_bytes)
-            except mf.ManifestError as exc:
-                self._discard(keys, [claim_key], flush=True)
-                self._set_suspect(key, None)
-                raise ConnectorError(f"get {key!r} on Redis {self._client.label}: corrupt manifest: {exc}") from None
-            # one copy either way: the inline bytes (already a fresh bytearray when large), or parts streamed into one buffer
-            buffer: bytearray | memoryview | np.ndarray
-            if not manifest.inline:
-                buffer = self._read_parts(keys, manifest, raw, claim_key)
-            else:
-                # the payload is in hand: the claim list's delete rides on the next write
+        suspect = self._take_suspect(key)  # taken: no other get of this key reads the same claim
+        raw = None if suspect is None else self._recover_claim(keys, suspect)
+        if suspect is not None and raw is not None:
+            claim_key = suspect
+            if mf.looks_inline(raw):
                 self._discard(keys, [claim_key], flush=False)
-                self._set_suspect(key, None)
-                buffer = memoryview(raw)[mf.HEADER_SIZE :] if isinstance(raw, bytearray) else bytearray(memoryview(raw)[mf.HEADER_SIZE :])
-            return GetResult(wire.decode(buffer, copy=False), manifest.total)
+        else:
+            claim_key = keys.claim(f"{self._claim_tag}.{next(self._claim_ids):x}")
+            try:
+                raw = self._claimer.claim(keys, claim_key, timeout, lambda conn, element: _drop_inline_claim(conn, claim_key, element))
+            except ConnectorError:
+                self._set_suspect(key, claim_key)  # the move may have run with its reply lost
+                raise
+            if raw is None:
+                return None
+        try:
+            manifest = mf.parse(raw, self.config.max_payload_bytes)
+        except mf.ManifestError as exc:
+            self._discard(keys, [claim_key], flush=True)
+            raise ConnectorError(f"get {key!r} on Redis {self._client.label}: corrupt manifest: {exc}") from None
+        # one copy either way: the inline bytes (already a fresh bytearray when large), or parts streamed into one buffer
+        buffer: bytearray | memoryview | np.ndarray
+        if not manifest.inline:
+            buffer = self._read_parts(keys, manifest, raw, claim_key)
+        elif isinstance(raw, bytearray):
+            buffer = memoryview(raw)[mf.HEADER_SIZE :]
+        else:
+            buffer = bytearray(memoryview(raw)[mf.HEADER_SIZE :])
+        return GetResult(wire.decode(buffer, copy=False), manifest.total)
 
-    def _suspect_claim(self, key: str) -> bytes | None:
-        if not self._suspect:  # unlocked fast path: a stale read only delays recovery to the next get
+    def _take_suspect(self, key: str) -> bytes | None:
+        """The claim list an interrupted get of ``key`` left (None: none), now owned by the caller."""
+        if not self._suspect:  # the common case, without the lock
             return None
         with self._suspect_lock:
-            return self._suspect.get(key)
+            return self._suspect.pop(key, None)
 
-    def _set_suspect(self, key: str, claim_key: bytes | None) -> None:
-        """Record (or, with None, forget) the claim list that may still hold ``key``'s payload."""
-        if claim_key is None and key not in self._suspect:
-            return  # the common case, without the lock (the per-key lock orders gets of a key)
+    def _set_suspect(self, key: str, claim_key: bytes) -> None:
+        """Record the claim list that may still hold ``key``'s payload; the next get of the key looks there first."""
         with self._suspect_lock:
-            if claim_key is None:
-                self._suspect.pop(key, None)
-            else:
-                self._suspect[key] = claim_key
+            self._suspect[key] = claim_key
 
     def _recover_claim(self, keys: PayloadKeys, claim_key: bytes) -> bytes | bytearray | None:
         """A payload an earlier get of this key claimed but never finished reading (None if none)."""
-        found = self._client.run(keys.slot, lambda conn: peek_claim(conn, claim_key), what="get recover", key=keys.key)
-        if found is None:
-            self._set_suspect(keys.key, None)
-        else:
+        try:
+            found = self._client.run(keys.slot, lambda conn: peek_claim(conn, claim_key), what="get recover", key=keys.key)
+        except ConnectorError:
+            self._set_suspect(keys.key, claim_key)
+            raise
+        if found is not None:
             log.info("get %r on Redis %s: recovered a payload claimed by an earlier, interrupted get", keys.key, self._client.label)
         return found
 
@@ -268,14 +263,13 @@ class RedisConnector(Connector):
             self._client.run(keys.slot, lambda conn: self._read_step(conn, state, part_keys), what="get", key=keys.key)
         except _PartUnusable as exc:
             self._discard(keys, [claim_key, *part_keys], flush=True)
-            self._set_suspect(keys.key, None)
             raise ConnectorError(f"get {keys.key!r} on Redis {self._client.label}: {exc}") from None
         except ConnectorError:
             # give it back to the manifest list; if even that fails it stays in our claim list
-            self._set_suspect(keys.key, None if self._restore(keys, raw, claim_key) else claim_key)
+            if not self._restore(keys, raw, claim_key):
+                self._set_suspect(keys.key, claim_key)
             raise
         self._discard(keys, [claim_key, *part_keys], flush=True)  # frees server memory now
-        self._set_suspect(keys.key, None)
         return buffer
 
     def _read_step(self, conn: Connection, state: _ReadState, part_keys: list[bytes]) -> None:
@@ -372,7 +366,7 @@ class RedisConnector(Connector):
         keys = self._keys(key)
         # only the claim list of an interrupted get can still hold a payload; others are consumed
         lists = [keys.manifest]
-        claim_key = self._suspect_claim(key)
+        claim_key = self._take_suspect(key)
         if claim_key is not None:
             lists.append(claim_key)
         commands: list[tuple[Any, ...]] = [("MULTI",), *(("LRANGE", k, 0, -1) for k in lists), ("DEL", *lists), ("EXEC",)]
@@ -398,9 +392,12 @@ class RedisConnector(Connector):
                 conn.call("UNLINK", *doomed)
             return elements
 
-        found = bool(self._client.run(keys.slot, step, what="cleanup", key=key))
-        self._set_suspect(key, None)
-        return found
+        try:
+            return bool(self._client.run(keys.slot, step, what="cleanup", key=key))
+        except ConnectorError:
+            if claim_key is not None:
+                self._set_suspect(key, claim_key)
+            raise
 
     def _health(self) -> dict[str, Any]:
         status: dict[str, Any] = {"server": self._client.label, "cluster": self.config.cluster, "blocking_get": self._claimer.blocking}
@@ -419,32 +416,14 @@ class RedisConnector(Connector):
         self._client.close()
 
 
-class _KeyLocks:
-    """A lock per key, created on demand and dropped when nobody holds or waits for it."""
-
-    def __init__(self) -> None:
-        self._guard = threading.Lock()
-        self._locks: dict[str, tuple[threading.Lock, int]] = {}
-
-    @contextlib.contextmanager
-    def hold(self, key: str) -> Iterator[None]:
-        with self._guard:
-            lock, users = self._locks.get(key) or (threading.Lock(), 0)
-            self._locks[key] = (lock, users + 1)
-        try:
-            with lock:
-                yield
-        finally:
-            with self._guard:
-                lock, users = self._locks[key]
-                if users == 1:
-                    del self._locks[key]
-                else:
-                    self._locks[key] = (lock, users - 1)
-
-
 class _PartUnusable(Exception):
     """A part is missing or has the wrong size: the payload cannot be read (not retried)."""
+
+
+def _drop_inline_claim(conn: Connection, claim_key: bytes, element: bytes | bytearray) -> None:
+    """Right after a claim: an inline payload is in hand, so its claim list's delete rides on the next write."""
+    if mf.looks_inline(element):
+        conn.defer("UNLINK", claim_key)
 
 
 def _split(buffers: list[memoryview], chunk: int) -> list[list[Buffer]]:

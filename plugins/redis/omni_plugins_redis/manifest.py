@@ -63,6 +63,14 @@ def for_inline(total: int, put_id: str) -> Manifest:
     return Manifest(total=total, chunk=0, nparts=0, put_id=put_id)
 
 
+_NPARTS_OFFSET = 4 + 1 + 3 + 8 + 4
+
+
+def looks_inline(raw: bytes | bytearray) -> bool:
+    """Whether an element claims to carry its payload inline (a hint before :func:`parse` validates it)."""
+    return len(raw) >= HEADER_SIZE and raw[_NPARTS_OFFSET : _NPARTS_OFFSET + 4] == b"\0\0\0\0"
+
+
 def parse(raw: bytes | bytearray, max_total: int) -> Manifest:
     """Validate and unpack a manifest; raises :class:`ManifestError`."""
     if len(raw) < HEADER_SIZE:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from omni_plugins_redis.client import AuthError, Connection, RedisClient
 from omni_plugins_redis.config import RedisConfig
@@ -44,10 +45,17 @@ class Claimer:
         """False once the server refused ``BLMOVE`` (then ``get(timeout=)`` polls)."""
         return self._blocking
 
-    def claim(self, keys: PayloadKeys, claim_key: bytes, timeout: float | None) -> bytes | bytearray | None:
-        """Return the claimed manifest element, or None if none arrived in time."""
+    def claim(
+        self, keys: PayloadKeys, claim_key: bytes, timeout: float | None, on_claimed: OnClaimed | None = None
+    ) -> bytes | bytearray | None:
+        """Return the claimed manifest element, or None if none arrived in time.
+
+        ``on_claimed(conn, element)`` runs on the same connection right after a
+        successful claim (e.g. to queue the claim list's deletion with no extra
+        round trip).
+        """
         deadline = None if not timeout or timeout <= 0 else time.monotonic() + timeout
-        state = _ClaimState()
+        state = _ClaimState(on_claimed)
         if deadline is None or not self._blocking:
             return self._poll(keys, claim_key, deadline, state)
         try:
@@ -86,7 +94,7 @@ class Claimer:
     ) -> bytes | bytearray | None:
         found = self._recover(conn, claim_key, state)
         if found is not None:
-            return found
+            return _claimed(conn, found, state)
         remaining = deadline - time.monotonic()
         if remaining < _MIN_BLOCK:
             return self._move_once(conn, keys, claim_key, state)
@@ -100,18 +108,18 @@ class Claimer:
         moved = conn.read(timeout=remaining + self._config.socket_timeout)
         expire = conn.read()
         state.sent = False
-        return _taken(conn, claim_key, moved, expire)
+        return _taken(conn, moved, expire, state)
 
     def _move_once(self, conn: Connection, keys: PayloadKeys, claim_key: bytes, state: _ClaimState) -> bytes | bytearray | None:
         found = self._recover(conn, claim_key, state)
         if found is not None:
-            return found
+            return _claimed(conn, found, state)
         state.sent = True
         conn.send_many([("LMOVE", keys.manifest, claim_key, "LEFT", "RIGHT"), ("PEXPIRE", claim_key, CLAIM_TTL_MS)])
         moved = conn.read()
         expire = conn.read()
         state.sent = False
-        return _taken(conn, claim_key, moved, expire)
+        return _taken(conn, moved, expire, state)
 
     def _poll(self, keys: PayloadKeys, claim_key: bytes, deadline: float | None, state: _ClaimState) -> bytes | bytearray | None:
         delay = 0.001
@@ -128,13 +136,17 @@ class Claimer:
             delay = min(delay * 2, self._config.poll_interval_max)
 
 
+OnClaimed = Callable[[Connection, bytes | bytearray], None]
+
+
 class _ClaimState:
-    """Progress of one claim across retries: whether a move may have run on the server."""
+    """One claim across retries: whether a move may have run on the server, what to do once claimed."""
 
-    __slots__ = ("sent",)
+    __slots__ = ("on_claimed", "sent")
 
-    def __init__(self) -> None:
+    def __init__(self, on_claimed: OnClaimed | None) -> None:
         self.sent = False
+        self.on_claimed = on_claimed
 
 
 def peek_claim(conn: Connection, claim_key: bytes) -> bytes | bytearray | None:
@@ -143,14 +155,13 @@ def peek_claim(conn: Connection, claim_key: bytes) -> bytes | bytearray | None:
     return element if isinstance(element, (bytes, bytearray)) else None
 
 
-def _taken(conn: Connection, claim_key: bytes, moved: Reply, expire: Reply) -> bytes | bytearray | None:
+def _taken(conn: Connection, moved: Reply, expire: Reply, state: _ClaimState) -> bytes | bytearray | None:
     """The claimed element (or None).
 
     The claim list keeps the element until the connector has read every part and
     deletes it together with the parts: a reply lost now, or a server outage
     while the parts are read, leaves the payload in the claim list, where the
-    connector's next get of the same key finds it (the claim list is named by
-    connector instance and key).
+    connector's next get of the same key finds it.
     """
     if isinstance(moved, ReplyError):
         raise moved
@@ -160,4 +171,10 @@ def _taken(conn: Connection, claim_key: bytes, moved: Reply, expire: Reply) -> b
         return None
     if not isinstance(moved, (bytes, bytearray)):
         raise ReplyError(f"unexpected reply to LMOVE: {type(moved).__name__}")
-    return moved
+    return _claimed(conn, moved, state)
+
+
+def _claimed(conn: Connection, element: bytes | bytearray, state: _ClaimState) -> bytes | bytearray:
+    if state.on_claimed is not None:
+        state.on_claimed(conn, element)
+    return element
