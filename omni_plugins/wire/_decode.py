@@ -34,7 +34,8 @@ from omni_plugins.wire._format import (
 )
 
 _unpackb = msgpack.unpackb  # defaults: raw=False (str is utf-8), strict_map_key=True (str/bytes keys only)
-_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
+_frombuffer = np.frombuffer
+_from_numpy = torch.from_numpy
 _MAX_EXTENT = 2**62  # below numpy's intp limit for size x itemsize
 
 # torch warns (once per process) when a tensor is built over read-only memory. The
@@ -94,62 +95,80 @@ def _check_table(raw: Any, data_start: int, total: int, limits: Limits) -> list[
 
 
 class _Builder:
-    """Turns the header tree into the payload: checks depth and items, resolves buffer refs."""
+    """Turns the header tree into the payload: checks depth and items, resolves buffer refs.
 
-    __slots__ = ("copy", "items", "limits", "mv", "next_ref", "readonly", "table")
+    msgpack (with :func:`_ext_hook` and ``max_ext_len=0``, which also refuses its built-in
+    Timestamp extension) can only produce dicts with str/bytes keys, lists, str, bytes, int,
+    float, bool, None and the two markers, so the walk checks just the key type, the tuple
+    marker's position, the depth and the item budget.
+    """
+
+    __slots__ = ("copy", "items", "max_depth", "max_items", "mv", "next_ref", "readonly", "table")
 
     def __init__(self, mv: memoryview, table: list[_Row], copy: bool, limits: Limits) -> None:
         self.mv = mv
         self.readonly = mv.readonly
         self.table = table
         self.copy = copy
-        self.limits = limits
+        self.max_depth = limits.max_depth
+        self.max_items = limits.max_items
         self.items = len(table)
         self.next_ref = 0
 
     def walk(self, node: Any, depth: int) -> Any:
         t = type(node)
-        if t is dict or t is list:
-            return self._container(node, t, depth)
+        if t is dict:
+            return self._dict(node, depth)
+        if t is list:
+            return self._list(node, depth)
         if node is _REF:
             return self._ref()
-        if t in _LEAVES:
-            return node
-        raise _unsupported(node)
+        if node is _TUPLE:
+            raise _unsupported(node)
+        return node
 
-    def _container(self, node: Any, t: type, depth: int) -> Any:
+    def _enter(self, node: Any, depth: int) -> int:
         depth += 1
-        if depth > self.limits.max_depth:
-            raise WireFormatError(f"nesting depth exceeds max_depth={self.limits.max_depth}")
+        if depth > self.max_depth:
+            raise WireFormatError(f"nesting depth exceeds max_depth={self.max_depth}")
         self.items += len(node)
-        if self.items > self.limits.max_items:
-            raise WireFormatError(f"more than max_items={self.limits.max_items} elements")
-        walk = self.walk
-        if t is dict:
-            for k, v in node.items():
-                if type(k) is not str:
-                    raise WireFormatError(f"dict key of type {type(k).__name__} (only str keys are allowed)")
-                if v is _REF:
-                    node[k] = self._ref()
-                    continue
+        if self.items > self.max_items:
+            raise WireFormatError(f"more than max_items={self.max_items} elements")
+        return depth
+
+    def _dict(self, node: dict[Any, Any], depth: int) -> Any:
+        depth = self._enter(node, depth)
+        for k, v in node.items():
+            if type(k) is not str:
+                raise WireFormatError(f"dict key of type {type(k).__name__} (only str keys are allowed)")
+            if v is _REF:
+                node[k] = self._ref()
+            else:
                 tv = type(v)
-                if tv is dict or tv is list:
-                    node[k] = walk(v, depth)
-                elif tv not in _LEAVES:
+                if tv is dict:
+                    node[k] = self._dict(v, depth)
+                elif tv is list:
+                    node[k] = self._list(v, depth)
+                elif v is _TUPLE:
                     raise _unsupported(v)
-            return node
+        return node
+
+    def _list(self, node: list[Any], depth: int) -> Any:
+        depth = self._enter(node, depth)
         is_tuple = bool(node) and node[0] is _TUPLE
         if is_tuple:
             node = node[1:]
         for i, v in enumerate(node):
             if v is _REF:
                 node[i] = self._ref()
-                continue
-            tv = type(v)
-            if tv is dict or tv is list:
-                node[i] = walk(v, depth)
-            elif tv not in _LEAVES:
-                raise _unsupported(v)
+            else:
+                tv = type(v)
+                if tv is dict:
+                    node[i] = self._dict(v, depth)
+                elif tv is list:
+                    node[i] = self._list(v, depth)
+                elif v is _TUPLE:
+                    raise _unsupported(v)
         return tuple(node) if is_tuple else node
 
     def _ref(self) -> Any:
@@ -161,7 +180,7 @@ class _Builder:
         spec, off, nbytes, shape = self.table[i]
         if spec.is_bytes:
             return bytes(self.mv[off : off + nbytes])
-        arr = np.frombuffer(self.mv, spec.carrier, nbytes // spec.itemsize, off)
+        arr = _frombuffer(self.mv, spec.carrier, nbytes // spec.itemsize, off)
         if len(shape) != 1:
             arr = arr.reshape(shape)
         if spec.is_bool and nbytes and bool((arr.view(np.uint8) > 1).any()):
@@ -171,10 +190,12 @@ class _Builder:
         elif self.readonly:
             if spec.torch_dtype is None:
                 return arr
-            return _view_as(_from_readonly(arr), spec)
-        if spec.torch_dtype is None:
+            tensor = _from_readonly(arr)
+            return tensor.view(spec.torch_dtype) if spec.needs_view else tensor
+        torch_dtype = spec.torch_dtype
+        if torch_dtype is None:
             return arr
-        return _view_as(torch.from_numpy(arr), spec)
+        return _from_numpy(arr).view(torch_dtype) if spec.needs_view else _from_numpy(arr)
 
 
 class _Marker:
@@ -207,13 +228,6 @@ def _unsupported(v: Any) -> WireFormatError:
     if v is _TUPLE:
         return WireFormatError("tuple marker outside the first position of an array")
     return WireFormatError(f"header holds an unsupported msgpack value of type {type(v).__name__}")
-
-
-def _view_as(tensor: torch.Tensor, spec: DtypeSpec) -> torch.Tensor:
-    if spec.needs_view:
-        assert spec.torch_dtype is not None
-        return tensor.view(spec.torch_dtype)
-    return tensor
 
 
 def _from_readonly(arr: np.ndarray) -> torch.Tensor:
