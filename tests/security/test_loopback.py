@@ -124,10 +124,59 @@ def test_mooncake_connectors_own_sockets_are_loopback(engine_sockets: dict[str, 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="Mooncake TransferEngine (0.3.13.post1) binds its handshake RPC and TCP transport ports to 0.0.0.0/:: "
-    "regardless of MC_TCP_BIND_ADDRESS; use P2PHANDSHAKE on loopback and a host firewall (docs/reliability.md)",
+    reason="Mooncake TransferEngine (0.3.13.post1) binds its handshake port to 0.0.0.0 (INADDR_ANY, hard-coded) and its "
+    "TCP data port to :: (dual-stack) whatever MC_TCP_BIND_ADDRESS, MC_LEGACY_RPC_PORT_BINDING, a host:port local_hostname "
+    "or an HTTP metadata server say (all tried); mitigation: a loopback-only network namespace (docs/mooncake.md)",
 )
 def test_mooncake_engine_sockets_are_loopback(engine_sockets: dict[str, object]) -> None:
     for name in ("store", "te"):
         wide = [a for a in engine_sockets[name] if a[0] not in LOOPBACK]  # type: ignore[union-attr]
         assert wide == [], f"{name}: {wide}"
+
+
+IN_NAMESPACE = textwrap.dedent(
+    """
+    import json, socket, psutil, torch
+    from omni_plugins_mooncake.testing import MooncakeMaster, loopback_environment
+    loopback_environment()
+    from omni_plugins import create_connector
+
+    out = {"interfaces": sorted(name for _, name in socket.if_nameindex())}
+    with MooncakeMaster() as master:
+        store = {"master_address": master.address, "global_segment_size": "32MiB", "local_buffer_size": "16MiB"}
+        pairs = {
+            "mooncake-store": (store, {**store, "global_segment_size": 0}),
+            "mooncake-te": ({"pool_size": "32MiB"}, None),
+        }
+        for name, (prod_cfg, cons_cfg) in pairs.items():
+            producer = create_connector(name, prod_cfg)
+            consumer = create_connector(name, cons_cfg or {"listen_address": None, "peers": [producer.address]})
+            producer.put(0, 1, "k", {"v": torch.arange(1000)})
+            got = consumer.get(0, 1, "k", timeout=10)
+            out[name] = got is not None and torch.equal(got.data["v"], torch.arange(1000))
+            out[name + " listens"] = sorted(
+                {c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN}
+            )
+            del got
+            consumer.close(); producer.close()
+    print(json.dumps(out))
+    """
+)
+
+
+def test_mooncake_mitigation_loopback_only_network_namespace() -> None:
+    """The documented mitigation works: in a namespace with only ``lo`` the wildcard listeners reach loopback only."""
+    pytest.importorskip("mooncake.store")
+    from omni_plugins_mooncake.testing import loopback_namespace_available, loopback_namespace_command
+
+    if not loopback_namespace_available():
+        pytest.skip("no unprivileged user + network namespaces here (unshare/ip)")
+    proc = subprocess.run(
+        loopback_namespace_command([sys.executable, "-c", IN_NAMESPACE]), capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["interfaces"] == ["lo"]  # nothing but loopback can reach a socket in here
+    assert out["mooncake-store"] is True and out["mooncake-te"] is True  # and the connectors still move data
+    # the engines still bind wildcards in there (what the namespace is for)
+    assert {"0.0.0.0", "::"} & set(out["mooncake-te listens"])

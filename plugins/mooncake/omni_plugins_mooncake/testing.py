@@ -11,6 +11,12 @@ Example::
 
 Every socket the master opens binds 127.0.0.1 (RPC and metrics; the HTTP
 metadata server stays off). The process is stopped by pid, never by name.
+
+Mooncake's TransferEngine (inside every store client and ``mooncake-te``
+connector) binds its handshake port on ``0.0.0.0`` and its TCP data port on
+``::`` whatever the settings (see docs/mooncake.md). To keep a test or a
+single-host pipeline unreachable from other hosts anyway, run it in a private
+network namespace that only has loopback: :func:`loopback_namespace_command`.
 """
 
 from __future__ import annotations
@@ -35,6 +41,28 @@ def loopback_environment() -> None:
     """Make Mooncake engines in this process (and children) use loopback and log only errors."""
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", LOOPBACK)
     os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+
+def loopback_namespace_command(argv: list[str]) -> list[str]:
+    """``argv`` wrapped to run in a new user + network namespace whose only interface is ``lo`` (brought up).
+
+    Every process started inside shares that namespace, so wildcard listeners
+    (Mooncake's engine ports) are reachable through loopback only. Needs
+    ``unshare`` (util-linux) and ``ip`` (iproute2) and unprivileged user
+    namespaces; check with :func:`loopback_namespace_available`.
+    """
+    return ["unshare", "--user", "--map-root-user", "--net", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *argv]
+
+
+def loopback_namespace_available(timeout: float = 10.0) -> bool:
+    """True when :func:`loopback_namespace_command` works on this machine."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return False
+    try:
+        done = subprocess.run(loopback_namespace_command(["true"]), capture_output=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def free_port(host: str = LOOPBACK) -> int:
