@@ -8,6 +8,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ from omni_plugins_shm.connector import ShmConnector
 from omni_plugins_shm.naming import NAME_MAX, Names, parse_name
 from omni_plugins_shm.segments.header import PAYLOAD_OFFSET, Header
 from omni_plugins_shm.segments.pool import size_class
-from omni_plugins_shm.testing import make_payload, namespace_segments, payload_matches
+from omni_plugins_shm.testing import make_payload, namespace_segments, payload_matches, segment_path
 
 from omni_plugins import create_connector
 from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
@@ -75,8 +76,9 @@ def test_segments_and_markers_are_mode_0600(pair: Any, namespace: str) -> None:
     files = namespace_segments(namespace)
     assert {parse_name(n).kind for n in files} >= {"o", "k", "f"}  # type: ignore[union-attr]
     for name in files:
-        mode = stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)
+        mode = stat.S_IMODE(os.stat(segment_path(name)).st_mode)
         assert mode == 0o600, f"{name} has mode {oct(mode)}"
+    assert stat.S_IMODE(os.stat(f"/dev/shm/{Names(namespace).publish_dir}").st_mode) == 0o700
 
 
 def test_close_frees_unconsumed_payloads_and_pool(namespace: str) -> None:
@@ -182,7 +184,7 @@ def test_views_outlive_close_of_both_connectors(namespace: str) -> None:
 
 # -- bad segments --------------------------------------------------------------------------------
 def _plant(namespace: str, key: str, content: bytes) -> str:
-    path = f"/dev/shm/{Names(namespace).published(key)}"
+    path = segment_path(Names(namespace).published(key))
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     os.write(fd, content)
     os.close(fd)
@@ -202,7 +204,7 @@ def test_garbage_at_a_key_is_a_connector_error_and_removed(pair: Any, namespace:
 def test_segment_for_another_key_is_rejected(pair: Any, namespace: str) -> None:
     producer, consumer = pair
     producer.put(0, 1, "one", {"v": 1})
-    os.rename(f"/dev/shm/{Names(namespace).published('one')}", f"/dev/shm/{Names(namespace).published('two')}")
+    os.rename(segment_path(Names(namespace).published('one')), segment_path(Names(namespace).published('two')))
     with pytest.raises(ConnectorError, match="different key"):
         consumer.get(0, 1, "two")
 
@@ -211,7 +213,7 @@ def test_segment_for_another_key_is_rejected(pair: Any, namespace: str) -> None:
 def test_corrupt_payload_bytes_raise_wire_format_error(pair: Any, namespace: str, zero_copy: bool) -> None:
     producer, consumer = pair
     producer.put(0, 1, "k", make_payload(1, 8 * KIB))
-    path = f"/dev/shm/{Names(namespace).published('k')}"
+    path = segment_path(Names(namespace).published('k'))
     with open(path, "r+b") as fh:  # valid segment header, destroyed wire message
         fh.seek(PAYLOAD_OFFSET)
         fh.write(b"\xff" * 64)
@@ -240,7 +242,7 @@ def test_blocking_get_without_inotify_falls_back(pair: Any, monkeypatch: pytest.
     """Fault injection: inotify unavailable (e.g. max_user_instances reached)."""
     import threading
 
-    def broken(directory: str) -> None:
+    def broken(path: str) -> None:
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr(notify, "_Watch", broken)
@@ -276,7 +278,7 @@ def test_gc_keeps_live_instances_and_reclaims_closed_ones(namespace: str) -> Non
     report = gc.collect(namespace)
     assert report.removed == [] and len(report.kept) == 2
     # a published payload whose producer's marker vanished (instance gone) is garbage
-    os.unlink(f"/dev/shm/{Names(namespace).marker(producer.owner_token)}")  # type: ignore[attr-defined]
+    os.unlink(segment_path(Names(namespace).marker(producer.owner_token)))  # type: ignore[attr-defined]
     report = gc.collect(namespace, dry_run=True)
     assert len(report.removed) == 1 and namespace_segments(namespace)
     report = gc.collect(namespace)
@@ -300,7 +302,7 @@ def test_symlink_at_a_key_is_rejected_without_following_it(pair: Any, namespace:
     _, consumer = pair
     target = tmp_path / "victim"
     target.write_bytes(b"OMNISHM\x01" + bytes(4096))
-    link = f"/dev/shm/{Names(namespace).published('ln')}"
+    link = segment_path(Names(namespace).published('ln'))
     os.symlink(target, link)
     with pytest.raises(ConnectorError, match="not a regular file"):
         consumer.get(0, 1, "ln")
@@ -316,3 +318,50 @@ def test_infinite_timeout_waits_and_wakes(pair: Any) -> None:
     got = consumer.get(0, 1, "inf", timeout=float("inf"))
     timer.join()
     assert got is not None and got.data == {"v": 1}
+
+
+def test_publish_directory_lives_as_long_as_an_instance(namespace: str) -> None:
+    """Markers keep the publish directory; the last instance to close removes it; a new one recreates it."""
+    pubdir = f"/dev/shm/{Names(namespace).publish_dir}"
+    first = create_connector("shm", {"namespace": namespace})
+    second = create_connector("shm", {"namespace": namespace})
+    second.put(0, 1, "k", {"v": 1})
+    first.close()
+    assert os.path.isdir(pubdir), "a live instance's directory must stay"
+    got = second.get(0, 1, "k")
+    assert got is not None and got.data == {"v": 1}
+    second.close()
+    assert not os.path.exists(pubdir)
+    with create_connector("shm", {"namespace": namespace}) as third:
+        third.put(0, 1, "k", {"v": 2})
+        assert third.get(0, 1, "k", timeout=5).data == {"v": 2}  # type: ignore[union-attr]
+    assert not os.path.exists(pubdir)
+
+
+def test_foreign_file_at_the_publish_directory_is_refused(namespace: str) -> None:
+    pubdir = f"/dev/shm/{Names(namespace).publish_dir}"
+    with open(pubdir, "w"):
+        pass
+    try:
+        with pytest.raises(ConnectorError, match="not a directory"):
+            create_connector("shm", {"namespace": namespace})
+    finally:
+        os.unlink(pubdir)
+
+
+def test_waiter_survives_its_directory_being_removed_by_gc_all(namespace: str) -> None:
+    """``gc --all`` next to a waiting get: the watch dies; the waiter falls back to sleeping and still gets the key."""
+    import threading
+
+    consumer = create_connector("shm", {"namespace": namespace})
+    result: list[Any] = []
+    waiter = threading.Thread(target=lambda: result.append(consumer.get(0, 1, "late", timeout=20)))
+    waiter.start()
+    time.sleep(0.2)
+    gc.collect(namespace, force=True)
+    assert not os.path.exists(f"/dev/shm/{Names(namespace).publish_dir}")
+    with create_connector("shm", {"namespace": namespace}) as producer:
+        producer.put(0, 1, "late", {"v": 5})
+        waiter.join(20)
+    assert not waiter.is_alive() and result and result[0] is not None and result[0].data == {"v": 5}
+    consumer.close()

@@ -28,9 +28,9 @@ import torch
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
-from omni_plugins_shm import gc
+from omni_plugins_shm import gc, pubdir
 from omni_plugins_shm.config import ShmConfig
-from omni_plugins_shm.naming import HASHED, PUBLISHED, Names, key_digest, parse_name
+from omni_plugins_shm.naming import HASHED, PUBLISHED, KeyNames, Names, parse_name
 from omni_plugins_shm.notify import Notifier
 from omni_plugins_shm.proc import Owner
 from omni_plugins_shm.segments.files import unlink_quiet
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 #: owned copies at least this large go to recycled (huge-page) private mappings; smaller ones to a bytearray
 _PRIVATE_MIN = 256 << 10
 _PUT_RETRIES = 4
-#: published names of keys remembered for ``wait_any`` before the cache starts over
+#: keys whose derived names are remembered before the cache starts over
 _NAME_CACHE_MAX = 4096
 
 
@@ -74,17 +74,17 @@ class ShmConnector(Connector):
                     len(report.removed),
                     report.bytes_freed,
                 )
-        self._marker = self._path(self._names.marker(self._token))
-        fd = os.open(self._marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_CLOEXEC, 0o600)
-        os.close(fd)
+        self._pubdir = self._path(self._names.publish_dir)
+        self._marker = pubdir.create_marker(self._pubdir, self._names.marker(self._token))
         self._pool = ProducerPool(
             self._dir, self._names, self._token, pool_bytes=self.config.pool_bytes, max_segment=self.config.pool_max_segment_bytes
         )
         self._maps = MapCache(self.config.map_cache_bytes)
         self._private = PrivateBuffers(self.config.recycle_bytes, self.config.hugepage_copies)
-        self._notifier = Notifier(self._dir)
+        self._notifier = Notifier(self._pubdir)
         self._published_prefixes = tuple(f"{self._names.prefix}{kind}.".encode() for kind in (PUBLISHED, HASHED))
-        self._published_cache: dict[str, bytes] = {}
+        self._keys: dict[str, KeyNames] = {}
+        self._claim_prefix = self._path(self._names.claimed(self._token, 0))[:-1]
         self._claim_numbers = itertools.count()
 
     def _path(self, name: str) -> str:
@@ -101,14 +101,15 @@ class ShmConnector(Connector):
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
         self._check_process()
         enc = wire.encode(data)
-        published = self._path(self._names.published(key))
+        names = self._key(key)
+        published = names.published_path
         for _ in range(_PUT_RETRIES):
             try:
                 seg = self._pool.acquire(enc.nbytes)
             except OSError as exc:
                 raise ConnectorError(f"shm put of key {key!r} ({enc.nbytes} bytes) in {self._dir}: cannot get a segment: {exc}") from exc
             try:
-                header = Header(self._owner, seg.no, seg.capacity, enc.nbytes, key_digest(key), seg.pooled)
+                header = Header(self._owner, seg.no, seg.capacity, enc.nbytes, names.digest, seg.pooled)
                 seg.view[:HEADER_SIZE] = header.pack()
                 enc.write_into(seg.view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + enc.nbytes])
                 published_ok = self._publish(seg, published, key)
@@ -143,40 +144,41 @@ class ShmConnector(Connector):
 
     def _get_impl(self, key: str, timeout: float | None, zero_copy: bool) -> GetResult | None:
         self._check_process()
-        published = self._names.published(key)
+        names = self._key(key)
         if timeout is not None and timeout > 0:
-            claim = self._notifier.wait_for(frozenset({published}), lambda: self._claim(published), timeout)
+            path = names.published_path
+            claim = self._notifier.wait_for(names.wanted, lambda: self._claim(path), timeout)
         else:
-            claim = self._claim(published)
+            claim = self._claim(names.published_path)
         if claim is None:
             return None
-        self._notifier.forget(self._published_bytes(key))
-        return self._consume(claim, key, zero_copy)
+        self._notifier.forget(names.published_bytes)
+        return self._consume(claim, key, names.digest, zero_copy)
 
     # -- wait_any -------------------------------------------------------------------------
     def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
         self._check_process()
-        return self._notifier.wait_any({self._published_bytes(k): k for k in keys}, self._published_prefixes, timeout)
+        return self._notifier.wait_any({self._key(k).published_bytes: k for k in keys}, self._published_prefixes, timeout)
 
-    def _published_bytes(self, key: str) -> bytes:
-        """The published name of ``key`` as bytes (cached: a waiter asks for the same keys again and again)."""
-        cache = self._published_cache
-        name = cache.get(key)
-        if name is None:
+    def _key(self, key: str) -> KeyNames:
+        """Names and digest of ``key`` (cached: producers and waiters ask for the same keys again and again)."""
+        cache = self._keys
+        names = cache.get(key)
+        if names is None:
             if len(cache) >= _NAME_CACHE_MAX:
                 cache.clear()
-            name = cache[key] = os.fsencode(self._names.published(key))
-        return name
+            names = cache[key] = KeyNames(self._names, self._pubdir, key)
+        return names
 
-    def _claim(self, published_name: str) -> str | None:
+    def _claim(self, published_path: str) -> str | None:
         """Rename the published segment to a name only we use; None if it is not there."""
-        claim = self._path(self._names.claimed(self._token, next(self._claim_numbers)))
+        claim = f"{self._claim_prefix}{next(self._claim_numbers)}"
         try:
-            os.rename(self._path(published_name), claim)
+            os.rename(published_path, claim)
         except FileNotFoundError:
             return None
         except OSError as exc:  # e.g. EPERM: a file of another user squats the name in the sticky /dev/shm
-            raise ConnectorError(f"shm get: cannot claim {published_name!r} in {self._dir}: {exc}") from exc
+            raise ConnectorError(f"shm get: cannot claim {os.path.basename(published_path)!r} in {self._dir}: {exc}") from exc
         return claim
 
     def _invalid(self, claim: str, key: str, why: str) -> ConnectorError:
@@ -185,7 +187,7 @@ class ShmConnector(Connector):
             f"shm segment for key {key!r} in {self._dir} (namespace {self.config.namespace!r}) is invalid: {why}; removed it"
         )
 
-    def _open_claimed(self, claim: str, key: str) -> tuple[Header, Mapping] | None:
+    def _open_claimed(self, claim: str, key: str, digest: bytes) -> tuple[Header, Mapping] | None:
         """Header and mapping of a claimed segment (one ``stat`` when its mapping is cached)."""
         try:
             st = os.lstat(claim)  # never follow a symlink planted under a key's name
@@ -202,7 +204,7 @@ class ShmConnector(Connector):
                     raise HeaderError("size changed since it was mapped")
             else:
                 header = self._read_header(claim, st.st_size)
-            if header.key_digest != key_digest(key):
+            if header.key_digest != digest:
                 raise HeaderError("it holds a payload for a different key")
         except HeaderError as exc:
             raise self._invalid(claim, key, str(exc)) from exc
@@ -234,8 +236,8 @@ class ShmConnector(Connector):
         finally:
             os.close(fd)
 
-    def _consume(self, claim: str, key: str, zero_copy: bool) -> GetResult | None:
-        opened = self._open_claimed(claim, key)
+    def _consume(self, claim: str, key: str, digest: bytes, zero_copy: bool) -> GetResult | None:
+        opened = self._open_claimed(claim, key, digest)
         if opened is None:
             return None
         header, mapping = opened
@@ -281,7 +283,7 @@ class ShmConnector(Connector):
     # -- cleanup / close --------------------------------------------------------------------
     def _cleanup(self, key: str) -> bool:
         self._check_process()
-        return self._discard(self._path(self._names.published(key)))
+        return self._discard(self._key(key).published_path)
 
     def _discard(self, published_path: str) -> bool:
         """Claim and free whatever is published at ``published_path``; True if something was there."""
@@ -302,14 +304,15 @@ class ShmConnector(Connector):
         self._pool.close()
         self._maps.clear()
         self._private.clear()
+        pubdir.remove_if_empty(self._pubdir)  # succeeds for the last instance of the namespace
 
     def _free_unconsumed(self) -> None:
         """Unlink payloads this instance published that nobody consumed."""
-        for entry in _scan(self._dir, self._names.prefix):
+        for entry in _scan(self._pubdir, self._names.prefix):
             parsed = parse_name(entry)
             if parsed is None or parsed.kind not in ("k", "h"):
                 continue
-            path = self._path(entry)
+            path = f"{self._pubdir}/{entry}"
             header = gc.read_header(path)
             if header is not None and header.owner == self._owner:
                 claim = self._path(self._names.claimed(self._token, next(self._claim_numbers)))

@@ -4,6 +4,9 @@ Liveness is decided from the names and headers alone, so any process (the next
 connector instance, ``omni-plugins shm gc``, a test) can run it safely next to
 live producers and consumers:
 
+Markers and published payloads live in the namespace's publish directory (see
+:mod:`omni_plugins_shm.pubdir`), the rest in the shm directory; both are scanned.
+
 - ``o.<owner>`` marker: removed when the owner process is dead.
 - ``w.``/``f.`` (a producer's writing/free segments): removed when the owner process is dead or its
   marker is gone (the instance closed).
@@ -23,7 +26,20 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_plugins_shm.naming import CLAIMED, FREE, HASHED, MARKER, PREFIX, PUBLISHED, WRITING, Names, namespace_prefix, parse_name
+from omni_plugins_shm import pubdir
+from omni_plugins_shm.naming import (
+    CLAIMED,
+    FREE,
+    HASHED,
+    MARKER,
+    PREFIX,
+    PUBLISH_DIR,
+    PUBLISHED,
+    WRITING,
+    Names,
+    namespace_prefix,
+    parse_name,
+)
 from omni_plugins_shm.proc import Owner
 from omni_plugins_shm.segments.header import HEADER_SIZE, Header, HeaderError
 
@@ -72,7 +88,8 @@ class _Liveness:
         return self._process[k]
 
     def instance(self, namespace: str, owner: Owner) -> bool:
-        return self.process(owner) and os.path.exists(os.path.join(self._dir, Names(namespace).marker(owner.token)))
+        names = Names(namespace)
+        return self.process(owner) and os.path.exists(os.path.join(self._dir, names.publish_dir, names.marker(owner.token)))
 
 
 def _garbage(directory: str, name: str, live: _Liveness) -> bool:
@@ -92,24 +109,46 @@ def _garbage(directory: str, name: str, live: _Liveness) -> bool:
     return False
 
 
+def _is_publish_dir(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 3 and parts[0] == PREFIX and parts[2] == PUBLISH_DIR and bool(parts[1])
+
+
+def _entries(shm_dir: str, prefix: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """``(directory, name)`` of every file of the namespace(s), markers last; and the publish directories."""
+    with os.scandir(shm_dir) as it:
+        top = [e.name for e in it if e.name.startswith(prefix)]
+    dirs = [n for n in top if _is_publish_dir(n)]
+    entries = [(shm_dir, n) for n in top if not _is_publish_dir(n)]
+    for d in dirs:
+        path = os.path.join(shm_dir, d)
+        try:
+            with os.scandir(path) as it:
+                entries += [(path, e.name) for e in it if e.name.startswith(prefix)]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    entries.sort(key=lambda entry: entry[1].split(".", 3)[2:3] == [MARKER])
+    return entries, dirs
+
+
 def collect(namespace: str | None = None, *, shm_dir: str = DEFAULT_SHM_DIR, force: bool = False, dry_run: bool = False) -> GcReport:
     """Remove segments of dead (or closed) owners in ``namespace`` (all namespaces if None).
 
     Markers are handled last, so the segments of an instance are judged while its marker still says
-    whether it is alive. Safe to run concurrently with live connectors.
+    whether it is alive. A publish directory left empty is removed too (not listed in the report).
+    Safe to run concurrently with live connectors.
     """
     prefix = namespace_prefix(namespace) if namespace is not None else f"{PREFIX}."
     report = GcReport()
     try:
-        with os.scandir(shm_dir) as it:
-            names = sorted((e.name for e in it if e.name.startswith(prefix)), key=lambda n: n.split(".", 3)[2:3] == [MARKER])
+        entries, dirs = _entries(shm_dir, prefix)
     except FileNotFoundError:
         return report
     live = _Liveness(shm_dir)
-    for name in names:
-        path = os.path.join(shm_dir, name)
+    for directory, name in entries:
+        path = os.path.join(directory, name)
         try:
-            if not (force or _garbage(shm_dir, name, live)):
+            if not (force or _garbage(directory, name, live)):
                 report.kept.append(name)
                 continue
             size = os.stat(path).st_blocks * 512
@@ -121,4 +160,10 @@ def collect(namespace: str | None = None, *, shm_dir: str = DEFAULT_SHM_DIR, for
             continue  # consumed or freed meanwhile
         except OSError as exc:
             report.errors.append(f"{name}: {exc}")
+    if not dry_run:
+        for d in dirs:
+            try:
+                pubdir.remove_if_empty(os.path.join(shm_dir, d))
+            except OSError as exc:
+                report.errors.append(f"{d}: {exc}")
     return report

@@ -9,6 +9,12 @@ Kinds (the state of a segment is its name; ``rename`` moves it between states at
   consumer needs nothing but the key. Keys with characters outside ``[A-Za-z0-9_.-]`` or too
   long for ``NAME_MAX`` are hashed.
 - ``c.<owner>.<n>``: a payload claimed by the consumer ``owner`` (consume-once: the claim is a rename).
+
+Published payloads and markers live in the namespace's *publish directory*
+``omnishm.<namespace>.d/`` inside the shm directory (same names); every other kind lives in the
+shm directory itself. Waiters watch only the publish directory, so claims, returns and other
+namespaces never wake them; markers keep the directory non-empty while an instance lives, and
+the last instance to close removes it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,10 @@ _SAFE_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 MARKER, WRITING, FREE, PUBLISHED, HASHED, CLAIMED = "o", "w", "f", "k", "h", "c"
 KINDS = frozenset({MARKER, WRITING, FREE, PUBLISHED, HASHED, CLAIMED})
+#: suffix of the publish directory's name: ``omnishm.<namespace>.d``
+PUBLISH_DIR = "d"
+#: kinds that live in the publish directory
+IN_PUBLISH_DIR = frozenset({MARKER, PUBLISHED, HASHED})
 
 
 def key_digest(key: str) -> bytes:
@@ -32,6 +42,19 @@ def key_digest(key: str) -> bytes:
 
 def namespace_prefix(namespace: str) -> str:
     return f"{PREFIX}.{namespace}."
+
+
+def publish_dir_name(namespace: str) -> str:
+    """Name of the namespace's publish directory in the shm directory."""
+    return f"{PREFIX}.{namespace}.{PUBLISH_DIR}"
+
+
+def relative_path(name: str) -> str:
+    """Where the segment or marker ``name`` lives, relative to the shm directory."""
+    parsed = parse_name(name)
+    if parsed is not None and parsed.kind in IN_PUBLISH_DIR:
+        return f"{publish_dir_name(parsed.namespace)}/{name}"
+    return name
 
 
 @dataclass(frozen=True)
@@ -66,6 +89,8 @@ class Names:
     def __init__(self, namespace: str) -> None:
         self.namespace = namespace
         self.prefix = namespace_prefix(namespace)
+        #: the publish directory (relative to the shm directory)
+        self.publish_dir = publish_dir_name(namespace)
 
     def marker(self, owner: str) -> str:
         return f"{self.prefix}{MARKER}.{owner}"
@@ -85,3 +110,17 @@ class Names:
         if _SAFE_KEY.match(key) and len(literal.encode()) <= NAME_MAX:
             return literal
         return f"{self.prefix}{HASHED}.{key_digest(key).hex()}"
+
+
+class KeyNames:
+    """Everything derived from one key, computed once per key (a waiter and a producer ask again and again)."""
+
+    __slots__ = ("digest", "published", "published_bytes", "published_path", "wanted")
+
+    def __init__(self, names: Names, publish_dir: str, key: str) -> None:
+        self.digest = key_digest(key)
+        self.published = names.published(key)
+        self.published_path = f"{publish_dir}/{self.published}"
+        self.published_bytes = self.published.encode()
+        #: what a waiter for this key looks for in inotify events
+        self.wanted = frozenset({self.published_bytes})

@@ -1,7 +1,9 @@
-"""Waiting for a key without polling: inotify on the shm directory.
+"""Waiting for a key without polling: inotify on the namespace's publish directory.
 
-Publishing a payload is a rename to the key's name, which the kernel reports
-as ``IN_MOVED_TO`` on the directory. A waiting ``get`` blocks in ``poll()`` on
+Publishing a payload is a rename to the key's name in the publish directory
+(:mod:`omni_plugins_shm.pubdir`), which the kernel reports as ``IN_MOVED_TO``;
+claims move names out of it and returns happen in the shm directory, so neither
+wakes a waiter. A waiting ``get`` blocks in ``poll()`` on
 an inotify descriptor and retries its claim only when an event names its key
 (or the event queue overflowed), so an idle consumer costs no CPU and wakes
 within microseconds of the ``put``.
@@ -84,6 +86,8 @@ class _Watch:
         self._poll.register(fd, select.POLLIN)
         self.seen: set[bytes] | None = None
         self._prefixes: tuple[bytes, ...] = ()
+        #: the watched directory is gone (removed by ``gc --all``): waits fall back to sleeping
+        self.dead = False
 
     def _read(self) -> list[bytes] | None:
         """Names of the pending events (None: nothing pending); a queue overflow yields ``[OVERFLOW]``."""
@@ -97,6 +101,8 @@ class _Watch:
             _wd, mask, _cookie, length = _EVENT.unpack_from(data, off)
             if mask & (IN_Q_OVERFLOW | IN_IGNORED):
                 names.append(OVERFLOW)
+                if mask & IN_IGNORED:
+                    self.dead = True
             else:
                 names.append(data[off + _EVENT.size : off + _EVENT.size + length].rstrip(b"\0"))
             off += _EVENT.size + length
@@ -225,35 +231,50 @@ class Notifier:
         self._local.watch = watch
         return watch
 
-    def wait_for(self, names: frozenset[str], attempt: Callable[[], T | None], timeout: float) -> T | None:
-        """Call ``attempt`` until it returns non-None or ``timeout`` seconds pass; sleep on inotify between tries."""
+    def wait_for(self, names: frozenset[bytes], attempt: Callable[[], T | None], timeout: float) -> T | None:
+        """Call ``attempt`` until it returns non-None or ``timeout`` seconds pass; sleep on inotify between tries.
+
+        ``names``: the published names (bytes) whose events are worth a new attempt. No
+        drain before the first attempt: an event that is already queued (stale) costs one
+        extra attempt at most, and any publication after the attempt is queued, so it
+        wakes the sleep that follows -- nothing is lost.
+        """
+        result = attempt()
+        if result is not None:
+            return result
         deadline = time.monotonic() + timeout
         watch = self._watch()
-        encoded = frozenset(os.fsencode(n) for n in names)
         if watch is not None:
             with self._lock:
                 watch.busy = True
-            watch.drain()
         backoff = 0.0002
         try:
             while True:
-                result = attempt()
-                if result is not None:
-                    return result
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._closed:
                     return None
-                if watch is not None:
-                    watch.wait(encoded, remaining)
+                if watch is not None and not watch.dead:
+                    watch.wait(names, remaining)
                 else:
                     time.sleep(min(backoff, remaining))
                     backoff = min(backoff * 2, 0.02)
+                result = attempt()
+                if result is not None:
+                    return result
         finally:
             if watch is not None:
-                with self._lock:
-                    watch.busy = False
-                    if self._closed:  # close() left this watch to us because we were using it
-                        watch.close()
+                self._release(watch)
+
+    def _release(self, watch: _Watch) -> None:
+        """End this thread's use of ``watch``; close it if the notifier closed or its directory vanished."""
+        with self._lock:
+            watch.busy = False
+            if watch.dead and watch in self._watches:
+                self._watches.remove(watch)
+                self._local.watch = None  # the next wait watches the directory again (if it is back)
+                watch.close()
+            elif self._closed:  # close() left this watch to us because we were using it
+                watch.close()
 
     def wait_any(self, wanted: Mapping[bytes, T], prefixes: tuple[bytes, ...], timeout: float) -> list[T]:
         """Values of ``wanted`` (published name -> key) whose names are present, waiting up to ``timeout``.
@@ -280,10 +301,7 @@ class Notifier:
             watch.track(prefixes)
             return watch.wait_any(wanted, timeout)
         finally:
-            with self._lock:
-                watch.busy = False
-                if self._closed:
-                    watch.close()
+            self._release(watch)
 
     def forget(self, name: bytes) -> None:
         """This thread claimed ``name``: drop it from its watch's tracked set (no-op when not tracking)."""

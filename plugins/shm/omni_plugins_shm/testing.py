@@ -9,16 +9,35 @@ import os
 import uuid
 
 from omni_plugins_shm.gc import DEFAULT_SHM_DIR
-from omni_plugins_shm.naming import namespace_prefix
+from omni_plugins_shm.naming import namespace_prefix, publish_dir_name, relative_path
 
 
 def namespace_segments(namespace: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
-    """Names of every file of ``namespace`` in ``shm_dir`` (segments and liveness markers), sorted."""
+    """Names of every file of ``namespace`` (segments and liveness markers), sorted.
+
+    Names in the publish directory are listed bare (like the others; :func:`segment_path`
+    gives the full path). The publish directory itself is listed only when it is left
+    empty -- it must not outlive the namespace's last instance.
+    """
     prefix = namespace_prefix(namespace)
     try:
-        return sorted(name for name in os.listdir(shm_dir) if name.startswith(prefix))
+        top = [name for name in os.listdir(shm_dir) if name.startswith(prefix)]
     except FileNotFoundError:
         return []
+    pubdir = publish_dir_name(namespace)
+    out = [name for name in top if name != pubdir]
+    if pubdir in top:
+        try:
+            inner = [name for name in os.listdir(os.path.join(shm_dir, pubdir)) if name.startswith(prefix)]
+        except (FileNotFoundError, NotADirectoryError):
+            inner = []
+        out += inner if inner else [pubdir]
+    return sorted(out)
+
+
+def segment_path(name: str, shm_dir: str = DEFAULT_SHM_DIR) -> str:
+    """Full path of a segment or marker named ``name`` (as listed by :func:`namespace_segments`)."""
+    return os.path.join(shm_dir, relative_path(name))
 
 
 def assert_namespace_empty(namespace: str, shm_dir: str = DEFAULT_SHM_DIR) -> None:
