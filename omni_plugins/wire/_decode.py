@@ -19,7 +19,7 @@ import torch
 
 from omni_plugins.errors import WireFormatError
 from omni_plugins.wire._alloc import copy_out
-from omni_plugins.wire._dtypes import BY_CODE, DtypeSpec, Kind
+from omni_plugins.wire._dtypes import BY_CODE, DtypeSpec
 from omni_plugins.wire._format import (
     ALIGNMENT,
     DEFAULT_LIMITS,
@@ -36,6 +36,7 @@ from omni_plugins.wire._format import (
 _unpackb = msgpack.unpackb  # defaults: raw=False (str is utf-8), strict_map_key=True (str/bytes keys only)
 _frombuffer = np.frombuffer
 _from_numpy = torch.from_numpy
+_ALIGN_MASK = ALIGNMENT - 1
 _MAX_EXTENT = 2**62  # below numpy's intp limit for size x itemsize
 
 # torch warns (once per process) when a tensor is built over read-only memory. The
@@ -46,7 +47,7 @@ _readonly_lock = threading.Lock()
 
 
 # One validated buffer-table row: (spec, absolute offset, nbytes, shape).
-_Row = tuple[DtypeSpec, int, int, tuple[int, ...]]
+_Row = tuple[DtypeSpec, int, int, list[int]]
 
 
 def _check_table(raw: Any, data_start: int, total: int, limits: Limits) -> list[_Row]:
@@ -57,6 +58,7 @@ def _check_table(raw: Any, data_start: int, total: int, limits: Limits) -> list[
     rows: list[_Row] = []
     end = 0  # end of the previous buffer, relative to data_start
     data_len = total - data_start
+    max_ndim = limits.max_ndim
     for i, row in enumerate(raw):
         if type(row) is not list or len(row) != 4:
             raise WireFormatError(f"buffer table entry {i} is not [code, offset, nbytes, shape]")
@@ -66,31 +68,37 @@ def _check_table(raw: Any, data_start: int, total: int, limits: Limits) -> list[
         spec = BY_CODE.get(code)
         if spec is None:
             raise WireFormatError(f"buffer {i}: dtype code {code} is not in the allowlist")
-        if len(shape) > limits.max_ndim:
-            raise WireFormatError(f"buffer {i}: {len(shape)} dimensions > max_ndim={limits.max_ndim}")
-        count = 1
-        extent = spec.itemsize  # numpy refuses shapes whose non-zero dimensions overflow, even with zero elements
-        for d in shape:
-            if type(d) is not int or d < 0:
+        if len(shape) == 1:  # the common case, and the only one for bytes
+            count = shape[0]
+            if type(count) is not int or count < 0:
                 raise WireFormatError(f"buffer {i}: shape {shape!r} has a dimension that is not a non-negative int")
-            count *= d
-            extent *= d or 1
+            extent = spec.itemsize * (count or 1)
+        else:
+            if spec.is_bytes:
+                raise WireFormatError(f"buffer {i}: bytes entry must have a 1-d shape, got {shape!r}")
+            if len(shape) > max_ndim:
+                raise WireFormatError(f"buffer {i}: {len(shape)} dimensions > max_ndim={max_ndim}")
+            count = 1
+            extent = spec.itemsize  # numpy refuses shapes whose non-zero dimensions overflow, even with zero elements
+            for d in shape:
+                if type(d) is not int or d < 0:
+                    raise WireFormatError(f"buffer {i}: shape {shape!r} has a dimension that is not a non-negative int")
+                count *= d
+                extent *= d or 1
         if extent > _MAX_EXTENT:
             raise WireFormatError(f"buffer {i}: shape {shape!r} is too large for any array")
-        if spec.kind is Kind.BYTES and len(shape) != 1:
-            raise WireFormatError(f"buffer {i}: bytes entry must have a 1-d shape, got {shape!r}")
         if count * spec.itemsize != nbytes:
             raise WireFormatError(
                 f"buffer {i}: shape {shape!r} x itemsize {spec.itemsize} = {count * spec.itemsize} != declared length {nbytes}"
             )
-        if off % ALIGNMENT:
+        if off & _ALIGN_MASK:
             raise WireFormatError(f"buffer {i}: offset {off} is not {ALIGNMENT}-byte aligned")
         if off < end:
             raise WireFormatError(f"buffer {i}: offset {off} overlaps the previous buffer (ends at {end})")
         end = off + nbytes
         if end > data_len:
             raise WireFormatError(f"buffer {i}: bytes [{off}, {end}) of the data section lie outside the message ({data_len} data bytes)")
-        rows.append((spec, data_start + off, nbytes, tuple(shape)))
+        rows.append((spec, data_start + off, nbytes, shape))
     return rows
 
 

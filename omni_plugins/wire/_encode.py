@@ -244,7 +244,7 @@ def encode(obj: Any, *, limits: Limits = DEFAULT_LIMITS) -> Encoded:
     """
     enc = _Encoder(limits)
     try:
-        tree = enc.walk(obj, 0)
+        tree = enc._container(obj, dict, 0) if type(obj) is dict else enc.walk(obj, 0)
     except _Refused as exc:
         path = "payload" + "".join(reversed(exc.path))
         raise WireFormatError(f"cannot encode {path}: {exc.message}") from None
@@ -257,5 +257,5 @@ def encode(obj: Any, *, limits: Limits = DEFAULT_LIMITS) -> Encoded:
         raise WireFormatError(f"encoded header is {hlen} bytes > max_header_bytes={limits.max_header_bytes}")
     data_start = (PREFIX_SIZE + hlen + ALIGNMENT - 1) & -ALIGNMENT
     total = data_start + enc.cursor
-    head = PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, hlen, zlib.crc32(header), total) + header + _ZERO_PAD[: data_start - PREFIX_SIZE - hlen]
+    head = b"".join((PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, hlen, zlib.crc32(header), total), header, _ZERO_PAD[: data_start - PREFIX_SIZE - hlen]))
     return Encoded(head, data_start, enc.segments, total)

@@ -39,11 +39,14 @@ class Segment:
     def view(self) -> memoryview:
         """A flat uint8 memoryview over the source's memory (no copy)."""
         src = self.source
+        if type(src) is bytes:
+            return memoryview(src)
         if isinstance(src, torch.Tensor):
             src = src.numpy()
-        if isinstance(src, np.ndarray):
-            return memoryview(src.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-        return memoryview(src)
+        try:  # C-contiguous with no zero in the shape (empty segments are never viewed)
+            return memoryview(src).cast("B")
+        except (TypeError, ValueError):
+            return memoryview(src.reshape(-1).view(np.uint8))
 
 
 class Encoded:
