@@ -96,3 +96,42 @@ def test_concurrent_senders_keep_per_request_order(runtimes: list, namespace: st
     for j in range(4):
         got = _read_all(namespace, [f"r{j}_0_{i}" for i in range(20)])
         assert [g["ids"]["prompt"][0] for g in got] == list(range(20))
+
+
+class _GatedFlaky(FlakyConnector):
+    """Flaky connector whose first put waits for ``gate`` (so the next puts queue up behind it)."""
+
+    def __init__(self, namespace: str, **kw: object) -> None:
+        super().__init__(namespace, **kw)  # type: ignore[arg-type]
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def _put(self, from_stage: str, to_stage: str, key: str, data: object):  # type: ignore[no-untyped-def]
+        if not self.entered.is_set():
+            self.entered.set()
+            self.gate.wait(10)
+        return super()._put(from_stage, to_stage, key, data)
+
+
+def test_batched_puts_keep_order_when_one_request_fails(runtimes: list, namespace: str) -> None:
+    """Puts queued for several requests are taken together; a failure re-queues only its request, in order."""
+    conn = _GatedFlaky(namespace, fail_puts=2, fail_keys=lambda k: k == "b_0_0")
+    p = make_runtime(0, namespace, connector=conn, **STREAM)
+    runtimes.append(p)
+    p.send_chunk(Req("first"), {"x": [0]})
+    assert conn.entered.wait(5)  # the send thread is inside the first put: everything below queues up
+    for i in range(3):
+        for rid in ("a", "b", "c"):
+            p.send_chunk(Req(rid), {"x": [i]})
+    conn.gate.set()
+    assert p.wait_sends()
+    for rid in ("a", "b", "c"):
+        mine = [k for k in conn.attempts if k.startswith(f"{rid}_")]
+        expected = [f"{rid}_0_{i}" for i in range(3)]
+        assert mine == (["b_0_0", "b_0_0", *expected] if rid == "b" else expected)
+    # requests are served round-robin: a and c did not wait for b's retries to finish
+    assert conn.attempts.index("a_0_0") < conn.attempts.index("b_0_1")
+    assert conn.attempts.index("c_0_0") < conn.attempts.index("b_0_1")
+    got = _read_all(namespace, [f"{rid}_0_{i}" for rid in ("first", "a", "b", "c") for i in range(3 if rid != "first" else 1)])
+    assert all(g is not None for g in got)
+    assert not p.collect_signals().failed

@@ -219,3 +219,51 @@ def test_failing_wait_any_does_not_kill_the_thread(runtimes: list, namespace: st
     got = _stream(c, p, 3, 2)
     assert all(v == [0, 1] for v in got.values())
     assert c.debug_state()["receiver"]["errors"] > 0
+
+
+def test_waited_set_follows_registrations_arrivals_and_finishes(runtimes: list, namespace: str) -> None:
+    """The waited set is kept between waits: a new registration joins it, an arrival moves its
+    request to the next key, a finished stream leaves it."""
+    conn = CountingConnector(namespace)
+    p = make_runtime(0, namespace, **STREAM)
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    runtimes += [p, c]
+    a, b = Req("a"), Req("b")
+    c.register_chunk_recv(Req("a"))
+
+    def receive(rid: str, n: int) -> None:
+        def arrived() -> bool:
+            c.recv_chunk()
+            c.collect_signals()
+            payload = c.get_local_stage_payload(rid)
+            return payload is not None and len(payload["ids"]["prompt"]) == n
+
+        deadline = time.monotonic() + 10
+        while not arrived():
+            assert time.monotonic() < deadline, f"{rid} chunk {n - 1} never arrived"
+            c.wait_ready(0.05)
+
+    p.send_chunk(a, {"ids": {"prompt": [0]}})
+    receive("a", 1)
+    c.register_chunk_recv(Req("b"))
+    p.send_chunk(b, {"ids": {"prompt": [0]}})
+    receive("b", 1)
+    p.send_chunk(a, {"ids": {"prompt": [1]}})  # a moved on to its next key
+    receive("a", 2)
+    assert 2 in conn.waited
+    a.done = True
+    p.send_chunk(a, {"ids": {"prompt": [2]}})
+    receive("a", 3)
+    mark = len(conn.waited)
+    deadline = time.monotonic() + 10
+    while len(conn.waited) < mark + 3:  # a few more waits: only b is left in them
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert set(conn.waited[mark + 1 :]) == {1}
+    b.done = True
+    p.send_chunk(b, {"ids": {"prompt": [1]}})
+    receive("b", 2)
+    for rid in ("a", "b"):
+        c.cleanup_finished_request(rid)
+        p.cleanup_finished_request(rid)
+    assert c.active_request_count() == 0 and conn.keys() == []
