@@ -145,7 +145,12 @@ class _Builder:
         return depth
 
     def _dict(self, node: dict[Any, Any], depth: int) -> Any:
-        depth = self._enter(node, depth)
+        depth += 1  # _enter, inlined for the common root-dict case
+        if depth > self.max_depth:
+            raise WireFormatError(f"nesting depth exceeds max_depth={self.max_depth}")
+        self.items += len(node)
+        if self.items > self.max_items:
+            raise WireFormatError(f"more than max_items={self.max_items} elements")
         for k, v in node.items():
             if type(k) is not str:
                 raise WireFormatError(f"dict key of type {type(k).__name__} (only str keys are allowed)")
@@ -309,7 +314,7 @@ def _decode(buffer: Any, copy: bool, limits: Limits) -> Any:
     tree, raw_table = doc
     table = _check_table(raw_table, data_start, total, limits)
     builder = _Builder(mv, table, copy, limits)
-    obj = builder.walk(tree, 0)
+    obj = builder._dict(tree, 0) if type(tree) is dict else builder.walk(tree, 0)
     if builder.next_ref != len(table):
         raise WireFormatError(f"header references {builder.next_ref} buffers but the table has {len(table)}")
     return obj
