@@ -36,7 +36,7 @@ def durable_server(track_server: Any) -> Iterator[RedisServer]:
 
 def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
     """The first time ``command`` is sent, read the replies of its batch for real, then fail as if the link died."""
-    real_send, real_read = Connection.send_many, Connection.read
+    real_send, real_read, real_skip = Connection.send_many, Connection.read, Connection.skip
     state = {"left": 0}
     fired: list[int] = []
 
@@ -54,8 +54,17 @@ def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
                 raise ConnectionResetError(f"injected: reply to {command} lost")
         return reply
 
+    def skip(self: Connection, expected: Any) -> bool:  # the fast path consumes the whole batch at once
+        consumed = real_skip(self, expected)
+        if consumed and state["left"]:
+            state["left"] = 0
+            fired.append(1)
+            raise ConnectionResetError(f"injected: reply to {command} lost")
+        return consumed
+
     monkeypatch.setattr(Connection, "send_many", send_many)
     monkeypatch.setattr(Connection, "read", read)
+    monkeypatch.setattr(Connection, "skip", skip)
     return fired
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import socket
 import ssl
 import threading
@@ -23,7 +24,7 @@ from typing import TypeVar
 
 from omni_plugins.errors import ConnectorError
 from omni_plugins_redis.config import RedisConfig
-from omni_plugins_redis.framing import Arg, ProtocolError, Reply, ReplyError, ReplyReader, pack_many, send_buffers
+from omni_plugins_redis.framing import Arg, Buffer, ProtocolError, Reply, ReplyError, ReplyReader, pack_many, send_buffers
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,20 @@ class Connection:
             self._sent.extend(self._outbox)
             self._outbox.clear()
         send_buffers(self._sock, pack_many(commands))
+
+    def send_packed(self, framed: Sequence[Buffer]) -> None:
+        """Like :meth:`send_many` for commands already framed with :func:`pack_many` (reused across retries)."""
+        if self._outbox:
+            framed = [*pack_many(self._outbox), *framed]
+            self._sent.extend(self._outbox)
+            self._outbox.clear()
+        send_buffers(self._sock, framed)
+
+    def skip(self, expected: re.Pattern[bytes]) -> bool:
+        """Consume the next replies if they match ``expected`` (see :meth:`ReplyReader.skip`)."""
+        if self._sent:
+            self._drain()
+        return self._reader.skip(expected)
 
     def defer(self, *args: Arg, flush: bool = False) -> None:
         """Queue an idempotent command whose reply is read later (errors are logged, not raised).

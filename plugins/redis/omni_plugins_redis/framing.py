@@ -13,6 +13,7 @@ into a slice of the caller's preallocated payload buffer.
 
 from __future__ import annotations
 
+import re
 import socket
 import ssl
 from collections.abc import Iterable, Sequence
@@ -193,6 +194,20 @@ class ReplyReader:
         if self._buf[self._pos : self._pos + 2] != b"\r\n":
             raise ProtocolError("bulk string not terminated by CRLF")
         self._pos += 2
+
+    def skip(self, expected: re.Pattern[bytes]) -> bool:
+        """Consume the next replies if the bytes already received match ``expected`` (fast path).
+
+        False (nothing consumed) when they do not, or have not all arrived yet: the
+        caller then parses them one by one with :meth:`read`.
+        """
+        if self._pos == len(self._buf):
+            self._fill()
+        found = expected.match(self._buf, self._pos)
+        if found is None:
+            return False
+        self._pos = found.end()
+        return True
 
     def read(self) -> Reply:
         """Read one reply. Error replies are *returned* as :class:`ReplyError` (callers raise)."""
