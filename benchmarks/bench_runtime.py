@@ -26,6 +26,14 @@ runtime/raw, and per-chunk runtime overhead (time spent in ``send_chunk`` on the
 producer's model thread, and in ``recv_chunk`` + ``collect_signals`` on the
 consumer's model thread, per chunk). Target: runtime p50 <= 1 ms.
 
+CPU per chunk, split by thread (robust where wall-clock latency is queueing on a
+shared machine): ``producer_cpu_breakdown_us_per_chunk`` (``send_chunk`` on the
+model thread; the send thread, and the part of it inside ``connector.put``) and
+``consumer_cpu_breakdown_us_per_chunk`` (the receive thread, and the parts of it
+inside ``connector.get`` / ``connector.wait_any``; the model thread, and the part
+of it inside ``recv_chunk`` + ``collect_signals``), counted from the producer's
+first step on.
+
 Usage: ``python3 benchmarks/bench_runtime.py [--quick] [--backend shm|memory] [--json FILE] [--plot FILE.png]``
 """
 
@@ -135,22 +143,26 @@ def produce(
         return {"send_call_us": None, "process_cpu_us_per_chunk": cpu / RAW_ITEMS * 1e6}
     rt = StageTransferRuntime(StageConfig(stage_id=0, async_chunk=True, custom_process_next_stage_input_func=BUILDER), cfg)
     put_lat: list[float] = []
-    conn = rt.connector
-    assert conn is not None
-    raw_put = conn.put
+    put_cpu = [0.0]
+    pconn = rt.connector
+    assert pconn is not None
+    raw_put = pconn.put
 
     def timed_put(from_stage: Any, to_stage: Any, key: str, data: Any) -> Any:
+        c0 = time.thread_time()
         result = raw_put(from_stage, to_stage, key, data)
         put_lat.append(time.monotonic() - data["ts"]["send"][0])
+        put_cpu[0] += time.thread_time() - c0
         return result
 
-    conn.put = timed_put  # type: ignore[method-assign]
+    pconn.put = timed_put  # type: ignore[method-assign]
     reqs = [_Req(f"{mode}{i}") for i in range(streams)]
     sent = [0] * streams
-    call_s = 0.0
+    call_s = call_cpu = 0.0
     try:
         _sleep_until(start_at)
         cpu0 = time.process_time()
+        send_cpu0 = _thread_cpu(rt, "sender")
         next_step = time.monotonic()
         for emitting in schedule(streams, chunks, period, pattern):
             for i in emitting:
@@ -158,23 +170,40 @@ def produce(
                 sent[i] += 1
                 r.done = sent[i] == chunks
                 t0 = time.monotonic()
-                rt.send_chunk(r, {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [t0]}})
+                out = {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [t0]}}
+                c0 = time.thread_time()
+                rt.send_chunk(r, out)
+                call_cpu += time.thread_time() - c0
                 call_s += time.monotonic() - t0
             next_step += step_s
             _sleep_until(next_step)
         rt.wait_sends(60)
         cpu = time.process_time() - cpu0
+        send_cpu = _thread_cpu(rt, "sender") - send_cpu0
         release()  # the consumer has read everything: now the connector may go
         for r in reqs:
             rt.cleanup_finished_request(r.request_id)
     finally:
         rt.shutdown()
     put_lat.sort()
+    n = streams * chunks
     return {
-        "send_call_us": call_s / (streams * chunks) * 1e6,
+        "send_call_us": call_s / n * 1e6,
         "send_to_put_done_p50_ms": put_lat[len(put_lat) // 2] * 1e3 if put_lat else None,
-        "process_cpu_us_per_chunk": cpu / (streams * chunks) * 1e6,
+        "process_cpu_us_per_chunk": cpu / n * 1e6,
+        "cpu_breakdown_us_per_chunk": {
+            "model_thread_send_chunk": call_cpu / n * 1e6,
+            "send_thread": send_cpu / n * 1e6,
+            "send_thread_in_connector_put": put_cpu[0] / n * 1e6,
+            "send_thread_runtime_only": (send_cpu - put_cpu[0]) / n * 1e6,
+        },
     }
+
+
+def _thread_cpu(rt: StageTransferRuntime, which: str) -> float:
+    """CPU seconds of the runtime's send or receive thread so far."""
+    value = rt.debug_state()[which]["cpu_s"]
+    return float(value) if value is not None else float("nan")
 
 
 def _sleep_until(t: float) -> None:
@@ -218,6 +247,24 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
         cpu = time.process_time() - cpu0
         return {"latencies": lat, "model_thread_us": None, "missing": RAW_ITEMS - len(lat), "cpu_us_per_chunk": cpu / max(1, len(lat)) * 1e6}
     rt = StageTransferRuntime(StageConfig(stage_id=1, async_chunk=True, recv_timeout_s=60), cfg, tuning=tuning_for(mode))
+    rconn = rt.connector
+    assert rconn is not None
+    io_cpu = {"get": 0.0, "wait_any": 0.0}  # connector CPU on the receive thread, counted from start_at on
+    counting = [False]
+
+    def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*a: Any, **kw: Any) -> Any:
+            c0 = time.thread_time()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if counting[0]:
+                    io_cpu[name] += time.thread_time() - c0
+
+        return call
+
+    rconn.get = timed("get", rconn.get)  # type: ignore[method-assign]
+    rconn.wait_any = timed("wait_any", rconn.wait_any)  # type: ignore[method-assign]
     ids = [f"{mode}{i}" for i in range(streams)]
     for rid in ids:
         rt.register_chunk_recv(_Req(rid))
@@ -226,21 +273,29 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
     model_s = 0.0
     deadline = start_at + 300
     cpu_active0: float | None = None  # process CPU from the producer's start on (excludes the idle wait before it)
+    recv_cpu0 = model_cpu0 = 0.0
+    model_rt_cpu = 0.0
     try:
         while len(finished) < streams and time.monotonic() < deadline:
             if cpu_active0 is None and time.monotonic() >= start_at:
                 cpu_active0 = time.process_time()
+                recv_cpu0, model_cpu0 = _thread_cpu(rt, "receiver"), time.thread_time()
+                counting[0] = True
             rt.wait_ready(0.05 if cpu_active0 is not None else max(0.0, min(0.05, start_at - time.monotonic())))
             t_wake = time.monotonic()
+            c_wake = time.thread_time()
             ready = rt.recv_chunk()
             t_ready = time.monotonic()
+            model_rt_cpu += time.thread_time() - c_wake
             for rid, payload in ready.items():
                 sends = payload["ts"]["send"]
                 for t0 in sends[seen[rid] :]:
                     lat.append(t_ready - t0)
                 bar.update(len(sends) - seen[rid])
                 seen[rid] = len(sends)
+            c_sig = time.thread_time()
             sig = rt.collect_signals()
+            model_rt_cpu += time.thread_time() - c_sig
             # a chunk that landed between recv_chunk and collect_signals is reported in
             # chunk_ready; the runner reads it from the local cache (reference semantics)
             late = sig.chunk_ready - ready.keys()
@@ -255,6 +310,9 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
             model_s += time.monotonic() - t_wake
         cpu = time.process_time() - cpu0
         cpu_active = time.process_time() - (cpu_active0 if cpu_active0 is not None else cpu0)
+        recv_cpu = _thread_cpu(rt, "receiver") - recv_cpu0
+        model_cpu = time.thread_time() - model_cpu0
+        counting[0] = False
         wall = time.monotonic() - start_at
         for rid in ids:
             rt.cleanup_finished_request(rid)
@@ -262,6 +320,7 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
         recv_stats = rt.debug_state()["receiver"]
     finally:
         rt.shutdown()
+    n = max(1, len(lat))
     return {
         "latencies": lat,
         "model_thread_us": model_s / max(1, len(lat)) * 1e6,
@@ -271,7 +330,22 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
         "active_wall_s": wall,
         "leftover_states": leftover,
         "receiver": recv_stats,
+        "cpu_breakdown_us_per_chunk": {
+            "receive_thread": recv_cpu / n * 1e6,
+            "receive_thread_in_connector_get": io_cpu["get"] / n * 1e6,
+            "receive_thread_in_connector_wait_any": io_cpu["wait_any"] / n * 1e6,
+            "receive_thread_runtime_only": (recv_cpu - io_cpu["get"] - io_cpu["wait_any"]) / n * 1e6,
+            "model_thread": model_cpu / n * 1e6,
+            "model_thread_recv_chunk_collect_signals": model_rt_cpu / n * 1e6,
+        },
     }
+
+
+def _mean_dicts(rows: list[dict[str, float]]) -> dict[str, float] | None:
+    """Key-wise mean of per-round breakdowns (rounded to 0.1 us)."""
+    if not rows:
+        return None
+    return {k: round(statistics.fmean(r[k] for r in rows), 1) for k in rows[0]}
 
 
 def summarize(lat: list[float]) -> dict[str, float | None]:
@@ -318,6 +392,7 @@ def main() -> None:
     sends: dict[str, list[float]] = {m: [] for m in MODES}
     put_done: dict[str, list[float]] = {m: [] for m in MODES}
     prod_cpu: dict[str, list[float]] = {m: [] for m in MODES}
+    breakdowns: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     total = args.rounds * len(STREAM_MODES) * args.streams * args.chunks
     step_s = args.step_ms / 1e3
     cmds = results = proc = None
@@ -370,6 +445,8 @@ def main() -> None:
                         prod_cpu[mode].append(prod["process_cpu_us_per_chunk"])
                     if prod.get("send_to_put_done_p50_ms") is not None:
                         put_done[mode].append(prod["send_to_put_done_p50_ms"])
+                    if prod.get("cpu_breakdown_us_per_chunk") is not None:
+                        breakdowns[mode].append(prod["cpu_breakdown_us_per_chunk"])
     finally:
         if cmds is not None and proc is not None:
             cmds.put(None)
@@ -391,7 +468,7 @@ def main() -> None:
     }
     for mode in MODES:
         lat = [x for r in per_mode[mode] for x in r["latencies"]]
-        entry = summarize(lat)
+        entry: dict[str, Any] = dict(summarize(lat))
         entry["missing_chunks"] = sum(r["missing"] for r in per_mode[mode])
         model = [r["model_thread_us"] for r in per_mode[mode] if r.get("model_thread_us") is not None]
         entry["consumer_model_thread_us_per_chunk"] = statistics.fmean(model) if model else None
@@ -405,6 +482,8 @@ def main() -> None:
         entry["producer_cpu_us_per_chunk"] = statistics.fmean(prod_cpu[mode]) if prod_cpu[mode] else None
         entry["leftover_states"] = sum(r.get("leftover_states", 0) for r in per_mode[mode])
         entry["receiver"] = per_mode[mode][-1].get("receiver") if per_mode[mode] else None
+        entry["consumer_cpu_breakdown_us_per_chunk"] = _mean_dicts([r["cpu_breakdown_us_per_chunk"] for r in per_mode[mode] if "cpu_breakdown_us_per_chunk" in r])
+        entry["producer_cpu_breakdown_us_per_chunk"] = _mean_dicts(breakdowns[mode])
         report["modes"][mode] = entry
     rt, poll, park1, raw = (report["modes"][m] for m in MODES)
 

@@ -614,8 +614,8 @@ class StageTransferRuntime:
         """A JSON-able dump: per-request summaries, indexes, thread stats."""
         with self._lock:
             snap = self._registry.snapshot()
-        snap["sender"] = dict(self._sender.stats) if self._sender else None
-        snap["receiver"] = dict(self._receiver.stats) if self._receiver else None
+        snap["sender"] = dict(self._sender.stats, cpu_s=self._sender.cpu_seconds()) if self._sender else None
+        snap["receiver"] = dict(self._receiver.stats, cpu_s=self._receiver.cpu_seconds()) if self._receiver else None
         snap["arrival_mode"] = self.arrival_mode
         snap["arrival_waits_any"] = self._receiver.waits_any if self._receiver else None
         return snap

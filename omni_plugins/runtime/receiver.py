@@ -39,6 +39,7 @@ from typing import Any, Protocol
 from omni_plugins.contract import Connector
 from omni_plugins.errors import WireFormatError
 from omni_plugins.runtime.state import RequestRegistry, RequestState
+from omni_plugins.runtime.threads import thread_cpu_seconds
 from omni_plugins.runtime.tuning import RuntimeTuning
 
 logger = logging.getLogger(__name__)
@@ -118,6 +119,10 @@ class Receiver:
     def notify(self) -> None:
         """Something was registered: look now."""
         self._wake.set()
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the receive thread has used so far (None once it ended, or where the OS cannot tell)."""
+        return thread_cpu_seconds(self._thread)
 
     def stop(self, timeout: float) -> None:
         self._stop.set()

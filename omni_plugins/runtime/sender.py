@@ -20,6 +20,7 @@ from typing import Any
 
 from omni_plugins.contract import Connector
 from omni_plugins.runtime.state import RequestRegistry, RequestState, SendTask
+from omni_plugins.runtime.threads import thread_cpu_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,10 @@ class Sender:
                     return False
                 self._cond.wait(min(left, 0.01))
         return True
+
+    def cpu_seconds(self) -> float | None:
+        """CPU time the send thread has used so far (None once it ended, or where the OS cannot tell)."""
+        return thread_cpu_seconds(self._thread)
 
     def stop(self, timeout: float) -> None:
         with self._cond:

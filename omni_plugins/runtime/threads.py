@@ -1,0 +1,21 @@
+"""CPU time of the runtime's I/O threads (for ``debug_state`` and benchmarks).
+
+Per-chunk CPU is the honest cost measure on a shared machine: wall-clock
+latency there is mostly queueing behind other processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+
+def thread_cpu_seconds(thread: threading.Thread) -> float | None:
+    """CPU seconds ``thread`` has used, or None (not running, or no per-thread clock on this OS)."""
+    ident = thread.ident
+    if ident is None or not thread.is_alive() or not hasattr(time, "pthread_getcpuclockid"):
+        return None
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except OSError:  # the thread ended between the check and the call
+        return None
