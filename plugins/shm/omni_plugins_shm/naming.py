@@ -113,13 +113,22 @@ class Names:
 
 
 class KeyNames:
-    """Everything derived from one key, computed once per key (a waiter and a producer ask again and again)."""
+    """Everything derived from one key, computed once per key (a waiter and a producer ask again and again).
+
+    Same names as :meth:`Names.published`, with the key hashed once (keys are usually unique
+    per request, so this runs on every ``put`` and ``get``).
+    """
 
     __slots__ = ("digest", "published", "published_bytes", "published_path", "wanted")
 
     def __init__(self, names: Names, publish_dir: str, key: str) -> None:
-        self.digest = key_digest(key)
-        self.published = names.published(key)
+        raw = key.encode("utf-8", "surrogatepass")
+        self.digest = digest = hashlib.blake2b(raw, digest_size=16).digest()
+        literal = f"{names.prefix}{PUBLISHED}.{key}"
+        if len(literal) + len(raw) - len(key) <= NAME_MAX and _SAFE_KEY.match(key):
+            self.published = literal
+        else:
+            self.published = f"{names.prefix}{HASHED}.{digest.hex()}"
         self.published_path = f"{publish_dir}/{self.published}"
         self.published_bytes = self.published.encode()
         #: what a waiter for this key looks for in inotify events

@@ -83,9 +83,8 @@ class Header(NamedTuple):
 
 
 def _crc(body: bytes | memoryview | mmap.mmap) -> int:
-    """CRC of the header fields, leaving out the mutable state word (bytes 12..15)."""
-    mv = memoryview(body)
-    try:
-        return zlib.crc32(mv[STATE_OFFSET + 4 : _FMT.size], zlib.crc32(mv[:STATE_OFFSET]))
-    finally:
-        mv.release()
+    """CRC of the header fields, leaving out the mutable state word (bytes 12..15).
+
+    Slicing works alike for bytes, memoryviews and mmaps (no temporary memoryview to release).
+    """
+    return zlib.crc32(body[STATE_OFFSET + 4 : _FMT.size], zlib.crc32(body[:STATE_OFFSET]))
