@@ -202,7 +202,7 @@ def produce(
 
 def _thread_cpu(rt: StageTransferRuntime, which: str) -> float:
     """CPU seconds of the runtime's send or receive thread so far."""
-    value = rt.debug_state()[which]["cpu_s"]
+    value = rt.debug_state()[which].get("cpu_s")
     return float(value) if value is not None else float("nan")
 
 

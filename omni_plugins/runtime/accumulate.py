@@ -83,7 +83,9 @@ class FullPayloadAccumulator:
 def override_keys_of(chunk: Mapping[str, Any]) -> set[Any]:
     """``meta.override_keys`` as a set of top-level keys and ``(section, field)`` tuples."""
     meta = chunk.get("meta")
-    raw = meta.get("override_keys") if isinstance(meta, Mapping) else None
+    raw = meta.get("override_keys") if type(meta) is dict or isinstance(meta, Mapping) else None
+    if raw is None:
+        return set()
     out: set[Any] = set()
     if isinstance(raw, (list, tuple)):
         for k in raw:
@@ -97,7 +99,7 @@ def merge_value(old: Any, new: Any) -> Any:
     """Default merge of two values: tensors concatenate on dim 0, lists extend, dicts merge per key."""
     if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
         if old.dim() >= 1 and new.dim() >= 1 and old.shape[1:] == new.shape[1:]:
-            return torch.cat([old, new.to(old.device)], dim=0)
+            return torch.cat([old, new if new.device == old.device else new.to(old.device)], dim=0)
         return new
     if isinstance(old, list) and isinstance(new, list):
         return old + new
@@ -115,7 +117,7 @@ def _merge_section(name: str, old: dict[str, Any], new: Mapping[str, Any], overr
     for section, tkey, skey, ekey in SPAN_GROUPS:
         if section != name or tkey not in new or (name, tkey) in overrides:
             continue
-        new_span = get_span(dict(new), tkey, skey, ekey)
+        new_span = get_span(new, tkey, skey, ekey)
         if new_span is None:
             continue  # no usable span on the new side: default merge below
         span = merge_spans(get_span(old, tkey, skey, ekey), new_span)
@@ -148,7 +150,7 @@ def merge_chunk(accumulated: Mapping[str, Any] | None, chunk: Mapping[str, Any])
     merged: dict[str, Any] = dict(accumulated)
     for key, value in chunk.items():
         old = merged.get(key)
-        if isinstance(value, Mapping) and key not in overrides:
+        if (type(value) is dict or isinstance(value, Mapping)) and key not in overrides:
             merged[key] = _merge_section(key, old if isinstance(old, dict) else {}, value, overrides)
         elif key in overrides or key not in merged:
             merged[key] = dict(value) if isinstance(value, dict) else value

@@ -105,9 +105,9 @@ class Delivery:
     def _on_chunk(self, state: RequestState, chunk: Any) -> None:
         finished = payload_finished(chunk)
         consumable = payload_is_consumable(chunk) if isinstance(chunk, dict) else chunk is not None
+        data: Any
         if isinstance(chunk, dict) and self.worker_type == "ar":
-            state.merged = merge_chunk(state.merged, chunk)
-            data: Any = dict(state.merged)
+            state.merged = data = merge_chunk(state.merged, chunk)  # a new dict: copied into the cache below
         else:
             if self.worker_type == "generation" and not finished:
                 codes = payload_audio_codes(chunk)

@@ -22,7 +22,7 @@ def snapshot_payload(obj: Any) -> Any:
     if cls is dict:
         return {k: snapshot_payload(v) for k, v in obj.items()}
     if cls is torch.Tensor or isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return obj.detach().clone() if obj.requires_grad else obj.clone()
     if cls is list or isinstance(obj, list):
         return [snapshot_payload(v) for v in obj]
     if isinstance(obj, dict):

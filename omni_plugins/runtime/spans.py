@@ -8,6 +8,7 @@ window winning where they overlap.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -29,7 +30,7 @@ def _as_int(value: Any) -> int | None:
     return None
 
 
-def get_span(section: dict[str, Any], tensor_key: str, start_key: str, end_key: str) -> Span | None:
+def get_span(section: Mapping[str, Any], tensor_key: str, start_key: str, end_key: str) -> Span | None:
     """The span stored in ``section``, or None when it has no usable tensor/start.
 
     ``end`` defaults to ``start + rows``; a span whose length disagrees with the
