@@ -182,7 +182,7 @@ class MooncakeStoreConnector(Connector):
         }
 
     def _close(self) -> None:
-        self._remover.close()  # consumed objects are removed before the client goes
+        self._remover.close(timeout=10.0)  # consumed objects are removed before the client goes (bounded: master may be down)
         self._pool.close()
         rc = self._store.close()
         if rc != 0:
