@@ -12,10 +12,10 @@ between sweeps is spent:
   in one ``connector.wait_any`` on the next key of every pollable request
   (bounded by ``_WAIT_ANY_MAX_S``, so deadlines, registrations and shutdown
   are seen) and takes the keys it reports with non-blocking ``get``s, in any
-  order. A full sweep every ``_SAFETY_SWEEP_S`` is the safety net against a
-  missed notification; reported keys that turn out absent back the waits off
-  (``poll_min_s`` doubling to ``poll_max_s``) so a connector whose hint is
-  wrong cannot spin the thread.
+  order. A sweep every ``_SAFETY_SWEEP_S`` over the requests quiet for
+  ``_QUIET_S`` is the safety net against a missed notification; reported
+  keys that turn out absent back the waits off (``poll_min_s`` doubling to
+  ``poll_max_s``) so a connector whose hint is wrong cannot spin the thread.
 * **block, park-one** (connectors with only ``capabilities.blocking_get``)
   parks in a blocking ``get`` on the request most likely to be next -- the earliest
   expected arrival (last arrival plus its running inter-arrival gap) -- until
@@ -50,8 +50,10 @@ _EXPIRY_EVERY_S = 0.1
 _STALL_S = 0.05
 #: longest single wait_any: a new registration joins the waited set within this
 _WAIT_ANY_MAX_S = 0.01
-#: wait-any mode: full sweep this often, in case a connector's notification was missed
+#: wait-any mode: sweep this often, in case a connector's notification was missed ...
 _SAFETY_SWEEP_S = 1.0
+#: ... over the requests that received nothing (nor registered) for this long
+_QUIET_S = 0.5
 
 
 class ArrivalHandler(Protocol):
@@ -272,10 +274,13 @@ class Receiver:
                 now = time.monotonic()
                 if now >= next_sweep:
                     next_sweep = now + _SAFETY_SWEEP_S
-                    progress = self._sweep([(state, index, key) for key, (state, index) in pending.items()])
-                    epoch = -1  # a sweep may have moved any request on: re-plan
-                    if progress:
-                        continue
+                    # only requests that received nothing for a while: a missed notification leaves its
+                    # request quiet; streams that keep arriving are evidently being reported
+                    quiet = [(state, index, key) for key, (state, index) in pending.items() if now - state.last_arrival >= _QUIET_S]
+                    if quiet:
+                        epoch = -1  # a sweep may move requests on: re-plan
+                        if self._sweep(quiet):
+                            continue
                 self.stats["waits"] += 1
                 try:
                     ready = self._connector.wait_any(list(pending), min(_WAIT_ANY_MAX_S, max(next_sweep - now, 0.0)))
