@@ -37,6 +37,7 @@ def durable_server(track_server: Any) -> Iterator[RedisServer]:
 def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
     """The first time ``command`` is sent, read the replies of its batch for real, then fail as if the link died."""
     real_send, real_read, real_skip = Connection.send_many, Connection.read, Connection.skip
+    real_send_packed = Connection.send_packed
     state = {"left": 0}
     fired: list[int] = []
 
@@ -54,6 +55,12 @@ def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
                 raise ConnectionResetError(f"injected: reply to {command} lost")
         return reply
 
+    def send_packed(self: Connection, framed: Any) -> None:
+        names = _command_names(b"".join(bytes(f) for f in framed))
+        if not fired and not state["left"] and command.encode() in names:
+            state["left"] = len(names)
+        real_send_packed(self, framed)
+
     def skip(self: Connection, expected: Any) -> bool:  # the fast path consumes the whole batch at once
         consumed = real_skip(self, expected)
         if consumed and state["left"]:
@@ -65,7 +72,23 @@ def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
     monkeypatch.setattr(Connection, "send_many", send_many)
     monkeypatch.setattr(Connection, "read", read)
     monkeypatch.setattr(Connection, "skip", skip)
+    monkeypatch.setattr(Connection, "send_packed", send_packed)
     return fired
+
+
+def _command_names(frame: bytes) -> list[bytes]:
+    """The command names in a RESP-framed pipeline (``*n`` then ``n`` bulk strings per command)."""
+    names, pos = [], 0
+    while pos < len(frame):
+        end = frame.index(b"\r\n", pos)
+        count, pos = int(frame[pos + 1 : end]), end + 2
+        for i in range(count):
+            end = frame.index(b"\r\n", pos)
+            size, pos = int(frame[pos + 1 : end]), end + 2
+            if i == 0:
+                names.append(frame[pos : pos + size].upper())
+            pos += size + 2
+    return names
 
 
 @pytest.mark.parametrize("size", [100, 300_000])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import struct
 import threading
@@ -11,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omni_plugins_redis import manifest as mf
 from omni_plugins_redis.config import RedisConfig
-from omni_plugins_redis.framing import Pieces, ProtocolError, ReplyError, ReplyReader, pack, send_buffers
+from omni_plugins_redis.connector import MARKER_TTL_MS, RedisConnector
+from omni_plugins_redis.framing import Pieces, ProtocolError, ReplyError, ReplyReader, pack, pack_many, send_buffers
 from omni_plugins_redis.keys import PayloadKeys
+from omni_plugins_redis.waiting import CLAIM_TTL_MS, move_commands
 from pydantic import ValidationError
 from redis.crc import key_slot
 
@@ -135,6 +138,38 @@ def test_pack_matches_resp() -> None:
     frames = pack("SET", b"k", Pieces([b"ab", big]), "PX", 5)
     assert _joined(frames) == b"*5\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\nab" % (2 + big.nbytes) + bytes(big) + b"\r\n$2\r\nPX\r\n$1\r\n5\r\n"
     assert any(f is big or (isinstance(f, memoryview) and f.obj is big.obj) for f in frames), "big value must not be copied"
+
+
+@pytest.mark.parametrize("ttl_seconds", [300.0, 0.0])
+def test_hot_path_templates_frame_like_pack(ttl_seconds: float) -> None:
+    """The one-step framings of the small put and the claim equal what the generic packer makes."""
+    connector = RedisConnector(RedisConfig(ttl_seconds=ttl_seconds))
+    try:
+        manifest, marker, element = b"t:{k}:m", b"t:{k}:w:0123456789abcdef", bytes(range(256)) * 3
+        ttl = [("PEXPIRE", manifest, round(ttl_seconds * 1000))] if ttl_seconds else []
+        expected = [("MULTI",), ("RPUSH", manifest, element), *ttl, ("SET", marker, b"1", "PX", MARKER_TTL_MS), ("EXEC",)]
+        assert connector._inline_commit(manifest, marker, element) == _joined(pack_many(expected))
+    finally:
+        connector.close()
+    claim = b"t:{k}:c:ab.1"
+    assert move_commands(manifest, claim) == _joined(
+        pack_many([("LMOVE", manifest, claim, "LEFT", "RIGHT"), ("PEXPIRE", claim, CLAIM_TTL_MS)])
+    )
+
+
+def test_reader_skip_consumes_only_a_full_match() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        reader = ReplyReader(b)
+        expected = re.compile(rb"\+OK\r\n:\d+\r\n")
+        a.sendall(b"+OK\r\n:1")  # incomplete: nothing consumed, the generic reader takes over
+        assert reader.skip(expected) is False
+        a.sendall(b"2\r\n+OK\r\n-ERR x\r\n")
+        assert reader.read() == "OK" and reader.read() == 12
+        assert reader.skip(expected) is False  # an error reply never matches
+        assert reader.read() == "OK" and isinstance(reader.read(), ReplyError)
+        a.sendall(b"+OK\r\n:7\r\n+PONG\r\n")
+        assert reader.skip(expected) is True and reader.read() == "PONG"
 
 
 def test_reader_parses_replies_and_streams_bulk_into_buffer() -> None:

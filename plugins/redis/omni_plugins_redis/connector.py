@@ -37,7 +37,7 @@ from omni_plugins.wire._alloc import empty_bytes
 from omni_plugins_redis import manifest as mf
 from omni_plugins_redis.client import Connection, RedisClient
 from omni_plugins_redis.config import RedisConfig
-from omni_plugins_redis.framing import Buffer, Pieces, ProtocolError, ReplyError
+from omni_plugins_redis.framing import Buffer, Pieces, ProtocolError, Reply, ReplyError
 from omni_plugins_redis.keys import PayloadKeys
 from omni_plugins_redis.waiting import Claimer, peek_claim
 
@@ -65,6 +65,14 @@ PART_TTL_GRACE_MS = 60_000
 MARKER_TTL_MS = 600_000
 # Inline payloads up to this size are joined into one ``bytes`` (cheaper than vectored pieces).
 SMALL_INLINE_BYTES = 32 * 1024
+# The transaction of a small inline put, framed in one step: MULTI, RPUSH manifest element,
+# [PEXPIRE manifest ttl,] SET marker 1 PX MARKER_TTL_MS, EXEC.
+_MARKER_SET_TAIL = b"$1\r\n1\r\n$2\r\nPX\r\n$%d\r\n%d\r\n*1\r\n$4\r\nEXEC\r\n" % (len(str(MARKER_TTL_MS)), MARKER_TTL_MS)
+_INLINE_COMMIT_TTL = (
+    b"*1\r\n$5\r\nMULTI\r\n*3\r\n$5\r\nRPUSH\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n*3\r\n$7\r\nPEXPIRE\r\n$%d\r\n%b\r\n%b"
+    b"*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n" + _MARKER_SET_TAIL
+)
+_INLINE_COMMIT = b"*1\r\n$5\r\nMULTI\r\n*3\r\n$5\r\nRPUSH\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n*5\r\n$3\r\nSET\r\n$%d\r\n%b\r\n" + _MARKER_SET_TAIL
 
 
 @dataclass
@@ -109,6 +117,7 @@ class RedisConnector(Connector):
         ttl_ms = round(config.ttl_seconds * 1000)
         self._ttl_ms = ttl_ms
         self._inline_max = min(config.inline_bytes, config.chunk_bytes)
+        self._ttl_frame = b"$%d\r\n%d\r\n" % (len(str(ttl_ms)), ttl_ms)
         # the replies of an inline put's transaction when all went well (MULTI, queued commands, EXEC)
         queued = 3 if ttl_ms else 2
         self._inline_committed = re.compile(
@@ -162,6 +171,15 @@ class RedisConnector(Connector):
         # One transaction, one round trip: parts, manifest, TTL and commit marker become
         # visible together or not at all (a part refused while queuing, e.g. OOM or an
         # ACL denial, aborts the whole EXEC).
+        if isinstance(state.element, bytes):  # small inline payload: one template, one match
+            conn.send_packed([self._inline_commit(keys.manifest, marker, state.element)])
+            if conn.skip(self._inline_committed):
+                conn.defer("DEL", marker)  # every reply as expected: committed
+                return
+            replies = [conn.read() for _ in range(5 if self._ttl_ms else 4)]
+            self._check_commit(replies)
+            conn.defer("DEL", marker)
+            return
         commit: list[tuple[Any, ...]] = [("MULTI",)]
         if state.parts:
             part_keys = keys.parts(manifest.put_id, manifest.nparts)
@@ -171,10 +189,28 @@ class RedisConnector(Connector):
             commit.append(("PEXPIRE", keys.manifest, self._ttl_ms))
         commit += [("SET", marker, b"1", "PX", MARKER_TTL_MS), ("EXEC",)]
         conn.send_many(commit)
-        if not state.parts and conn.skip(self._inline_committed):
-            conn.defer("DEL", marker)  # every reply as expected: committed
-            return
-        replies = [conn.read() for _ in commit]
+        self._check_commit([conn.read() for _ in commit])
+        conn.defer("DEL", marker)
+
+    def _inline_commit(self, manifest_key: bytes, marker: bytes, element: bytes) -> bytes:
+        """The framed transaction of a small inline put (what ``pack_many`` would make, in one step)."""
+        if self._ttl_ms:
+            return _INLINE_COMMIT_TTL % (
+                len(manifest_key),
+                manifest_key,
+                len(element),
+                element,
+                len(manifest_key),
+                manifest_key,
+                self._ttl_frame,
+                len(marker),
+                marker,
+            )
+        return _INLINE_COMMIT % (len(manifest_key), manifest_key, len(element), element, len(marker), marker)
+
+    @staticmethod
+    def _check_commit(replies: list[Reply]) -> None:
+        """Raise the first error of a commit transaction's replies (queuing errors abort EXEC)."""
         for reply in replies[:-1]:
             if isinstance(reply, ReplyError):
                 raise reply
@@ -186,7 +222,6 @@ class RedisConnector(Connector):
         for reply in results:
             if isinstance(reply, ReplyError):
                 raise reply
-        conn.defer("DEL", marker)
 
     def _abandon(self, state: _PutState) -> None:
         """Best effort after a failed put: withdraw its manifest (if a lost reply hid a commit) and parts.

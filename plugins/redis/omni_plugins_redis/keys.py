@@ -29,7 +29,7 @@ def escape_key(key: str) -> str:
 class PayloadKeys:
     """Names of all Redis keys of one user key under one prefix (computed once: hot path)."""
 
-    __slots__ = ("base", "key", "manifest", "prefix", "slot")
+    __slots__ = ("_slot", "base", "key", "manifest", "prefix")
 
     def __init__(self, prefix: str, key: str) -> None:
         if not isinstance(key, str) or not key:
@@ -39,8 +39,15 @@ class PayloadKeys:
         tag = escape_key(key) if ("%" in key or "{" in key or "}" in key) else key
         self.base = f"{prefix}{{{tag}}}".encode()
         self.manifest = self.base + b":m"
-        # the slot of "<prefix>{tag}..." is the CRC16 of the tag (tags are never empty)
-        self.slot = int(key_slot(self.manifest))
+        self._slot = -1
+
+    @property
+    def slot(self) -> int:
+        """The cluster slot of every key of this payload (computed on first use)."""
+        if self._slot < 0:
+            # the slot of "<prefix>{tag}..." is the CRC16 of the tag (tags are never empty)
+            self._slot = int(key_slot(self.manifest))
+        return self._slot
 
     def part(self, put_id: str, index: int) -> bytes:
         return self.base + f":p:{put_id}:{index}".encode()

@@ -28,6 +28,17 @@ log = logging.getLogger(__name__)
 
 # A claim list outlives a crashed reader by at most this long.
 CLAIM_TTL_MS = 600_000
+_MOVE = (
+    b"*5\r\n$5\r\nLMOVE\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n$4\r\nLEFT\r\n$5\r\nRIGHT\r\n"
+    b"*3\r\n$7\r\nPEXPIRE\r\n$%d\r\n%b\r\n" + b"$%d\r\n%d\r\n" % (len(str(CLAIM_TTL_MS)), CLAIM_TTL_MS)
+)
+
+
+def move_commands(manifest_key: bytes, claim_key: bytes) -> bytes:
+    """``LMOVE manifest claim LEFT RIGHT`` + ``PEXPIRE claim CLAIM_TTL_MS``, framed in one step (hot path of every get)."""
+    return _MOVE % (len(manifest_key), manifest_key, len(claim_key), claim_key, len(claim_key), claim_key)
+
+
 _MIN_BLOCK = 0.001
 
 
@@ -115,7 +126,7 @@ class Claimer:
         if found is not None:
             return _claimed(conn, found, state)
         state.sent = True
-        conn.send_many([("LMOVE", keys.manifest, claim_key, "LEFT", "RIGHT"), ("PEXPIRE", claim_key, CLAIM_TTL_MS)])
+        conn.send_packed([move_commands(keys.manifest, claim_key)])
         moved = conn.read()
         expire = conn.read()
         state.sent = False
