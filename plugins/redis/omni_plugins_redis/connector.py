@@ -145,7 +145,7 @@ class RedisConnector(Connector):
         parts: list[Pieces] = []
         if total <= SMALL_INLINE_BYTES and total <= self._inline_max:
             manifest = mf.for_inline(total, put_id)
-            element = manifest.header() + encoded.to_bytes()  # small: one bytes, framed in one step
+            element = b"".join([manifest.header(), *encoded.buffers()])  # small: one bytes, framed in one step
         elif total <= self._inline_max:
             manifest = mf.for_inline(total, put_id)
             element = Pieces([manifest.header(), *encoded.buffers()])
