@@ -16,6 +16,12 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
   by inotify instead of polling buys.
 - ``pipe_wire_pingpong``: the pipe round trip carrying the same payload encoded and decoded with
   ``omni_plugins.wire`` each way (the transport-only comparison: same codec cost as ``shm``).
+- ``floor_pingpong``: the floor of the connector's protocol -- the same syscalls per hop (publish
+  ``rename`` into a watched directory, claim ``rename`` out, ``lstat``, copy out of a kept mapping,
+  return ``rename``, inotify ``poll``/``read`` via the connector's own watch) without the codec and
+  without the connector's Python layers. What a Python shm transport with these semantics costs here.
+- ``codec_us`` (in-process, not a mode): ``wire.encode`` + ``write_into`` + ``wire.decode`` of the
+  payload, best of N -- paid twice per round trip by ``shm_pingpong``.
 
 Modes are interleaved in rounds so drift on a noisy machine hits all of them alike. Times are
 medians per operation; ratios are against ``raw`` (throughput) and ``pipe_pingpong`` (round trip).
@@ -105,6 +111,8 @@ def _child(ctl: Connection, data: Connection) -> None:
                 data.send_bytes(b"k")
             del src
             shm.close()
+        elif kind == "floor_pingpong":
+            _floor_side(ns, "b", size, n, ctl)
         elif kind == "pipe_pingpong":
             for _ in range(n):
                 msg = data.recv_bytes()
@@ -134,6 +142,80 @@ def _child(ctl: Connection, data: Connection) -> None:
                 # until the parent has its last reply
                 assert ctl.recv() == "release"
         ctl.send("done")
+
+
+def _floor_side(root: str, me: str, size: int, n: int, ctl: Connection) -> list[float]:
+    """One side of ``floor_pingpong`` (``a`` = parent, starts each round; ``b`` = child, answers)."""
+    import mmap as _mmap
+
+    from omni_plugins_shm.notify import _Watch
+
+    other = "b" if me == "a" else "a"
+    pub = f"{root}/pub"
+    maps: dict[int, _mmap.mmap] = {}
+    for side in ("a", "b"):
+        fd = os.open(f"{root}/seg.{side}", os.O_RDWR)
+        maps[os.fstat(fd).st_ino] = _mmap.mmap(fd, 16 * KIB)
+        os.close(fd)
+    mine = next(m for ino, m in maps.items() if ino == os.lstat(f"{root}/seg.{me}").st_ino)
+    msg = os.urandom(size)
+    watch = _Watch(pub)
+    claim = f"{root}/c.{me}"
+    if me == "b":
+        ctl.send("ready")  # both segments mapped and watched: the parent may start
+    else:
+        assert ctl.recv() == "ready"
+    times = []
+
+    def publish(i: int) -> None:
+        mine[:size] = msg
+        os.rename(f"{root}/seg.{me}", f"{pub}/k.{other}{i}")
+
+    def receive(i: int) -> None:
+        name = f"k.{me}{i}"
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            try:
+                os.rename(f"{pub}/{name}", claim)
+                break
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"floor_pingpong: {name} did not arrive in {TIMEOUT}s") from None
+                watch.wait(frozenset({name.encode()}), TIMEOUT)
+        st = os.lstat(claim)
+        bytearray(maps[st.st_ino][:size])  # the copy out
+        os.rename(claim, f"{root}/seg.{other}")
+
+    for i in range(n):
+        t0 = time.perf_counter()
+        if me == "a":
+            publish(i)
+            receive(i)
+        else:
+            receive(i)
+            publish(i)
+        times.append(time.perf_counter() - t0)
+    watch.close()
+    for m in maps.values():
+        m.close()
+    return times
+
+
+def _codec_us(payload: torch.Tensor) -> float:
+    """In-process ``wire`` cost of one hop: encode + write_into + decode, best of 7 x 200."""
+    import timeit
+
+    from omni_plugins import wire
+
+    obj = {"x": payload}
+    dest = bytearray(wire.encode(obj).nbytes)
+
+    def hop() -> None:
+        enc = wire.encode(obj)
+        enc.write_into(dest)
+        wire.decode(dest)
+
+    return min(timeit.repeat(hop, number=200, repeat=7)) / 200 * 1e6
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -215,11 +297,35 @@ def _run_shm(kind: str, size: int, n: int, ctl: Connection, data: Connection, pa
     return times
 
 
+def _run_floor(size: int, n: int, ctl: Connection) -> list[float]:
+    root = f"/dev/shm/bench-shm-floor-{uuid.uuid4().hex[:8]}"
+    os.mkdir(root, 0o700)
+    os.mkdir(f"{root}/pub", 0o700)
+    try:
+        for side in ("a", "b"):
+            fd = os.open(f"{root}/seg.{side}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, 16 * KIB)
+            os.close(fd)
+        ctl.send(("floor_pingpong", size, n, root))
+        times = _floor_side(root, "a", size, n, ctl)
+        assert ctl.recv() == "done"
+    finally:
+        for d in (f"{root}/pub", root):
+            for name in os.listdir(d):
+                if os.path.isfile(f"{d}/{name}"):
+                    os.unlink(f"{d}/{name}")
+        os.rmdir(f"{root}/pub")
+        os.rmdir(root)
+    return times
+
+
 def _batch(kind: str, size: int, n: int, ctl: Connection, data: Connection, payload: torch.Tensor) -> list[float]:
     if kind.startswith("raw"):
         return _run_raw(kind, size, n, ctl, data, payload)
     if kind == "pipe_pingpong":
         return _run_pipe(size, n, ctl, data)
+    if kind == "floor_pingpong":
+        return _run_floor(size, n, ctl)
     if kind == "pipe_wire_pingpong":
         return _run_pipe_wire(size, n, ctl, data, payload)
     return _run_shm(kind, size, n, ctl, data, payload)
@@ -236,7 +342,7 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
     for size in sizes:
         kinds = ["raw", "raw_fresh", "shm", "shm_views"]
         if size <= PINGPONG_MAX:
-            kinds += ["pipe_pingpong", "pipe_wire_pingpong", "shm_pingpong", "shm_pingpong_polling"]
+            kinds += ["pipe_pingpong", "pipe_wire_pingpong", "floor_pingpong", "shm_pingpong", "shm_pingpong_polling"]
         plan += [(size, r, k) for r in range(rounds) for k in kinds]
     samples: dict[tuple[int, str], list[float]] = {}
     payloads: dict[int, torch.Tensor] = {}
@@ -262,13 +368,15 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
         med = statistics.median(times)
         entry = results["sizes"].setdefault(str(size), {})
         entry[kind] = {"median_s": med, "gbps": size / med / 1e9, "iters": len(times)}
-    for entry in results["sizes"].values():
+    for size_key, entry in results["sizes"].items():
         raw = entry["raw"]["median_s"]
         entry["ratio_vs_raw"] = {k: raw / v["median_s"] for k, v in entry.items() if isinstance(v, dict) and "median_s" in v}
         if "pipe_pingpong" in entry:
             entry["roundtrip_ratio_vs_pipe"] = entry["shm_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
             entry["roundtrip_ratio_vs_pipe_wire"] = entry["shm_pingpong"]["median_s"] / entry["pipe_wire_pingpong"]["median_s"]
             entry["roundtrip_polling_vs_inotify"] = entry["shm_pingpong_polling"]["median_s"] / entry["shm_pingpong"]["median_s"]
+            entry["roundtrip_floor_vs_pipe"] = entry["floor_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
+            entry["codec_us"] = _codec_us(payloads.get(int(size_key), torch.randn(int(size_key) // 4)))
     return results
 
 
@@ -283,6 +391,8 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
         out["roundtrip_4KiB_vs_pipe"] = {"value": small["roundtrip_ratio_vs_pipe"], "target": "<= 1.5"}
         out["roundtrip_4KiB_vs_pipe_with_wire_codec"] = {"value": small["roundtrip_ratio_vs_pipe_wire"], "target": "(context)"}
         out["roundtrip_4KiB_polling_vs_inotify"] = {"value": small["roundtrip_polling_vs_inotify"], "target": "(context)"}
+        out["roundtrip_4KiB_floor_vs_pipe"] = {"value": small["roundtrip_floor_vs_pipe"], "target": "(context: protocol without codec)"}
+        out["codec_4KiB_us_per_hop"] = {"value": small["codec_us"], "target": "(context: in-process, twice per round trip)"}
     return out
 
 
