@@ -158,8 +158,7 @@ class Receiver:
                         "request %s waited more than its timeout for chunk %d; dropping it", state.request_id, state.next_recv_chunk
                     )
                     cleanup += self._handler.on_failure(state, timed_out=True)
-            if cleanup:
-                self._handler.publish()
+            self._handler.publish()  # a no-op unless something timed out
         self._cleanup(cleanup)
 
     def _target(self) -> tuple[RequestState, int, str] | None:

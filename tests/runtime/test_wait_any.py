@@ -267,3 +267,14 @@ def test_waited_set_follows_registrations_arrivals_and_finishes(runtimes: list, 
         c.cleanup_finished_request(rid)
         p.cleanup_finished_request(rid)
     assert c.active_request_count() == 0 and conn.keys() == []
+
+
+def test_timeout_wakes_an_idle_model_thread(runtimes: list, namespace: str) -> None:
+    """A timed-out request wakes ``wait_ready`` even when there is nothing to clean in the connector."""
+    tuning = RuntimeTuning(**{**FAST.__dict__, "abort_scan_limit": 0})
+    c = make_runtime(1, namespace, tuning=tuning, async_chunk=True, recv_timeout_s=0.2)
+    runtimes.append(c)
+    c.register_chunk_recv(Req("late"))
+    assert c.wait_ready(10)
+    assert c.collect_signals().timed_out == {"late"}
+    assert c.active_request_count() == 0
