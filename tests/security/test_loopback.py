@@ -5,7 +5,8 @@ Known exception, asserted precisely rather than hidden: Mooncake's TransferEngin
 (inside a ``mooncake-store`` client and a ``mooncake-te`` connector) listens on the
 wildcard addresses ``0.0.0.0`` and ``::`` for its handshake RPC port and its TCP
 transport port, whatever ``MC_TCP_BIND_ADDRESS`` says (mooncake 0.3.13.post1 has no
-setting for it). See docs/reliability.md.
+setting for it). What binds where, what was tried and the loopback-only network
+namespace mitigation: docs/mooncake.md.
 """
 
 from __future__ import annotations
