@@ -88,18 +88,26 @@ def test_stage_with_wrong_password_reports_failure_without_leaking_it(tls_acl_se
 
 
 def test_shm_files_stay_0600_under_umask_0(shm_namespace: str) -> None:
-    """Every file a running pipeline creates (pool, published, claimed, markers) is 0600 even with umask 0."""
-    from omni_plugins_shm.testing import namespace_segments
+    """Every file a running pipeline creates (pool, published, claimed, markers) is 0600, and the publish
+    directory 0700, even with umask 0."""
+    from omni_plugins_shm.naming import publish_dir_name
+    from omni_plugins_shm.testing import namespace_segments, segment_path
 
     conn = {"name": "shm", "extra": {"namespace": shm_namespace, "pool_bytes": 8 << 20}}
     modes: dict[str, int] = {}
     stop = threading.Event()
 
+    pubdir = os.path.join("/dev/shm", publish_dir_name(shm_namespace))
+
     def sample() -> None:
         while not stop.is_set():
+            try:
+                modes["(publish directory)"] = stat.S_IMODE(os.stat(pubdir).st_mode)
+            except FileNotFoundError:
+                pass
             for name in namespace_segments(shm_namespace):
                 try:
-                    modes[name] = stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode)
+                    modes[name] = stat.S_IMODE(os.stat(segment_path(name)).st_mode)
                 except FileNotFoundError:
                     continue
 
@@ -123,6 +131,7 @@ def test_shm_files_stay_0600_under_umask_0(shm_namespace: str) -> None:
             consumer_rt.shutdown()
     finally:
         os.umask(old)
+    assert modes.pop("(publish directory)") == 0o700
     kinds = {n.split(".")[2] for n in modes}
     assert {"o", "f"} <= kinds, kinds
     assert {n: oct(m) for n, m in modes.items() if m != 0o600} == {}
