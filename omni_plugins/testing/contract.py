@@ -69,16 +69,17 @@ def sample_payload(seed: int = 0) -> dict[str, Any]:
     }
 
 
-def _child_get(name: str, config: dict[str, Any], key: str, out: Any) -> None:
+def _child_get_then_put(name: str, config: dict[str, Any], key: str, key_back: str, out: Any, done: Any) -> None:
+    """In a spawned process: get the parent's payload, report it, put one back, hold it until told.
+
+    One child does both directions: starting a process that imports torch is most of the
+    test's time.
+    """
     with create_connector(name, config) as conn:
         res = conn.get(0, 1, key, timeout=30)
         out.put(None if res is None else (float(res.data["values"].double().sum()), int(res.data["values"].numel()), res.data["tag"]))
-
-
-def _child_put(name: str, config: dict[str, Any], key: str, ready: Any, done: Any) -> None:
-    with create_connector(name, config) as conn:
-        ok = conn.put(1, 2, key, {"values": torch.arange(1000, dtype=torch.float32), "tag": "from-child"}).ok
-        ready.put(ok)
+        ok = conn.put(1, 2, key_back, {"values": torch.arange(1000, dtype=torch.float32), "tag": "from-child"}).ok
+        out.put(ok)
         done.wait(60)
 
 
@@ -261,24 +262,16 @@ class ConnectorContract:
             pytest.skip("connector is in-process only")
         name, config = connector_spec
         ctx = mp.get_context("spawn")
-        # parent puts, child gets
+        # parent puts, child gets; then child puts, parent gets
         values = torch.arange(2048, dtype=torch.float64)
         assert connector.put(0, 1, key, {"values": values, "tag": "from-parent"}).ok
-        out = ctx.Queue()
-        child = ctx.Process(target=_child_get, args=(name, config, key, out))
-        child.start()
-        try:
-            result = out.get(timeout=120)
-        finally:
-            child.join(60)
-        assert result == (float(values.sum()), 2048, "from-parent")
-        # child puts, parent gets
         key2 = key + "-back"
-        ready, done = ctx.Queue(), ctx.Event()
-        child = ctx.Process(target=_child_put, args=(name, config, key2, ready, done))
+        out, done = ctx.Queue(), ctx.Event()
+        child = ctx.Process(target=_child_get_then_put, args=(name, config, key, key2, out, done))
         child.start()
         try:
-            assert ready.get(timeout=120) is True
+            assert out.get(timeout=120) == (float(values.sum()), 2048, "from-parent")
+            assert out.get(timeout=60) is True
             got = connector.get(1, 2, key2, timeout=self.wait_timeout)
             assert got is not None and got.data["tag"] == "from-child"
             assert torch.equal(got.data["values"], torch.arange(1000, dtype=torch.float32))
