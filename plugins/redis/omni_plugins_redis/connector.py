@@ -128,7 +128,7 @@ class RedisConnector(Connector):
     # -- helpers -------------------------------------------------------------
     def _keys(self, key: str) -> PayloadKeys:
         try:
-            return PayloadKeys(self.config.key_prefix, key)
+            return PayloadKeys(self.config.key_prefix, key, slot=-1 if self.config.cluster else 0)
         except ValueError as exc:
             raise ConnectorError(f"Redis {self._client.label}: {exc}") from None
 

@@ -31,7 +31,8 @@ class PayloadKeys:
 
     __slots__ = ("_slot", "base", "key", "manifest", "prefix")
 
-    def __init__(self, prefix: str, key: str) -> None:
+    def __init__(self, prefix: str, key: str, *, slot: int = -1) -> None:
+        """``slot=0`` when nothing routes by slot (a single server): skips the CRC16."""
         if not isinstance(key, str) or not key:
             raise ValueError(f"key must be a non-empty string, got {key!r}")
         self.prefix = prefix
@@ -39,7 +40,7 @@ class PayloadKeys:
         tag = escape_key(key) if ("%" in key or "{" in key or "}" in key) else key
         self.base = f"{prefix}{{{tag}}}".encode()
         self.manifest = self.base + b":m"
-        self._slot = -1
+        self._slot = slot
 
     @property
     def slot(self) -> int:

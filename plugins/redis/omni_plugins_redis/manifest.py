@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _HEADER = struct.Struct("<4sB3xQII16s")
 HEADER_SIZE = _HEADER.size
@@ -33,8 +33,9 @@ def new_put_id() -> str:
     return os.urandom(8).hex()
 
 
-@dataclass(frozen=True)
-class Manifest:
+class Manifest(NamedTuple):
+    """Parsed header (a named tuple: cheap to build on every get)."""
+
     total: int
     chunk: int
     nparts: int

@@ -67,7 +67,9 @@ class Claimer:
         """
         deadline = None if not timeout or timeout <= 0 else time.monotonic() + timeout
         state = _ClaimState(on_claimed)
-        if deadline is None or not self._blocking:
+        if deadline is None:  # one attempt (retried only after connection failures)
+            return self._client.run(keys.slot, lambda conn: self._move_once(conn, keys, claim_key, state), what="get", key=keys.key)
+        if not self._blocking:
             return self._poll(keys, claim_key, deadline, state)
         try:
             return self._client.run(
@@ -122,9 +124,10 @@ class Claimer:
         return _taken(conn, moved, expire, state)
 
     def _move_once(self, conn: Connection, keys: PayloadKeys, claim_key: bytes, state: _ClaimState) -> bytes | bytearray | None:
-        found = self._recover(conn, claim_key, state)
-        if found is not None:
-            return _claimed(conn, found, state)
+        if state.sent:
+            found = peek_claim(conn, claim_key)
+            if found is not None:
+                return _claimed(conn, found, state)
         state.sent = True
         conn.send_packed([move_commands(keys.manifest, claim_key)])
         moved = conn.read()
@@ -132,13 +135,13 @@ class Claimer:
         state.sent = False
         return _taken(conn, moved, expire, state)
 
-    def _poll(self, keys: PayloadKeys, claim_key: bytes, deadline: float | None, state: _ClaimState) -> bytes | bytearray | None:
+    def _poll(self, keys: PayloadKeys, claim_key: bytes, deadline: float, state: _ClaimState) -> bytes | bytearray | None:
         delay = 0.001
         while True:
             found = self._client.run(
                 keys.slot, lambda conn: self._move_once(conn, keys, claim_key, state), what="get", key=keys.key, deadline=deadline
             )
-            if found is not None or deadline is None:
+            if found is not None:
                 return found
             remaining = deadline - time.monotonic()
             if remaining <= 0:
