@@ -20,7 +20,6 @@ import json
 import platform
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -46,14 +45,6 @@ def _label(size: int) -> str:
     return f"{size // MIB} MiB" if size >= MIB else f"{size // KIB} KiB"
 
 
-def _timed(fn: Callable[[], Any], repeat: int) -> float:
-    """Seconds per call, averaged over ``repeat`` calls."""
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - start) / repeat
-
-
 def bench_size(conn: Any, raw: Any, size: int, rounds: int) -> dict[str, Any]:
     tensor = torch.randint(0, 256, (size,), dtype=torch.uint8)
     payload = {"x": tensor}
@@ -62,36 +53,35 @@ def bench_size(conn: Any, raw: Any, size: int, rounds: int) -> dict[str, Any]:
     samples: dict[str, list[float]] = {"put": [], "get": [], "set": [], "raw_get": []}
     got_size = 0
     for _ in range(rounds):
-        # connector: put then get, same key each time (each get consumes)
-        put_t = get_t = 0.0
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            conn.put(0, 1, "bench", payload)
-            t1 = time.perf_counter()
-            res = conn.get(0, 1, "bench")
-            t2 = time.perf_counter()
-            assert res is not None and res.data["x"].numel() == size
-            got_size = res.size
-            del res
-            put_t += t1 - t0
-            get_t += t2 - t1
-        samples["put"].append(put_t / repeat)
-        samples["get"].append(get_t / repeat)
-        # baseline: raw redis-py SET then GET of the same bytes
-        set_t = raw_get_t = 0.0
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            raw.set("bench:raw", blob)
-            t1 = time.perf_counter()
-            value = raw.get("bench:raw")
-            t2 = time.perf_counter()
-            assert value is not None and len(value) == size
-            del value
-            set_t += t1 - t0
-            raw_get_t += t2 - t1
+        # Connector put+get and raw SET+GET alternate call by call (which side goes first
+        # alternates too), so a load swing on the shared machine hits both sides alike.
+        acc = dict.fromkeys(samples, 0.0)
+        for i in range(repeat):
+            for side in (0, 1) if i % 2 == 0 else (1, 0):
+                if side == 0:  # connector: put then get, same key each time (each get consumes)
+                    t0 = time.perf_counter()
+                    conn.put(0, 1, "bench", payload)
+                    t1 = time.perf_counter()
+                    res = conn.get(0, 1, "bench")
+                    t2 = time.perf_counter()
+                    assert res is not None and res.data["x"].numel() == size
+                    got_size = res.size
+                    del res
+                    acc["put"] += t1 - t0
+                    acc["get"] += t2 - t1
+                else:  # baseline: raw redis-py SET then GET of the same bytes
+                    t0 = time.perf_counter()
+                    raw.set("bench:raw", blob)
+                    t1 = time.perf_counter()
+                    value = raw.get("bench:raw")
+                    t2 = time.perf_counter()
+                    assert value is not None and len(value) == size
+                    del value
+                    acc["set"] += t1 - t0
+                    acc["raw_get"] += t2 - t1
         raw.delete("bench:raw")
-        samples["set"].append(set_t / repeat)
-        samples["raw_get"].append(raw_get_t / repeat)
+        for name, total in acc.items():
+            samples[name].append(total / repeat)
     med = {k: statistics.median(v) for k, v in samples.items()}
     best = {k: min(v) for k, v in samples.items()}
     return {
