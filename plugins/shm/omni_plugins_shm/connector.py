@@ -364,7 +364,11 @@ def _return_segment(directory: str, names: Names, claim: str, header: Header, ma
     """
     try:
         if header.pooled:
-            free = f"{directory}/{names.free(header.owner.token, header.seg_no)}"
+            ident = (header.owner, header.seg_no)
+            if mapping.free_for != ident:
+                mapping.free_for = ident
+                mapping.free_path = f"{directory}/{names.free(header.owner.token, header.seg_no)}"
+            free = mapping.free_path
             try:
                 os.rename(claim, free)
             except FileNotFoundError:

@@ -209,6 +209,8 @@ class Notifier:
         self._lock = threading.Lock()
         self._closed = False
         self._warned = False
+        #: some thread's watch tracks published names (set by its first ``wait_any``)
+        self._tracking = False
 
     def _watch(self) -> _Watch | None:
         watch: _Watch | None = getattr(self._local, "watch", None)
@@ -298,6 +300,7 @@ class Notifier:
         with self._lock:
             watch.busy = True
         try:
+            self._tracking = True
             watch.track(prefixes)
             return watch.wait_any(wanted, timeout)
         finally:
@@ -305,6 +308,8 @@ class Notifier:
 
     def forget(self, name: bytes) -> None:
         """This thread claimed ``name``: drop it from its watch's tracked set (no-op when not tracking)."""
+        if not self._tracking:
+            return  # no thread ever called wait_any: nothing is tracked (a get calls this every time)
         watch: _Watch | None = getattr(self._local, "watch", None)
         if watch is not None:
             watch.forget(name)

@@ -23,6 +23,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from omni_plugins_shm.proc import Owner
 from omni_plugins_shm.segments.files import close_quiet, map_segment
 from omni_plugins_shm.segments.header import Header
 
@@ -40,6 +41,10 @@ class Mapping:
     fd: int = -1
     leases: int = 0
     cached: bool = False
+    #: ``(owner token, segment number)`` and the ``f.`` path a consumer returns this segment to
+    #: (fixed for a pooled segment's life; cached because it is built on every return)
+    free_for: tuple[Owner, int] | None = None
+    free_path: str = ""
     view: memoryview = field(init=False)
 
     def __post_init__(self) -> None:

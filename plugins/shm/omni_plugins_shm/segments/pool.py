@@ -50,6 +50,8 @@ class Segment:
     pooled: bool
     #: path of the segment while we hold it: its ``w.`` name when new, its ``f.`` name when reused
     path: str = ""
+    #: its ``f.`` path (where consumers return it), built once
+    free: str = ""
     view: memoryview = field(init=False)
 
     def __post_init__(self) -> None:
@@ -123,7 +125,7 @@ class ProducerPool:
 
     def _create(self, no: int, cap: int, pooled: bool) -> Segment:
         path = self._path(self._names.writing(self._owner, no))
-        seg = Segment(no, cap, create_segment(path, cap), pooled, path)
+        seg = Segment(no, cap, create_segment(path, cap), pooled, path, self._path(self._names.free(self._owner, no)))
         seg.mark_busy()
         return seg
 
@@ -134,7 +136,7 @@ class ProducerPool:
         for i, seg in enumerate(segs):
             if seg.looks_free():
                 seg.mark_busy()
-                seg.path = self.free_path(seg)
+                seg.path = seg.free
                 # move to the back: recently returned segments get time to come back
                 segs.append(segs.pop(i))
                 return seg
