@@ -4,9 +4,12 @@
 ``decode(buffer)`` rebuilds the payload with tensors as views over ``buffer``
 (or owned copies with ``copy=True``). The header is msgpack, never pickle, and
 the decoder treats every byte as untrusted: see ``docs/wire-format.md``.
+``empty_bytes(n)`` is the owned, uninitialised receive buffer the decoder's copies use
+(huge pages above 32 MiB), for backends that read a message into memory of their own.
 """
 
 from omni_plugins.errors import WireFormatError
+from omni_plugins.wire._alloc import empty_bytes
 from omni_plugins.wire._decode import decode
 from omni_plugins.wire._dtypes import ALLOWED_NUMPY_DTYPES, ALLOWED_TORCH_DTYPES
 from omni_plugins.wire._encode import OOB_BYTES_THRESHOLD, encode
@@ -26,6 +29,7 @@ __all__ = [
     "Limits",
     "WireFormatError",
     "decode",
+    "empty_bytes",
     "encode",
     "peek_nbytes",
 ]

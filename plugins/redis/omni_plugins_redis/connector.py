@@ -33,7 +33,7 @@ import numpy as np
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorError
-from omni_plugins.wire._alloc import empty_bytes
+from omni_plugins.wire import empty_bytes
 from omni_plugins_redis import manifest as mf
 from omni_plugins_redis.client import Connection, RedisClient
 from omni_plugins_redis.config import RedisConfig
