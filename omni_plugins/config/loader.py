@@ -48,6 +48,7 @@ class _Doc:
         self._nodes = 0
         self._open: set[int] = set()  # ids of the nodes being built (a recursive alias comes back to one)
         self._constructor = yaml.constructor.SafeConstructor()  # one per document: scalars are built with it
+        self._resolver = yaml.resolver.Resolver()
         try:
             node = yaml.compose(text, Loader=_COMPOSER)
             if node is not None:
@@ -102,9 +103,12 @@ class _Doc:
                 raise ConfigError(
                     f"{self.where(loc)}: environment variable ${{{exc.variable}}} is not set (use ${{{exc.variable}:-default}} for a default)"
                 ) from None
-            # re-resolve the scalar's type after substitution (e.g. "${PORT}" -> 6379)
+            # re-resolve the scalar's type after substitution (e.g. "${PORT}" -> 6379). Only the
+            # type: substituted text never becomes YAML structure (no lists, maps or aliases
+            # smuggled in through a variable, no alias bomb behind the node limit).
             if getattr(node, "style", None) in (None, "") and text != value:
-                value = yaml.safe_load(text) if text.strip() else text
+                tag = self._resolver.resolve(yaml.ScalarNode, text, (True, False))
+                value = self._constructor.construct_object(yaml.ScalarNode(tag, text, node.start_mark, node.end_mark))
             else:
                 value = text
         return value

@@ -80,6 +80,19 @@ def test_interpolation_uses_env_and_types(tmp_path: Path) -> None:
     assert literal.stages[0].model_stage == "cost$5"
 
 
+def test_interpolation_retypes_scalars_but_never_builds_structure() -> None:
+    """A substituted value is re-typed as a scalar (int, bool, float, null) and never parsed as YAML
+    structure: a variable cannot smuggle in a list, a map or an alias bomb past the node limit."""
+    bomb = "[&a [1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]]"
+    text = "".join(
+        f"  - stage_id: {sid}\n    model_stage: {ms}\n    final_output: ${{B}}\n"
+        for sid, ms in (("${A}", "${C}"), ("1", "${D}"), ("2", "x${E:-}y"))
+    )
+    cfg = parse_pipeline_config("stages:\n" + text, env={"A": "0", "B": "true", "C": bomb, "D": "{k: v}", "E": "[1]"})
+    assert [s.stage_id for s in cfg.stages] == [0, 1, 2] and all(s.final_output is True for s in cfg.stages)
+    assert [s.model_stage for s in cfg.stages] == [bomb, "{k: v}", "x[1]y"]
+
+
 def test_no_connector_config_means_none() -> None:
     cfg = parse_pipeline_config("stages:\n  - {stage_id: 0}\n")
     assert cfg.stage_connector_config(0) is None
