@@ -84,6 +84,7 @@ class ShmConnector(Connector):
         self._notifier = Notifier(self._pubdir)
         self._published_prefixes = tuple(f"{self._names.prefix}{kind}.".encode() for kind in (PUBLISHED, HASHED))
         self._keys: dict[str, KeyNames] = {}
+        self._last_wanted: tuple[tuple[str, ...], dict[bytes, str]] | None = None
         self._claim_prefix = self._path(self._names.claimed(self._token, 0))[:-1]
         self._claim_numbers = itertools.count()
 
@@ -158,7 +159,22 @@ class ShmConnector(Connector):
     # -- wait_any -------------------------------------------------------------------------
     def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
         self._check_process()
-        return self._notifier.wait_any({self._key(k).published_bytes: k for k in keys}, self._published_prefixes, timeout)
+        return self._notifier.wait_any(self._wanted(keys), self._published_prefixes, timeout)
+
+    def _wanted(self, keys: Sequence[str]) -> dict[bytes, str]:
+        """Published name -> key for ``keys``; the last set is remembered (the runtime waits on the same set again and again).
+
+        A repeat costs one tuple comparison (element identity first, so no hashing) instead of a
+        name lookup and dict insert per key. The pair is swapped in one assignment, so threads
+        waiting on different sets at worst rebuild.
+        """
+        wanted_keys = tuple(keys)
+        last = self._last_wanted
+        if last is not None and last[0] == wanted_keys:
+            return last[1]
+        wanted = {self._key(k).published_bytes: k for k in wanted_keys}
+        self._last_wanted = (wanted_keys, wanted)
+        return wanted
 
     def _key(self, key: str) -> KeyNames:
         """Names and digest of ``key`` (cached: producers and waiters ask for the same keys again and again)."""

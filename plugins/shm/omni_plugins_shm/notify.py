@@ -163,7 +163,7 @@ class _Watch:
         assert self.seen is not None
         deadline = time.monotonic() + seconds
         self.drain()
-        candidates: Iterable[bytes] = [n for n in wanted if n in self.seen]
+        candidates: Iterable[bytes] = wanted.keys() & self.seen  # C-level; iterates the smaller side
         while True:
             found = [wanted[n] for n in candidates if self._present(n)]
             if found:
@@ -178,7 +178,7 @@ class _Watch:
                 if not got:
                     continue
                 if OVERFLOW in got:
-                    candidates = [n for n in wanted if n in self.seen]
+                    candidates = wanted.keys() & self.seen  # C-level; iterates the smaller side
                     break
                 hits = [n for n in got if n in wanted]
                 if hits:

@@ -11,6 +11,10 @@ publishes it with one rename ``f. -> k.<key>`` (syscalls cost 5-12 us here).
 
 Payloads larger than ``max_segment`` (or beyond the ``pool_bytes`` budget) get a
 dedicated segment that the consumer unlinks.
+
+Finding a free segment is O(1) amortised (see :class:`SizeClass`): the owner learns of returns
+by probing at most ``PROBES`` of its oldest outstanding segments per ``acquire``, never by
+scanning all of them or listing the directory.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import mmap
 import os
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 from omni_plugins_shm.naming import Names
@@ -29,6 +34,8 @@ from omni_plugins_shm.segments.header import CLOSED_OFFSET, PAYLOAD_OFFSET, STAT
 log = logging.getLogger(__name__)
 
 MIN_CLASS = 16 << 10
+#: outstanding segments of a size class probed (one header byte each) per acquire, at most
+PROBES = 4
 
 
 def size_class(total: int) -> int:
@@ -71,6 +78,60 @@ class Segment:
         close_quiet(self.mm)
 
 
+class SizeClass:
+    """The pooled segments of one capacity: known-free ones and outstanding ones, oldest first.
+
+    ``ready``: segments known to be FREE (abandoned, or seen FREE by a probe); only the owner
+    makes a segment busy, so they stay free. ``out``: published segments, in the order they
+    were published or last probed. Consumers mostly take payloads in roughly the order they were
+    put, so the oldest outstanding segment is the one most likely back: an acquire with nothing
+    ready probes the newest segment (a put/get ping-pong returns it before the next put) and
+    up to ``PROBES`` segments from the front, keeps every FREE one and rotates the busy ones to
+    the back. A payload nobody consumes is thus probed once per round (every
+    ``len(out) / PROBES`` acquires) instead of on every acquire. The price: a segment returned
+    out of order may wait up to a round to be found, and meanwhile the class grows by new
+    segments (within ``pool_bytes``; beyond it payloads get dedicated segments as before).
+    """
+
+    __slots__ = ("out", "ready", "segments")
+
+    def __init__(self) -> None:
+        self.ready: deque[Segment] = deque()
+        self.out: deque[Segment] = deque()
+        #: every pooled segment of this class (for close / forget)
+        self.segments: list[Segment] = []
+
+    def take(self) -> Segment | None:
+        """A free segment (marked busy), or None if none is known free after a bounded probe."""
+        ready = self.ready
+        if not ready:
+            out = self.out
+            if out and out[-1].looks_free():  # the newest: back already when one payload at a time is in flight
+                ready.append(out.pop())
+            for _ in range(min(PROBES, len(out))):
+                seg = out.popleft()
+                if seg.looks_free():
+                    ready.append(seg)
+                else:
+                    out.append(seg)
+            if not ready:
+                return None
+        seg = ready.popleft()
+        seg.mark_busy()
+        seg.path = seg.free
+        return seg
+
+    def discard(self, seg: Segment) -> bool:
+        """Drop ``seg`` from every list (rare: its file vanished); True if it was ours."""
+        if seg not in self.segments:
+            return False
+        self.segments.remove(seg)
+        for q in (self.ready, self.out):
+            if seg in q:
+                q.remove(seg)
+        return True
+
+
 class ProducerPool:
     """Segments owned by one connector instance (``owner`` token), keyed by size class."""
 
@@ -80,7 +141,7 @@ class ProducerPool:
         self._owner = owner
         self._pool_bytes = pool_bytes
         self._max_segment = max_segment
-        self._classes: dict[int, list[Segment]] = {}
+        self._classes: dict[int, SizeClass] = {}
         self._numbers = itertools.count()
         self._lock = threading.Lock()
         self.pooled_bytes = 0
@@ -101,7 +162,8 @@ class ProducerPool:
         if self._pool_bytes and total <= self._max_segment:
             cap = size_class(total)
             with self._lock:
-                seg = self._reuse(cap)
+                group = self._classes.get(cap)
+                seg = group.take() if group is not None else None
                 if seg is not None:
                     return seg
                 pooled = self.pooled_bytes + cap <= self._pool_bytes
@@ -117,7 +179,10 @@ class ProducerPool:
                 raise
             if pooled:
                 with self._lock:
-                    self._classes.setdefault(cap, []).append(seg)
+                    group = self._classes.get(cap)
+                    if group is None:
+                        group = self._classes[cap] = SizeClass()
+                    group.segments.append(seg)
             return seg
         with self._lock:
             no = next(self._numbers)
@@ -128,19 +193,6 @@ class ProducerPool:
         seg = Segment(no, cap, create_segment(path, cap), pooled, path, self._path(self._names.free(self._owner, no)))
         seg.mark_busy()
         return seg
-
-    def _reuse(self, cap: int) -> Segment | None:
-        segs = self._classes.get(cap)
-        if not segs:
-            return None
-        for i, seg in enumerate(segs):
-            if seg.looks_free():
-                seg.mark_busy()
-                seg.path = seg.free
-                # move to the back: recently returned segments get time to come back
-                segs.append(segs.pop(i))
-                return seg
-        return None
 
     def publish(self, seg: Segment, published_path: str) -> bool:
         """Rename the written segment to its key's name.
@@ -153,16 +205,20 @@ class ProducerPool:
         except FileNotFoundError:
             self._forget(seg)
             return False
-        if not seg.pooled:
+        if seg.pooled:
+            with self._lock:
+                group = self._classes.get(seg.capacity)
+                if group is not None:
+                    group.out.append(seg)
+        else:
             seg.release_memory()  # the consumer unlinks it; we keep nothing
         return True
 
     def _forget(self, seg: Segment) -> None:
         log.warning("shm pool of %s: segment %d disappeared from %s; dropping it", self._owner, seg.no, self._dir)
         with self._lock:
-            group = self._classes.get(seg.capacity, [])
-            if seg in group:
-                group.remove(seg)
+            group = self._classes.get(seg.capacity)
+            if group is not None and group.discard(seg):
                 self.pooled_bytes -= seg.capacity
         seg.release_memory()
 
@@ -176,6 +232,10 @@ class ProducerPool:
                     self._forget(seg)
                     return
             seg.view[STATE_OFFSET] = STATE_FREE
+            with self._lock:
+                group = self._classes.get(seg.capacity)
+                if group is not None:
+                    group.ready.append(seg)
         else:
             unlink_quiet(seg.path)
             seg.release_memory()
@@ -188,7 +248,7 @@ class ProducerPool:
         consumer unlinks them on return because our marker is gone (see the connector).
         """
         with self._lock:
-            segs = [s for group in self._classes.values() for s in group]
+            segs = [s for group in self._classes.values() for s in group.segments]
             self._classes.clear()
             self.pooled_bytes = 0
         for seg in segs:  # flag first, unlink second (consumers check the flag after returning a segment)
@@ -200,4 +260,4 @@ class ProducerPool:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"pooled_segments": sum(len(v) for v in self._classes.values()), "pooled_bytes": self.pooled_bytes}
+            return {"pooled_segments": sum(len(v.segments) for v in self._classes.values()), "pooled_bytes": self.pooled_bytes}

@@ -1,0 +1,193 @@
+"""In-process CPU cost of the ``shm`` connector's bookkeeping: ``put``/``get`` and ``wait_any``.
+
+The machine is shared, so every figure is CPU time (``time.thread_time``), best of N
+repetitions, and ratios are against a baseline measured in the same run:
+
+- ``floor``: two ``os.rename`` calls in the shm directory (publish + claim): the syscall floor of
+  one payload's trip, without codec or connector.
+- ``put_get``: ``put`` then ``get`` of a 4 KiB tensor, one payload in flight.
+- ``put_get_64``: 64 payloads in flight (64 puts, then 64 gets in a shuffled order), per payload.
+- ``put_outstanding``: one ``put`` while ``--outstanding`` (default 2,000) earlier payloads of the
+  same size class are still unconsumed (the pool must not scan them all).
+- ``wait_any_64``: ``wait_any`` over the same 64 keys, one of them present (timeout 0).
+
+Also reports ``looks_free`` calls per put (pool probes) for the in-flight modes.
+
+    python benchmarks/bench_shm_ops.py [--quick] [--json FILE] [--plot FILE.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from omni_plugins_shm.segments import pool as pool_mod
+from tqdm import tqdm
+
+from omni_plugins import create_connector
+
+
+def _best(fn: Callable[[], int], reps: int) -> float:
+    """Best CPU seconds per operation over ``reps`` runs of ``fn`` (which returns its op count)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.thread_time()
+        n = fn()
+        best = min(best, (time.thread_time() - t0) / n)
+    return best
+
+
+class _ProbeCounter:
+    """Counts ``Segment.looks_free`` calls (pool probes) while installed."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._orig = pool_mod.Segment.looks_free
+
+    def __enter__(self) -> _ProbeCounter:
+        orig = self._orig
+
+        def counted(seg: pool_mod.Segment) -> bool:
+            self.calls += 1
+            return orig(seg)
+
+        pool_mod.Segment.looks_free = counted  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pool_mod.Segment.looks_free = self._orig  # type: ignore[method-assign]
+
+
+def run(quick: bool, outstanding: int) -> dict[str, Any]:
+    reps = 5 if quick else 9
+    n = 300 if quick else 1000
+    ns = f"bops{uuid.uuid4().hex[:8]}"
+    payload = {"t": torch.arange(1024, dtype=torch.float32)}
+    keys64 = [f"w{i}" for i in range(64)]
+    results: dict[str, float] = {}
+    probes: dict[str, float] = {}
+    bar = tqdm(total=5, desc="bench_shm_ops", unit="mode")
+    with create_connector("shm", {"namespace": ns}) as conn:
+        base = f"/dev/shm/bops-floor-{ns}"
+        open(base, "wb").close()
+
+        def floor() -> int:
+            for _ in range(n):
+                os.rename(base, base + ".k")
+                os.rename(base + ".k", base)
+            return n
+
+        results["floor"] = _best(floor, reps)
+        os.unlink(base)
+        bar.update()
+
+        def put_get() -> int:
+            for i in range(n):
+                conn.put(0, 1, f"a{i}", payload)
+                conn.get(0, 1, f"a{i}")
+            return n
+
+        put_get()
+        with _ProbeCounter() as pc:
+            results["put_get"] = _best(put_get, reps)
+        probes["put_get"] = pc.calls / (n * reps)
+        bar.update()
+
+        rng = random.Random(7)
+
+        def put_get_64() -> int:
+            rounds = max(1, n // 64)
+            for r in range(rounds):
+                ks = [f"b{r}-{i}" for i in range(64)]
+                for k in ks:
+                    conn.put(0, 1, k, payload)
+                rng.shuffle(ks)
+                for k in ks:
+                    conn.get(0, 1, k)
+            return rounds * 64
+
+        put_get_64()
+        with _ProbeCounter() as pc:
+            results["put_get_64"] = _best(put_get_64, reps)
+        probes["put_get_64"] = pc.calls / (max(1, n // 64) * 64 * reps)
+        bar.update()
+
+        for i in range(outstanding):
+            conn.put(0, 1, f"o{i}", payload)
+        m = 50 if quick else 200
+        counter = iter(range(10**9))
+
+        def put_outstanding() -> int:
+            ks = [f"x{next(counter)}" for _ in range(m)]
+            t0 = time.thread_time()
+            for k in ks:
+                conn.put(0, 1, k, payload)
+            spent = time.thread_time() - t0
+            for k in ks:
+                conn.get(0, 1, k)
+            nonlocal_spent.append(spent)
+            return m
+
+        nonlocal_spent: list[float] = []
+        with _ProbeCounter() as pc:
+            for _ in range(reps):
+                put_outstanding()
+        results["put_outstanding"] = min(nonlocal_spent) / m
+        probes["put_outstanding"] = pc.calls / (m * reps)
+        for i in range(outstanding):
+            conn.cleanup(f"o{i}")
+        bar.update()
+
+        conn.put(0, 1, keys64[17], payload)
+        waits = n * 2
+
+        def wait_any() -> int:
+            for _ in range(waits):
+                conn.wait_any(keys64, 0.0)
+            return waits
+
+        wait_any()
+        results["wait_any_64"] = _best(wait_any, reps)
+        conn.cleanup(keys64[17])
+        bar.update()
+    bar.close()
+    us = {k: round(v * 1e6, 2) for k, v in results.items()}
+    ratios = {k: round(v / results["floor"], 2) for k, v in results.items() if k != "floor"}
+    return {"cpu_us_per_op": us, "ratio_vs_floor": ratios, "looks_free_per_put": probes, "outstanding": outstanding, "quick": quick}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--outstanding", type=int, default=2000)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--plot", default=None)
+    args = parser.parse_args()
+    out = run(args.quick, args.outstanding)
+    print(json.dumps(out, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3))
+        names = list(out["ratio_vs_floor"])
+        ax.barh(names, [out["ratio_vs_floor"][k] for k in names])
+        ax.set_xlabel("CPU time per op / two renames (floor)")
+        fig.tight_layout()
+        fig.savefig(args.plot)
+
+
+if __name__ == "__main__":
+    main()
