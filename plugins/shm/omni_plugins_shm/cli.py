@@ -1,4 +1,4 @@
-"""``python -m omni_plugins_shm gc [--namespace NS] [--all] [--dry-run] [--dir DIR]``.
+"""``python -m omni_plugins_shm gc [--namespace NS] [--all] [--dry-run] [--dir DIR] [--ttl SECONDS]``.
 
 The core ``omni-plugins`` CLI can expose the same as ``omni-plugins shm gc`` by calling
 :func:`main` with the arguments after ``shm`` (or :func:`omni_plugins_shm.gc.collect` directly).
@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from omni_plugins_shm.expire import collect_expired
 from omni_plugins_shm.gc import DEFAULT_SHM_DIR, collect
 
 
@@ -22,13 +23,29 @@ def build_parser(prog: str = "omni-plugins shm") -> argparse.ArgumentParser:
     gc.add_argument("--all", action="store_true", help="remove everything in the namespace(s), live or not")
     gc.add_argument("--dry-run", action="store_true", help="report what would be removed, remove nothing")
     gc.add_argument("--dir", default=DEFAULT_SHM_DIR, help="shm directory (default /dev/shm)")
+    gc.add_argument(
+        "--ttl",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="also free published payloads of live owners unclaimed for longer than this (age by ctime)",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "omni-plugins shm") -> int:
     args = build_parser(prog).parse_args(argv)
     if args.command == "gc":
+        if args.ttl is not None and args.ttl < 0:
+            build_parser(prog).error("--ttl must be >= 0")
         report = collect(args.namespace, shm_dir=args.dir, force=args.all, dry_run=args.dry_run)
+        if args.ttl is not None and not args.all:
+            expired = collect_expired(args.namespace, args.ttl, shm_dir=args.dir, dry_run=args.dry_run)
+            gone = set(expired.removed)
+            report.removed += expired.removed
+            report.kept = [n for n in report.kept if n not in gone]
+            report.bytes_freed += expired.bytes_freed
+            report.errors += expired.errors
         json.dump({"dry_run": args.dry_run, **report.to_json()}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 1 if report.errors else 0

@@ -45,4 +45,10 @@ class ShmConfig(ConnectorSettings):
         ge=0,
         description="private memory of garbage-collected owned results kept for reuse (already faulted in); 0 = never recycle",
     )
+    ttl_seconds: float = Field(
+        default=0.0,
+        ge=0,
+        description="a producer frees its published payloads still unclaimed after this many seconds "
+        "(checked on put, at most every ttl/8 s; a late get then finds nothing); 0 = keep until close",
+    )
     reclaim_on_start: bool = Field(default=True, description="free segments of dead producers in this namespace when an instance starts")

@@ -30,6 +30,7 @@ from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
 from omni_plugins_shm import gc, pubdir
 from omni_plugins_shm.config import ShmConfig
+from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
 from omni_plugins_shm.naming import HASHED, PUBLISHED, KeyNames, Names, parse_name
 from omni_plugins_shm.notify import Notifier
 from omni_plugins_shm.proc import Owner
@@ -87,6 +88,8 @@ class ShmConnector(Connector):
         self._last_wanted: tuple[tuple[str, ...], dict[bytes, str]] | None = None
         self._claim_prefix = self._path(self._names.claimed(self._token, 0))[:-1]
         self._claim_numbers = itertools.count()
+        ttl = self.config.ttl_seconds
+        self._expiry = Expiry(ttl, self._reclaim_expired) if ttl > 0 else None
 
     def _path(self, name: str) -> str:
         return f"{self._dir}/{name}"  # os.path.join costs ~3 us and is called several times per op
@@ -104,6 +107,9 @@ class ShmConnector(Connector):
         enc = wire.encode(data)
         names = self._key(key)
         published = names.published_path
+        expiry = self._expiry
+        if expiry is not None and expiry.due():
+            expiry.expire()  # before acquiring: the put can reuse a segment it reclaims
         for _ in range(_PUT_RETRIES):
             try:
                 seg = self._pool.acquire(enc.nbytes)
@@ -118,6 +124,8 @@ class ShmConnector(Connector):
                 self._pool.abandon(seg)
                 raise
             if published_ok:
+                if expiry is not None:
+                    expiry.published(published, seg)
                 return PutResult(True, enc.nbytes, None)
         raise ConnectorError(f"shm put of key {key!r} in {self._dir}: segments keep disappearing (is gc --all running?)")
 
@@ -128,6 +136,19 @@ class ShmConnector(Connector):
             except FileExistsError:
                 self._discard(published)  # a newer put replaces an unconsumed older one
         raise ConnectorError(f"shm put of key {key!r}: the key is being republished concurrently; gave up")
+
+    def _reclaim_expired(self, rec: Publication) -> bool:
+        """Free the publication ``rec`` if it is still published (ttl_seconds ran out)."""
+
+        def is_ours(owner: object, seg_no: int) -> bool:
+            return owner == self._owner and seg_no == rec.seg_no and (rec.seg is None or rec.seg.uses == rec.use)
+
+        claim = self._path(self._names.claimed(self._token, next(self._claim_numbers)))
+        try:
+            return reclaim(self._dir, self._names, rec.path, claim, is_ours)
+        except OSError as exc:
+            log.warning("shm ttl: cannot reclaim %s: %s", rec.path, exc)
+            return False
 
     # -- get ----------------------------------------------------------------------------
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
@@ -308,7 +329,7 @@ class ShmConnector(Connector):
             os.rename(published_path, claim)
         except FileNotFoundError:
             return False
-        _free_claimed(self._dir, self._names, claim)
+        free_claimed(self._dir, self._names, claim)
         return True
 
     def _close(self) -> None:
@@ -354,6 +375,8 @@ class ShmConnector(Connector):
             **self._pool.stats(),
             **self._maps.stats(),
             **self._private.stats(),
+            "ttl_seconds": self.config.ttl_seconds,
+            "expired": self._expiry.expired if self._expiry is not None else 0,
         }
 
     @property
@@ -402,25 +425,3 @@ def _return_segment(directory: str, names: Names, claim: str, header: Header, ma
             maps.unlease(mapping)
         elif not mapping.cached:
             mapping.drop()
-
-
-def _free_claimed(directory: str, names: Names, claim: str) -> None:
-    """Free a segment we claimed without reading it (cleanup): return pooled ones, unlink the rest."""
-    header = gc.read_header(claim)
-    if header is None or not header.pooled:
-        unlink_quiet(claim)
-        return
-    free = f"{directory}/{names.free(header.owner.token, header.seg_no)}"
-    try:
-        fd = os.open(claim, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        os.rename(claim, free)
-        os.pwrite(fd, bytes([STATE_FREE]), STATE_OFFSET)
-        if os.pread(fd, 1, CLOSED_OFFSET) != b"\0":
-            unlink_quiet(free)
-    except FileNotFoundError:
-        pass
-    finally:
-        os.close(fd)

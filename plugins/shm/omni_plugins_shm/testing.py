@@ -95,6 +95,25 @@ def producer_worker(config: dict[str, object], items: list[tuple[str, int, int]]
             hold.wait(120)  # type: ignore[attr-defined]
 
 
+def ttl_producer_worker(config: dict[str, object], items: list[tuple[str, int, int]], ready: object, go: object, hold: object) -> None:
+    """Put ``items`` (the payloads nobody will claim), signal ``ready``; on ``go`` sleep past the config's
+    ``ttl_seconds`` and put ``("fresh", 0, 1024)`` (the put that reclaims the expired ones), report
+    ``health()["expired"]`` to ``ready``, then wait on ``hold`` before closing."""
+    import time
+
+    from omni_plugins import create_connector
+
+    with create_connector("shm", config) as conn:
+        for key, seed, nbytes in items:
+            conn.put(0, 1, key, make_payload(seed, nbytes))
+        ready.put(len(items))  # type: ignore[attr-defined]
+        go.wait(120)  # type: ignore[attr-defined]
+        time.sleep(2 * float(config["ttl_seconds"]))  # type: ignore[arg-type]
+        conn.put(0, 1, "fresh", make_payload(0, 1024))
+        ready.put(conn.health()["expired"])  # type: ignore[attr-defined]
+        hold.wait(120)  # type: ignore[attr-defined]
+
+
 def consumer_worker(config: dict[str, object], items: list[tuple[str, int, int]], out: object, timeout: float = 30.0) -> None:
     """Blocking-get each item; report ``(key, "ok" | "missing" | "mismatch")`` tuples to the queue ``out``."""
     from omni_plugins import create_connector

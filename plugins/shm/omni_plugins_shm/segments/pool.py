@@ -59,6 +59,8 @@ class Segment:
     path: str = ""
     #: its ``f.`` path (where consumers return it), built once
     free: str = ""
+    #: publications so far (a record of one tells whether the segment was reused since)
+    uses: int = 0
     view: memoryview = field(init=False)
 
     def __post_init__(self) -> None:
@@ -205,6 +207,7 @@ class ProducerPool:
         except FileNotFoundError:
             self._forget(seg)
             return False
+        seg.uses += 1
         if seg.pooled:
             with self._lock:
                 group = self._classes.get(seg.capacity)
