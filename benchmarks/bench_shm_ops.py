@@ -6,6 +6,7 @@ repetitions, and ratios are against a baseline measured in the same run:
 - ``floor``: two ``os.rename`` calls in the shm directory (publish + claim): the syscall floor of
   one payload's trip, without codec or connector.
 - ``put_get``: ``put`` then ``get`` of a 4 KiB tensor, one payload in flight.
+- ``put_get_ttl``: ``put_get`` with ``ttl_seconds=60`` on the producer (the cost of the expiry records).
 - ``put_get_64``: 64 payloads in flight (64 puts, then 64 gets in a shuffled order), per payload.
 - ``put_outstanding``: one ``put`` while ``--outstanding`` (default 2,000) earlier payloads of the
   same size class are still unconsumed (the pool must not scan them all).
@@ -73,7 +74,7 @@ def run(quick: bool, outstanding: int) -> dict[str, Any]:
     keys64 = [f"w{i}" for i in range(64)]
     results: dict[str, float] = {}
     probes: dict[str, float] = {}
-    bar = tqdm(total=5, desc="bench_shm_ops", unit="mode")
+    bar = tqdm(total=6, desc="bench_shm_ops", unit="mode")
     with create_connector("shm", {"namespace": ns}) as conn:
         base = f"/dev/shm/bops-floor-{ns}"
         open(base, "wb").close()
@@ -98,6 +99,18 @@ def run(quick: bool, outstanding: int) -> dict[str, Any]:
         with _ProbeCounter() as pc:
             results["put_get"] = _best(put_get, reps)
         probes["put_get"] = pc.calls / (n * reps)
+        bar.update()
+
+        with create_connector("shm", {"namespace": ns, "ttl_seconds": 60.0}) as ttl_conn:
+
+            def put_get_ttl() -> int:
+                for i in range(n):
+                    ttl_conn.put(0, 1, f"t{i}", payload)
+                    conn.get(0, 1, f"t{i}")
+                return n
+
+            put_get_ttl()
+            results["put_get_ttl"] = _best(put_get_ttl, reps)
         bar.update()
 
         rng = random.Random(7)

@@ -34,8 +34,10 @@ from omni_plugins_shm.segments.header import CLOSED_OFFSET, PAYLOAD_OFFSET, STAT
 log = logging.getLogger(__name__)
 
 MIN_CLASS = 16 << 10
-#: outstanding segments of a size class probed (one header byte each) per acquire, at most
+#: oldest outstanding segments of a size class probed (one header byte each) per acquire, at most
 PROBES = 4
+#: a segment still busy this many publications (of its class) after its own is probed rarely
+LAG = 256
 
 
 def size_class(total: int) -> int:
@@ -61,6 +63,8 @@ class Segment:
     free: str = ""
     #: publications so far (a record of one tells whether the segment was reused since)
     uses: int = 0
+    #: its class's publication count when it was last published (its age in publications)
+    seq: int = 0
     view: memoryview = field(init=False)
 
     def __post_init__(self) -> None:
@@ -84,38 +88,41 @@ class SizeClass:
     """The pooled segments of one capacity: known-free ones and outstanding ones, oldest first.
 
     ``ready``: segments known to be FREE (abandoned, or seen FREE by a probe); only the owner
-    makes a segment busy, so they stay free. ``out``: published segments, in the order they
-    were published or last probed. Consumers mostly take payloads in roughly the order they were
-    put, so the oldest outstanding segment is the one most likely back: an acquire with nothing
-    ready probes the newest segment (a put/get ping-pong returns it before the next put) and
-    up to ``PROBES`` segments from the front, keeps every FREE one and rotates the busy ones to
-    the back. A payload nobody consumes is thus probed once per round (every
-    ``len(out) / PROBES`` acquires) instead of on every acquire. The price: a segment returned
-    out of order may wait up to a round to be found, and meanwhile the class grows by new
+    makes a segment busy, so they stay free. ``out``: published segments in publish order.
+    ``slow``: segments still busy ``LAG`` publications after their own (a consumer lags far
+    behind, or never comes), rotated. Consumers take payloads roughly in the order they were
+    put, so an acquire with nothing ready probes the newest segment (a put/get ping-pong
+    returns it before the next put), then the oldest of ``out`` -- taking it if FREE, moving
+    it to ``slow`` if it is older than ``LAG``, and stopping at the first young busy one
+    (younger ones are unlikely back) -- up to ``PROBES`` times, then one of ``slow``.
+
+    At most ``PROBES + 2`` header bytes per acquire however many payloads are unclaimed; a
+    long-unclaimed one costs one probe per ``len(slow)`` acquires. The price: a segment
+    returned far out of order is found later, and meanwhile the class may grow by new
     segments (within ``pool_bytes``; beyond it payloads get dedicated segments as before).
     """
 
-    __slots__ = ("out", "ready", "segments")
+    __slots__ = ("out", "published", "ready", "segments", "slow")
 
     def __init__(self) -> None:
         self.ready: deque[Segment] = deque()
         self.out: deque[Segment] = deque()
+        self.slow: deque[Segment] = deque()
         #: every pooled segment of this class (for close / forget)
         self.segments: list[Segment] = []
+        #: publications of this class so far (``Segment.seq`` is its value at the segment's publication)
+        self.published = 0
+
+    def publish(self, seg: Segment) -> None:
+        self.published += 1
+        seg.seq = self.published
+        self.out.append(seg)
 
     def take(self) -> Segment | None:
         """A free segment (marked busy), or None if none is known free after a bounded probe."""
         ready = self.ready
         if not ready:
-            out = self.out
-            if out and out[-1].looks_free():  # the newest: back already when one payload at a time is in flight
-                ready.append(out.pop())
-            for _ in range(min(PROBES, len(out))):
-                seg = out.popleft()
-                if seg.looks_free():
-                    ready.append(seg)
-                else:
-                    out.append(seg)
+            self._probe()
             if not ready:
                 return None
         seg = ready.popleft()
@@ -123,12 +130,31 @@ class SizeClass:
         seg.path = seg.free
         return seg
 
+    def _probe(self) -> None:
+        ready, out, slow = self.ready, self.out, self.slow
+        if out and out[-1].looks_free():
+            ready.append(out.pop())
+        old = self.published - LAG
+        for _ in range(PROBES):
+            if not out:
+                break
+            seg = out[0]
+            if seg.looks_free():
+                ready.append(out.popleft())
+            elif seg.seq <= old:
+                slow.append(out.popleft())
+            else:
+                break
+        if slow:
+            seg = slow.popleft()
+            (ready if seg.looks_free() else slow).append(seg)
+
     def discard(self, seg: Segment) -> bool:
         """Drop ``seg`` from every list (rare: its file vanished); True if it was ours."""
         if seg not in self.segments:
             return False
         self.segments.remove(seg)
-        for q in (self.ready, self.out):
+        for q in (self.ready, self.out, self.slow):
             if seg in q:
                 q.remove(seg)
         return True
@@ -212,7 +238,7 @@ class ProducerPool:
             with self._lock:
                 group = self._classes.get(seg.capacity)
                 if group is not None:
-                    group.out.append(seg)
+                    group.publish(seg)
         else:
             seg.release_memory()  # the consumer unlinks it; we keep nothing
         return True
