@@ -15,6 +15,9 @@ repetitions, and ratios are against a baseline measured in the same run:
 Also reports ``looks_free`` calls per put (pool probes) for the in-flight modes.
 
     python benchmarks/bench_shm_ops.py [--quick] [--json FILE] [--plot FILE.png]
+
+Before/after a change: run it against an older tree with ``PYTHONPATH=<old>/plugins/shm``
+(e.g. from ``git archive <rev> plugins/shm``), alternating with the current one.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from omni_plugins_shm.config import ShmConfig
 from omni_plugins_shm.segments import pool as pool_mod
 from tqdm import tqdm
 
@@ -89,10 +93,10 @@ def run(quick: bool, outstanding: int) -> dict[str, Any]:
         os.unlink(base)
         bar.update()
 
-        def put_get() -> int:
+        def put_get(producer: Any = conn, tag: str = "a") -> int:
             for i in range(n):
-                conn.put(0, 1, f"a{i}", payload)
-                conn.get(0, 1, f"a{i}")
+                producer.put(0, 1, f"{tag}{i}", payload)
+                conn.get(0, 1, f"{tag}{i}")
             return n
 
         put_get()
@@ -101,16 +105,10 @@ def run(quick: bool, outstanding: int) -> dict[str, Any]:
         probes["put_get"] = pc.calls / (n * reps)
         bar.update()
 
-        with create_connector("shm", {"namespace": ns, "ttl_seconds": 60.0}) as ttl_conn:
-
-            def put_get_ttl() -> int:
-                for i in range(n):
-                    ttl_conn.put(0, 1, f"t{i}", payload)
-                    conn.get(0, 1, f"t{i}")
-                return n
-
-            put_get_ttl()
-            results["put_get_ttl"] = _best(put_get_ttl, reps)
+        if "ttl_seconds" in ShmConfig.model_fields:  # absent in older versions (before/after runs)
+            with create_connector("shm", {"namespace": ns, "ttl_seconds": 60.0}) as ttl_conn:
+                put_get(ttl_conn, "t")
+                results["put_get_ttl"] = _best(lambda: put_get(ttl_conn, "t"), reps)
         bar.update()
 
         rng = random.Random(7)

@@ -111,3 +111,24 @@ def test_gc_ttl_frees_a_live_producers_stale_payloads(namespace: str, spawn: Any
         hold.set()
         _stop(proc)
     assert proc.exitcode == 0
+
+
+def test_expiry_records_stay_bounded(namespace: str, monkeypatch: Any, caplog: Any) -> None:
+    from omni_plugins_shm import expire
+
+    monkeypatch.setattr(expire, "MAX_RECORDS", 8)
+    with (
+        create_connector("shm", {"namespace": namespace, "ttl_seconds": 3600}) as producer,
+        create_connector("shm", {"namespace": namespace}) as consumer,
+    ):
+        records = lambda: len(producer._expiry._records)  # noqa: E731
+        for i in range(40):  # consumed payloads: their records are compacted away
+            producer.put(0, 1, f"c{i}", make_payload(i, KIB))
+            assert consumer.get(0, 1, f"c{i}") is not None
+        assert records() <= 8
+        for i in range(20):  # unclaimed ones beyond the cap: the oldest records are forgotten, with a warning
+            producer.put(0, 1, f"u{i}", make_payload(i, KIB))
+        assert records() <= 8 and "unclaimed payloads" in caplog.text
+        for i in range(20):
+            got = consumer.get(0, 1, f"u{i}")  # forgetting a record never drops the payload
+            assert got is not None and payload_matches(got.data, i, KIB)
