@@ -249,6 +249,7 @@ class ProducerPool:
             group = self._classes.get(seg.capacity)
             if group is not None and group.discard(seg):
                 self.pooled_bytes -= seg.capacity
+        seg.uses += 1  # records of its publications (ttl) are stale now: never read the released mapping
         seg.release_memory()
 
     def abandon(self, seg: Segment) -> None:
