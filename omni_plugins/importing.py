@@ -16,7 +16,8 @@ def import_string(path: str) -> Any:
         module_name, _, attr_path = path.partition(":")
     else:
         module_name, _, attr_path = path.rpartition(".")
-    if not module_name or not attr_path:
+    parts = [*module_name.split("."), *attr_path.split(".")]
+    if not module_name or not attr_path or not all(p.isidentifier() for p in parts):
         raise ImportError(f"{path!r} is not an import path (expected 'package.module:name')")
     module = importlib.import_module(module_name)
     obj: Any = module

@@ -1,6 +1,6 @@
 """``omni-plugins shm ...``: shared-memory maintenance, delegated to the omni-plugins-shm plugin.
 
-``omni-plugins shm gc [--namespace NS] [--all] [--dry-run]`` reclaims segments
+``omni-plugins shm gc [--namespace NS] [--all] [--dry-run] [--ttl S]`` reclaims segments
 left by crashed producers.
 """
 
