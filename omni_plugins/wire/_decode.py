@@ -37,6 +37,7 @@ _unpackb = msgpack.unpackb  # defaults: raw=False (str is utf-8), strict_map_key
 _frombuffer = np.frombuffer
 _from_numpy = torch.from_numpy
 _ALIGN_MASK = ALIGNMENT - 1
+_NESTED = (dict, list)
 _MAX_EXTENT = 2**62  # below numpy's intp limit for size x itemsize
 
 # torch warns (once per process) when a tensor is built over read-only memory. The
@@ -124,15 +125,9 @@ class _Builder:
         self.next_ref = 0
 
     def walk(self, node: Any, depth: int) -> Any:
-        t = type(node)
-        if t is dict:
-            return self._dict(node, depth)
-        if t is list:
-            return self._list(node, depth)
-        if node is _REF:
-            return self._ref()
-        if node is _TUPLE:
-            raise _unsupported(node)
+        """The payload for the header tree's root ``node`` (a leaf comes back as it is)."""
+        if node is _REF or type(node) in _NESTED or node is _TUPLE:
+            return self._value(node, depth)
         return node
 
     def _enter(self, node: Any, depth: int) -> int:
@@ -145,25 +140,12 @@ class _Builder:
         return depth
 
     def _dict(self, node: dict[Any, Any], depth: int) -> Any:
-        depth += 1  # _enter, inlined for the common root-dict case
-        if depth > self.max_depth:
-            raise WireFormatError(f"nesting depth exceeds max_depth={self.max_depth}")
-        self.items += len(node)
-        if self.items > self.max_items:
-            raise WireFormatError(f"more than max_items={self.max_items} elements")
+        depth = self._enter(node, depth)
         for k, v in node.items():
             if type(k) is not str:
                 raise WireFormatError(f"dict key of type {type(k).__name__} (only str keys are allowed)")
-            if v is _REF:
-                node[k] = self._ref()
-            else:
-                tv = type(v)
-                if tv is dict:
-                    node[k] = self._dict(v, depth)
-                elif tv is list:
-                    node[k] = self._list(v, depth)
-                elif v is _TUPLE:
-                    raise _unsupported(v)
+            if v is _REF or type(v) in _NESTED or v is _TUPLE:  # leaves (most values) stay as they are
+                node[k] = self._value(v, depth)
         return node
 
     def _list(self, node: list[Any], depth: int) -> Any:
@@ -172,17 +154,19 @@ class _Builder:
         if is_tuple:
             node = node[1:]
         for i, v in enumerate(node):
-            if v is _REF:
-                node[i] = self._ref()
-            else:
-                tv = type(v)
-                if tv is dict:
-                    node[i] = self._dict(v, depth)
-                elif tv is list:
-                    node[i] = self._list(v, depth)
-                elif v is _TUPLE:
-                    raise _unsupported(v)
+            if v is _REF or type(v) in _NESTED or v is _TUPLE:
+                node[i] = self._value(v, depth)
         return tuple(node) if is_tuple else node
+
+    def _value(self, v: Any, depth: int) -> Any:
+        """A non-leaf value inside a container at ``depth``: a buffer, a nested container, or an error."""
+        if v is _REF:
+            return self._ref()
+        if type(v) is dict:
+            return self._dict(v, depth)
+        if type(v) is list:
+            return self._list(v, depth)
+        raise _unsupported(v)
 
     def _ref(self) -> Any:
         """Build the value of the next buffer-table row (a view, or a copy with ``copy=True``)."""
