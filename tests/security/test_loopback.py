@@ -12,6 +12,8 @@ namespace mitigation: docs/mooncake.md.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -181,3 +183,20 @@ def test_mooncake_mitigation_loopback_only_network_namespace() -> None:
     assert out["mooncake-store"] is True and out["mooncake-te"] is True  # and the connectors still move data
     # the engines still bind wildcards in there (what the namespace is for)
     assert {"0.0.0.0", "::"} & set(out["mooncake-te listens"])
+
+
+@pytest.mark.skipif(
+    os.environ.get("OMNI_TEST_NETNS") != "confined",
+    reason="the suite runs unconfined (OMNI_TEST_NETNS=0, or no user namespaces where scripts/setup.sh test ran)",
+)
+def test_test_suite_runs_where_only_loopback_exists(engine_sockets: dict[str, object]) -> None:
+    """``scripts/setup.sh test`` runs pytest in a network namespace whose only interface is ``lo``: every
+    listener a test starts -- Mooncake's wildcard ones included -- is reachable through loopback alone,
+    and nothing a test does can send traffic to another host."""
+    addresses = psutil.net_if_addrs()
+    assert set(addresses) == {"lo"}, sorted(addresses)
+    assert {a.address for a in addresses["lo"] if a.family in (socket.AF_INET, socket.AF_INET6)} <= LOOPBACK
+    wildcard = {tuple(a) for name in ("store", "te") for a in engine_sockets[name] if a[0] in ("0.0.0.0", "::")}  # type: ignore[union-attr]
+    assert wildcard, "expected the engine's wildcard listeners (else drop this test and the xfail above)"
+    with pytest.raises(OSError):  # no route anywhere but loopback (TEST-NET-1 address, never sent if routed)
+        socket.create_connection(("192.0.2.1", 9), timeout=1).close()
