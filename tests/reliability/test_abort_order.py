@@ -59,10 +59,4 @@ def test_redis_abort_reaching_the_consumer_first(redis_server: Any) -> None:
         left = _abort_consumer_first(conn, lambda: redis_server.keys(prefix + "*"), after_close=True)
         assert left == []
     finally:
-        client = redis_server.client()
-        try:
-            stale = list(client.scan_iter(match=prefix + "*"))
-            if stale:
-                client.delete(*stale)
-        finally:
-            client.close()
+        redis_server.delete_keys(prefix + "*")

@@ -122,13 +122,7 @@ def test_payload_claimed_before_a_long_outage_is_not_lost(persistent_redis: Any)
     finally:
         spy.close()
         consumer.close()
-        cleanup = persistent_redis.client()
-        try:
-            stale = list(cleanup.scan_iter(match=prefix + "*"))
-            if stale:
-                cleanup.delete(*stale)
-        finally:
-            cleanup.close()
+        persistent_redis.delete_keys(prefix + "*")
 
 
 class _ReplyDropper:
@@ -227,10 +221,4 @@ def test_lost_claim_reply_with_a_short_get_is_not_lost(redis_server: Any) -> Non
             assert torch.equal(got.data["v"], torch.arange(10))
     finally:
         proxy.close()
-        client = redis_server.client()
-        try:
-            stale = list(client.scan_iter(match=prefix + "*"))
-            if stale:
-                client.delete(*stale)
-        finally:
-            client.close()
+        redis_server.delete_keys(prefix + "*")

@@ -11,10 +11,13 @@ import itertools
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from omni_plugins_shm.naming import PREFIX
 from omni_plugins_shm.testing import assert_namespace_empty
+
+from omni_plugins import create_connector
 
 SESSION = uuid.uuid4().hex[:8]
 _counter = itertools.count()
@@ -34,6 +37,16 @@ def namespace() -> Iterator[str]:
     ns = f"tshm{SESSION}-{next(_counter)}"
     yield ns
     assert_namespace_empty(ns)
+
+
+@pytest.fixture
+def pair(namespace: str) -> Iterator[tuple[Any, Any]]:
+    """A producer and a consumer shm connector on the test's namespace, closed afterwards."""
+    producer = create_connector("shm", {"namespace": namespace})
+    consumer = create_connector("shm", {"namespace": namespace})
+    yield producer, consumer
+    producer.close()
+    consumer.close()
 
 
 @pytest.fixture

@@ -26,14 +26,6 @@ from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
 KIB, MIB = 1 << 10, 1 << 20
 
 
-@pytest.fixture
-def pair(namespace: str) -> Any:
-    producer = create_connector("shm", {"namespace": namespace})
-    consumer = create_connector("shm", {"namespace": namespace})
-    yield producer, consumer
-    producer.close()
-    consumer.close()
-
 
 def _only(namespace: str, kind: str) -> list[str]:
     return [n for n in namespace_segments(namespace) if (p := parse_name(n)) is not None and p.kind == kind]

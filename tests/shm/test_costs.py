@@ -7,24 +7,12 @@ from __future__ import annotations
 
 import gc as pygc
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from omni_plugins_shm.segments import pool as pool_mod
 from omni_plugins_shm.testing import make_payload, payload_matches
-
-from omni_plugins import create_connector
-
-
-@pytest.fixture
-def pair(namespace: str) -> Iterator[tuple[Any, Any]]:
-    producer = create_connector("shm", {"namespace": namespace})
-    consumer = create_connector("shm", {"namespace": namespace})
-    yield producer, consumer
-    producer.close()
-    consumer.close()
 
 
 @pytest.fixture

@@ -16,14 +16,6 @@ from omni_plugins import create_connector
 JOIN = 120
 
 
-@pytest.fixture
-def pair(namespace: str) -> Any:
-    producer = create_connector("shm", {"namespace": namespace})
-    consumer = create_connector("shm", {"namespace": namespace})
-    yield producer, consumer
-    producer.close()
-    consumer.close()
-
 
 def test_capability_is_advertised(pair: Any) -> None:
     assert pair[1].capabilities.wait_any is True

@@ -186,6 +186,17 @@ class RedisServer:
         finally:
             client.close()
 
+    def delete_keys(self, pattern: str) -> int:
+        """Delete every key matching ``pattern`` (test clean-up after a failure); how many there were."""
+        client = self.client()
+        try:
+            stale = count_keys([client], pattern)
+            if stale:
+                client.delete(*stale)
+            return len(stale)
+        finally:
+            client.close()
+
     # -- lifecycle --------------------------------------------------------------
     def _args(self) -> list[str]:
         args = [REDIS_SERVER, "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "", "--logfile", "redis.log"]
