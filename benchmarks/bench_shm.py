@@ -11,15 +11,21 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
 - ``shm_views``: the same with ``get_views`` (zero-copy views, dropped before the ack).
 - ``pipe_pingpong`` / ``shm_pingpong`` (small sizes): a round trip -- payload there and back -- over a
   pipe (raw bytes) vs. ``put``/``get`` both ways.
-- ``shm_pingpong_polling``: ``shm_pingpong`` with inotify disabled in both processes, i.e. the
-  connector's fallback (sleep 0.2 ms doubling to 20 ms between claim attempts): what waiting
-  by inotify instead of polling buys.
+- ``shm_pingpong_inotify``: ``shm_pingpong`` with ``futex_wait: false``: blocked gets wait on
+  inotify (the path without the C extension) instead of a futex word in the wake file.
+- ``shm_pingpong_polling``: ``shm_pingpong`` with futex waits off and inotify disabled in both
+  processes, i.e. the connector's last fallback (sleep 0.2 ms doubling to 20 ms between claim
+  attempts): what waiting by inotify instead of polling buys.
 - ``pipe_wire_pingpong``: the pipe round trip carrying the same payload encoded and decoded with
   ``omni_plugins.wire`` each way (the transport-only comparison: same codec cost as ``shm``).
-- ``floor_pingpong``: the floor of the connector's protocol -- the same syscalls per hop (publish
-  ``rename`` into a watched directory, claim ``rename`` out, ``lstat``, copy out of a kept mapping,
-  return ``rename``, inotify ``poll``/``read`` via the connector's own watch) without the codec and
-  without the connector's Python layers. What a Python shm transport with these semantics costs here.
+- ``floor_pingpong``: the floor of the connector's protocol (with the C extension) -- the same
+  syscalls per hop (see ``FLOOR_PROTOCOL``: publish ``rename`` via ``renameat2``, ring the key's
+  futex slot -- ``FUTEX_WAKE`` only when the peer waits --, claim ``rename``, ``lstat``, copy out of a
+  kept mapping, return ``rename``, ``FUTEX_WAIT`` when the payload is not there yet) without the
+  codec and without the connector's Python layers.
+- ``floor_inotify_pingpong``: the previous protocol's floor (publish ``rename`` into a watched
+  directory, claim, ``lstat``, copy, return; inotify ``poll``/``read`` via the connector's own
+  watch) -- the floor of the path without the C extension.
 - ``codec_us`` (in-process, not a mode): ``wire.encode`` + ``write_into`` + ``wire.decode`` of the
   payload, best of N -- paid twice per round trip by ``shm_pingpong``.
 
@@ -59,6 +65,17 @@ SIZES = [4 * KIB, 1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 QUICK_SIZES = [4 * KIB, 1 * MIB, 64 * MIB]
 PINGPONG_MAX = 64 * KIB
 TIMEOUT = 30.0
+FLOOR_PROTOCOL = {
+    "floor_pingpong": "per hop: renameat2 publish + futex bump (FUTEX_WAKE only if the peer waits) | "
+    "rename claim (+ FUTEX_WAIT while absent) + lstat + copy out of a kept mapping + rename return",
+    "floor_inotify_pingpong": "per hop: rename publish into an inotify-watched directory | "
+    "rename claim (+ poll + read of the inotify fd while absent) + lstat + copy out + rename return",
+}
+
+
+def _shm_config(kind: str, ns: str) -> dict[str, Any]:
+    """Connector config of a mode: the inotify and polling modes turn futex waits off."""
+    return {"namespace": ns, "futex_wait": kind not in ("shm_pingpong_inotify", "shm_pingpong_polling")}
 
 
 def _iters(size: int, quick: bool) -> tuple[int, int]:
@@ -93,7 +110,8 @@ def _child(ctl: Connection, data: Connection) -> None:
             return
         kind, size, n, ns = cmd
         _polling(kind == "shm_pingpong_polling")
-        if kind == "shm_pingpong_polling":
+        config = _shm_config(kind, ns)
+        if kind.startswith("shm_pingpong"):
             kind = "shm_pingpong"
         if kind == "raw" or kind == "raw_fresh":
             shm = shared_memory.SharedMemory(name=ns, create=False)
@@ -111,8 +129,8 @@ def _child(ctl: Connection, data: Connection) -> None:
                 data.send_bytes(b"k")
             del src
             shm.close()
-        elif kind == "floor_pingpong":
-            _floor_side(ns, "b", size, n, ctl)
+        elif kind in FLOOR_PROTOCOL:
+            _floor_side(ns, "b", size, n, ctl, futex=kind == "floor_pingpong")
         elif kind == "pipe_pingpong":
             for _ in range(n):
                 msg = data.recv_bytes()
@@ -124,7 +142,7 @@ def _child(ctl: Connection, data: Connection) -> None:
                 obj = wire.decode(data.recv_bytes(), copy=True)
                 data.send_bytes(wire.encode(obj).to_bytes())
         elif kind in ("shm", "shm_views", "shm_pingpong"):
-            with create_connector("shm", {"namespace": ns}) as conn:
+            with create_connector("shm", config) as conn:
                 for i in range(n):
                     if kind == "shm_views":
                         res = conn.get_views(0, 1, f"k{i}", timeout=TIMEOUT)  # type: ignore[attr-defined]
@@ -144,11 +162,19 @@ def _child(ctl: Connection, data: Connection) -> None:
         ctl.send("done")
 
 
-def _floor_side(root: str, me: str, size: int, n: int, ctl: Connection) -> list[float]:
-    """One side of ``floor_pingpong`` (``a`` = parent, starts each round; ``b`` = child, answers)."""
+def _floor_side(root: str, me: str, size: int, n: int, ctl: Connection, futex: bool) -> list[float]:
+    """One side of a floor mode (``a`` = parent, starts each round; ``b`` = child, answers).
+
+    ``futex``: the connector's protocol with the C extension (``floor_pingpong``): publish with
+    ``renameat2``, ring the key's slot in a shared wake page (``FUTEX_WAKE`` only if the peer
+    waits), wait with ``FUTEX_WAIT``. Otherwise the inotify protocol (``floor_inotify_pingpong``).
+    Both: claim ``rename``, ``lstat`` -> kept mapping, copy out, return ``rename``.
+    """
     import mmap as _mmap
 
+    from omni_plugins_shm.naming import WAKE_FIRST_SLOT
     from omni_plugins_shm.notify import _Watch
+    from omni_plugins_shm.segments.files import rename_noreplace
 
     other = "b" if me == "a" else "a"
     pub = f"{root}/pub"
@@ -159,8 +185,17 @@ def _floor_side(root: str, me: str, size: int, n: int, ctl: Connection) -> list[
         os.close(fd)
     mine = next(m for ino, m in maps.items() if ino == os.lstat(f"{root}/seg.{me}").st_ino)
     msg = os.urandom(size)
-    watch = _Watch(pub)
     claim = f"{root}/c.{me}"
+    watch = None
+    if futex:
+        from omni_plugins_shm import _native
+
+        fd = os.open(f"{root}/wake", os.O_RDWR)
+        wake = _mmap.mmap(fd, _mmap.PAGESIZE)
+        os.close(fd)
+        slot = {side: WAKE_FIRST_SLOT + 8 * i for i, side in enumerate("ab")}  # the slot of the keys each side waits for
+    else:
+        watch = _Watch(pub)
     if me == "b":
         ctl.send("ready")  # both segments mapped and watched: the parent may start
     else:
@@ -169,19 +204,28 @@ def _floor_side(root: str, me: str, size: int, n: int, ctl: Connection) -> list[
 
     def publish(i: int) -> None:
         mine[:size] = msg
-        os.rename(f"{root}/seg.{me}", f"{pub}/k.{other}{i}")
+        if futex:
+            rename_noreplace(f"{root}/seg.{me}", f"{pub}/k.{other}{i}")
+            _native.bump(wake, slot[other])
+        else:
+            os.rename(f"{root}/seg.{me}", f"{pub}/k.{other}{i}")
 
     def receive(i: int) -> None:
         name = f"k.{me}{i}"
         deadline = time.monotonic() + TIMEOUT
         while True:
+            seen = _native.load(wake, slot[me]) if futex else 0
             try:
                 os.rename(f"{pub}/{name}", claim)
                 break
             except FileNotFoundError:
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"floor_pingpong: {name} did not arrive in {TIMEOUT}s") from None
-                watch.wait(frozenset({name.encode()}), TIMEOUT)
+                    raise SystemExit(f"floor: {name} did not arrive in {TIMEOUT}s") from None
+                if futex:
+                    _native.wait(wake, slot[me], seen, TIMEOUT)
+                else:
+                    assert watch is not None
+                    watch.wait(frozenset({name.encode()}), TIMEOUT)
         st = os.lstat(claim)
         bytearray(maps[st.st_ino][:size])  # the copy out
         os.rename(claim, f"{root}/seg.{other}")
@@ -195,7 +239,10 @@ def _floor_side(root: str, me: str, size: int, n: int, ctl: Connection) -> list[
             receive(i)
             publish(i)
         times.append(time.perf_counter() - t0)
-    watch.close()
+    if watch is not None:
+        watch.close()
+    else:
+        wake.close()
     for m in maps.values():
         m.close()
     return times
@@ -277,7 +324,7 @@ def _run_shm(kind: str, size: int, n: int, ctl: Connection, data: Connection, pa
     ns = unique_namespace("bench")
     obj = {"x": payload}
     _polling(kind == "shm_pingpong_polling")
-    with create_connector("shm", {"namespace": ns}) as conn:
+    with create_connector("shm", _shm_config(kind, ns)) as conn:
         ctl.send((kind, size, n, ns))
         times = []
         for i in range(n):
@@ -297,17 +344,17 @@ def _run_shm(kind: str, size: int, n: int, ctl: Connection, data: Connection, pa
     return times
 
 
-def _run_floor(size: int, n: int, ctl: Connection) -> list[float]:
+def _run_floor(kind: str, size: int, n: int, ctl: Connection) -> list[float]:
     root = f"/dev/shm/bench-shm-floor-{uuid.uuid4().hex[:8]}"
     os.mkdir(root, 0o700)
     os.mkdir(f"{root}/pub", 0o700)
     try:
-        for side in ("a", "b"):
-            fd = os.open(f"{root}/seg.{side}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, 16 * KIB)
+        for name, nbytes in (("seg.a", 16 * KIB), ("seg.b", 16 * KIB), ("wake", 4 * KIB)):
+            fd = os.open(f"{root}/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, nbytes)
             os.close(fd)
-        ctl.send(("floor_pingpong", size, n, root))
-        times = _floor_side(root, "a", size, n, ctl)
+        ctl.send((kind, size, n, root))
+        times = _floor_side(root, "a", size, n, ctl, futex=kind == "floor_pingpong")
         assert ctl.recv() == "done"
     finally:
         for d in (f"{root}/pub", root):
@@ -319,13 +366,21 @@ def _run_floor(size: int, n: int, ctl: Connection) -> list[float]:
     return times
 
 
+def _has_native() -> bool:
+    try:
+        from omni_plugins_shm import _native  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _batch(kind: str, size: int, n: int, ctl: Connection, data: Connection, payload: torch.Tensor) -> list[float]:
     if kind.startswith("raw"):
         return _run_raw(kind, size, n, ctl, data, payload)
     if kind == "pipe_pingpong":
         return _run_pipe(size, n, ctl, data)
-    if kind == "floor_pingpong":
-        return _run_floor(size, n, ctl)
+    if kind in FLOOR_PROTOCOL:
+        return _run_floor(kind, size, n, ctl)
     if kind == "pipe_wire_pingpong":
         return _run_pipe_wire(size, n, ctl, data, payload)
     return _run_shm(kind, size, n, ctl, data, payload)
@@ -342,9 +397,13 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
     for size in sizes:
         kinds = ["raw", "raw_fresh", "shm", "shm_views"]
         if size <= PINGPONG_MAX:
-            kinds += ["pipe_pingpong", "pipe_wire_pingpong", "floor_pingpong", "shm_pingpong", "shm_pingpong_polling"]
+            kinds += ["pipe_pingpong", "pipe_wire_pingpong", "floor_inotify_pingpong", "shm_pingpong_inotify", "shm_pingpong_polling"]
+            if _has_native():  # the C extension's protocol (else shm_pingpong is the inotify path again)
+                kinds += ["floor_pingpong"]
+            kinds += ["shm_pingpong"]
         plan += [(size, r, k) for r in range(rounds) for k in kinds]
     samples: dict[tuple[int, str], list[float]] = {}
+    cpu: dict[tuple[int, str], list[float]] = {}
     payloads: dict[int, torch.Tensor] = {}
     try:
         with tqdm(total=len(plan), desc="bench_shm", unit="batch") as bar:
@@ -356,7 +415,9 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
                     gc.collect()
                     payloads[size] = torch.randn(size // 4)
                 bar.set_postfix_str(f"{kind} {size // KIB} KiB x{per_round}")
+                c0 = time.process_time()
                 times = _batch(kind, size, warm + per_round, ctl_a, data_a, payloads[size])
+                cpu.setdefault((size, kind), []).append((time.process_time() - c0) / (warm + per_round))
                 samples.setdefault((size, kind), []).extend(times[warm:])
                 bar.update()
     finally:
@@ -367,15 +428,20 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
     for (size, kind), times in samples.items():
         med = statistics.median(times)
         entry = results["sizes"].setdefault(str(size), {})
-        entry[kind] = {"median_s": med, "gbps": size / med / 1e9, "iters": len(times)}
+        # parent-process CPU per operation (mean over the batches, warm-up and setup included): context only
+        entry[kind] = {"median_s": med, "gbps": size / med / 1e9, "iters": len(times), "parent_cpu_s": statistics.mean(cpu[(size, kind)])}
     for size_key, entry in results["sizes"].items():
         raw = entry["raw"]["median_s"]
         entry["ratio_vs_raw"] = {k: raw / v["median_s"] for k, v in entry.items() if isinstance(v, dict) and "median_s" in v}
         if "pipe_pingpong" in entry:
             entry["roundtrip_ratio_vs_pipe"] = entry["shm_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
             entry["roundtrip_ratio_vs_pipe_wire"] = entry["shm_pingpong"]["median_s"] / entry["pipe_wire_pingpong"]["median_s"]
-            entry["roundtrip_polling_vs_inotify"] = entry["shm_pingpong_polling"]["median_s"] / entry["shm_pingpong"]["median_s"]
-            entry["roundtrip_floor_vs_pipe"] = entry["floor_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
+            entry["roundtrip_polling_vs_inotify"] = entry["shm_pingpong_polling"]["median_s"] / entry["shm_pingpong_inotify"]["median_s"]
+            entry["roundtrip_futex_vs_inotify"] = entry["shm_pingpong"]["median_s"] / entry["shm_pingpong_inotify"]["median_s"]
+            floor = entry.get("floor_pingpong", entry["floor_inotify_pingpong"])
+            entry["roundtrip_floor_vs_pipe"] = floor["median_s"] / entry["pipe_pingpong"]["median_s"]
+            entry["roundtrip_floor_inotify_vs_pipe"] = entry["floor_inotify_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
+            entry["floor_protocol"] = FLOOR_PROTOCOL["floor_pingpong" if "floor_pingpong" in entry else "floor_inotify_pingpong"]
             entry["codec_us"] = _codec_us(payloads.get(int(size_key), torch.randn(int(size_key) // 4)))
     return results
 
@@ -391,7 +457,13 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
         out["roundtrip_4KiB_vs_pipe"] = {"value": small["roundtrip_ratio_vs_pipe"], "target": "<= 1.5"}
         out["roundtrip_4KiB_vs_pipe_with_wire_codec"] = {"value": small["roundtrip_ratio_vs_pipe_wire"], "target": "(context)"}
         out["roundtrip_4KiB_polling_vs_inotify"] = {"value": small["roundtrip_polling_vs_inotify"], "target": "(context)"}
-        out["roundtrip_4KiB_floor_vs_pipe"] = {"value": small["roundtrip_floor_vs_pipe"], "target": "(context: protocol without codec)"}
+        out["roundtrip_4KiB_futex_vs_inotify"] = {"value": small["roundtrip_futex_vs_inotify"], "target": "(context: C extension's wake)"}
+        out["roundtrip_4KiB_floor_vs_pipe"] = {
+            "value": small["roundtrip_floor_vs_pipe"],
+            "target": "(context: protocol without codec)",
+            "protocol": small["floor_protocol"],
+        }
+        out["roundtrip_4KiB_floor_inotify_vs_pipe"] = {"value": small["roundtrip_floor_inotify_vs_pipe"], "target": "(context: previous protocol)"}
         out["codec_4KiB_us_per_hop"] = {"value": small["codec_us"], "target": "(context: in-process, twice per round trip)"}
     return out
 

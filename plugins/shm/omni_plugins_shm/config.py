@@ -51,4 +51,9 @@ class ShmConfig(ConnectorSettings):
         description="a producer frees its published payloads still unclaimed after this many seconds "
         "(checked on put, at most every ttl/8 s; a late get then finds nothing); 0 = keep until close",
     )
+    futex_wait: bool = Field(
+        default=True,
+        description="a blocked get sleeps on a futex word in the namespace's wake file (C extension) instead of inotify; "
+        "ignored (inotify) when the extension is not built",
+    )
     reclaim_on_start: bool = Field(default=True, description="free segments of dead producers in this namespace when an instance starts")

@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import stat
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
-from omni_plugins_shm import gc, pubdir
+from omni_plugins_shm import gc, pubdir, wakeslots
 from omni_plugins_shm.config import ShmConfig
 from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
 from omni_plugins_shm.naming import HASHED, PUBLISHED, KeyNames, Names, parse_name
@@ -77,6 +78,13 @@ class ShmConnector(Connector):
                 )
         self._pubdir = self._path(self._names.publish_dir)
         self._marker = pubdir.create_marker(self._pubdir, self._names.marker(self._token))
+        try:
+            self._wake = wakeslots.WakeFile.open(self._pubdir, self._names.wake(), pubdir.ensure, self.config.futex_wait)
+        except BaseException:
+            unlink_quiet(self._marker)
+            pubdir.remove_if_empty(self._pubdir)
+            raise
+        self._ring = self._wake.ring
         self._pool = ProducerPool(
             self._dir, self._names, self._token, pool_bytes=self.config.pool_bytes, max_segment=self.config.pool_max_segment_bytes
         )
@@ -124,6 +132,7 @@ class ShmConnector(Connector):
                 self._pool.abandon(seg)
                 raise
             if published_ok:
+                self._ring(names.wake_slot)
                 if expiry is not None:
                     expiry.published(published, seg)
                 return PutResult(True, enc.nbytes, None)
@@ -168,14 +177,40 @@ class ShmConnector(Connector):
         self._check_process()
         names = self._key(key)
         if timeout is not None and timeout > 0:
-            path = names.published_path
-            claim = self._notifier.wait_for(names.wanted, lambda: self._claim(path), timeout)
+            if self._wake.futex_waits:
+                claim = self._wait_claim(names, timeout)
+            else:
+                path = names.published_path
+                claim = self._notifier.wait_for(names.wanted, lambda: self._claim(path), timeout)
         else:
             claim = self._claim(names.published_path)
         if claim is None:
             return None
         self._notifier.forget(names.published_bytes)
         return self._consume(claim, key, names.digest, zero_copy)
+
+    def _wait_claim(self, names: KeyNames, timeout: float) -> str | None:
+        """Claim ``names``' payload, sleeping on its futex wake slot (up to ``timeout`` seconds) until it is there.
+
+        Read the slot, try the claim, sleep while the slot still reads the same: a publication
+        after the read changes the slot (the producer rings after its rename), so none is
+        missed; one before it is found by the claim. Sleeps are capped at ``wakeslots.SLICE``
+        (a ring lost to a crashed producer costs at most that); the deadline is monotonic.
+        """
+        wake, slot, path = self._wake, names.wake_slot, names.published_path
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                seen = wake.seq(slot)
+            except ValueError:  # another thread closed the connector (and its wake file) meanwhile
+                return None
+            claim = self._claim(path)
+            if claim is not None:
+                return claim
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._closed:
+                return None
+            wake.sleep(slot, seen, remaining)
 
     # -- wait_any -------------------------------------------------------------------------
     def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
@@ -341,6 +376,7 @@ class ShmConnector(Connector):
         self._pool.close()
         self._maps.clear()
         self._private.clear()
+        self._wake.close()  # removes the wake file if no other live instance holds it
         pubdir.remove_if_empty(self._pubdir)  # succeeds for the last instance of the namespace
 
     def _free_unconsumed(self) -> None:

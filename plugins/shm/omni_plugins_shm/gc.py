@@ -14,6 +14,8 @@ Markers and published payloads live in the namespace's publish directory (see
   process is dead.
 - ``k.``/``h.`` (published payloads): removed when the producer named in the header is dead or closed,
   or when the header is corrupt.
+- ``x.wake`` (the namespace's wake file): removed when no live instance holds its ``flock``
+  (checked and removed under an exclusive lock, see :mod:`omni_plugins_shm.wakeslots`).
 
 A process is identified by pid *and* start time, so a reused pid does not keep
 a dead producer's memory alive. ``force=True`` removes everything in the
@@ -26,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_plugins_shm import pubdir
+from omni_plugins_shm import pubdir, wakeslots
 from omni_plugins_shm.naming import (
     CLAIMED,
     FREE,
@@ -35,6 +37,7 @@ from omni_plugins_shm.naming import (
     PREFIX,
     PUBLISH_DIR,
     PUBLISHED,
+    WAKE,
     WRITING,
     Names,
     namespace_prefix,
@@ -109,6 +112,11 @@ def _garbage(directory: str, name: str, live: _Liveness) -> bool:
     return False
 
 
+def _is_wake(name: str) -> bool:
+    parsed = parse_name(name)
+    return parsed is not None and parsed.kind == WAKE
+
+
 def _is_publish_dir(name: str) -> bool:
     parts = name.split(".")
     return len(parts) == 3 and parts[0] == PREFIX and parts[2] == PUBLISH_DIR and bool(parts[1])
@@ -135,7 +143,8 @@ def collect(namespace: str | None = None, *, shm_dir: str = DEFAULT_SHM_DIR, for
     """Remove segments of dead (or closed) owners in ``namespace`` (all namespaces if None).
 
     Markers are handled last, so the segments of an instance are judged while its marker still says
-    whether it is alive. A publish directory left empty is removed too (not listed in the report).
+    whether it is alive. A wake file no live instance holds and a publish directory left empty are
+    removed too (not listed in the report).
     Safe to run concurrently with live connectors.
     """
     prefix = namespace_prefix(namespace) if namespace is not None else f"{PREFIX}."
@@ -148,6 +157,11 @@ def collect(namespace: str | None = None, *, shm_dir: str = DEFAULT_SHM_DIR, for
     for directory, name in entries:
         path = os.path.join(directory, name)
         try:
+            if not force and _is_wake(name):
+                # namespace infrastructure like the publish directory (not listed in the report); removed
+                # only under its exclusive lock: no live instance holds it (dead ones hold nothing)
+                wakeslots.remove_if_unused(path, dry_run)
+                continue
             if not (force or _garbage(directory, name, live)):
                 report.kept.append(name)
                 continue

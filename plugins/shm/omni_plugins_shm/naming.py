@@ -9,6 +9,7 @@ Kinds (the state of a segment is its name; ``rename`` moves it between states at
   consumer needs nothing but the key. Keys with characters outside ``[A-Za-z0-9_.-]`` or too
   long for ``NAME_MAX`` are hashed.
 - ``c.<owner>.<n>``: a payload claimed by the consumer ``owner`` (consume-once: the claim is a rename).
+- ``x.wake``: the namespace's wake file (futex doorbells for blocked gets, :mod:`omni_plugins_shm.wakeslots`).
 
 Published payloads and markers live in the namespace's *publish directory*
 ``omnishm.<namespace>.d/`` inside the shm directory (same names); every other kind lives in the
@@ -27,12 +28,15 @@ PREFIX = "omnishm"
 NAME_MAX = 255
 _SAFE_KEY = re.compile(r"^[A-Za-z0-9_.-]+$")
 
-MARKER, WRITING, FREE, PUBLISHED, HASHED, CLAIMED = "o", "w", "f", "k", "h", "c"
-KINDS = frozenset({MARKER, WRITING, FREE, PUBLISHED, HASHED, CLAIMED})
+MARKER, WRITING, FREE, PUBLISHED, HASHED, CLAIMED, WAKE = "o", "w", "f", "k", "h", "c", "x"
+KINDS = frozenset({MARKER, WRITING, FREE, PUBLISHED, HASHED, CLAIMED, WAKE})
 #: suffix of the publish directory's name: ``omnishm.<namespace>.d``
 PUBLISH_DIR = "d"
 #: kinds that live in the publish directory
-IN_PUBLISH_DIR = frozenset({MARKER, PUBLISHED, HASHED})
+IN_PUBLISH_DIR = frozenset({MARKER, PUBLISHED, HASHED, WAKE})
+#: wake slots in the namespace's wake file (see :mod:`omni_plugins_shm.wakeslots`)
+WAKE_SLOTS = 256
+WAKE_FIRST_SLOT = 64
 
 
 def key_digest(key: str) -> bytes:
@@ -101,6 +105,9 @@ class Names:
     def free(self, owner: str, n: int) -> str:
         return f"{self.prefix}{FREE}.{owner}.{n}"
 
+    def wake(self) -> str:
+        return f"{self.prefix}{WAKE}.wake"
+
     def claimed(self, owner: str, n: int) -> str:
         return f"{self.prefix}{CLAIMED}.{owner}.{n}"
 
@@ -119,7 +126,7 @@ class KeyNames:
     per request, so this runs on every ``put`` and ``get``).
     """
 
-    __slots__ = ("digest", "published", "published_bytes", "published_path", "wanted")
+    __slots__ = ("digest", "published", "published_bytes", "published_path", "wake_slot", "wanted")
 
     def __init__(self, names: Names, publish_dir: str, key: str) -> None:
         raw = key.encode("utf-8", "surrogatepass")
@@ -133,3 +140,5 @@ class KeyNames:
         self.published_bytes = self.published.encode()
         #: what a waiter for this key looks for in inotify events
         self.wanted = frozenset({self.published_bytes})
+        #: offset of this key's futex slot in the wake file
+        self.wake_slot = WAKE_FIRST_SLOT + 8 * (digest[0] % WAKE_SLOTS)

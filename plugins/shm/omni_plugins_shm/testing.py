@@ -9,15 +9,17 @@ import os
 import uuid
 
 from omni_plugins_shm.gc import DEFAULT_SHM_DIR
-from omni_plugins_shm.naming import namespace_prefix, publish_dir_name, relative_path
+from omni_plugins_shm.naming import Names, namespace_prefix, publish_dir_name, relative_path
 
 
 def namespace_segments(namespace: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
     """Names of every file of ``namespace`` (segments and liveness markers), sorted.
 
     Names in the publish directory are listed bare (like the others; :func:`segment_path`
-    gives the full path). The publish directory itself is listed only when it is left
-    empty -- it must not outlive the namespace's last instance.
+    gives the full path). The namespace's infrastructure -- the publish directory and its
+    wake file (``x.wake``) -- is listed only when nothing else of the namespace is left: it
+    must not outlive the namespace's last instance, but it is not per-payload state (a
+    crashed instance's leftovers are listed without it; gc removes all of it together).
     """
     prefix = namespace_prefix(namespace)
     try:
@@ -25,13 +27,16 @@ def namespace_segments(namespace: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[s
     except FileNotFoundError:
         return []
     pubdir = publish_dir_name(namespace)
+    wake = Names(namespace).wake()
     out = [name for name in top if name != pubdir]
     if pubdir in top:
         try:
             inner = [name for name in os.listdir(os.path.join(shm_dir, pubdir)) if name.startswith(prefix)]
         except (FileNotFoundError, NotADirectoryError):
             inner = []
-        out += inner if inner else [pubdir]
+        out += [name for name in inner if name != wake]
+        if not out:
+            out = [wake] if wake in inner else [pubdir]
     return sorted(out)
 
 

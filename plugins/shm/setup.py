@@ -1,0 +1,22 @@
+"""Build of the optional C extension ``omni_plugins_shm._native`` (metadata is in pyproject.toml).
+
+``optional=True``: if it does not compile (no compiler, not Linux), the package installs
+without it and blocking gets wait on inotify and renameat2 goes through ctypes instead (the pure-Python path).
+"""
+
+import sys
+
+from setuptools import Extension, setup
+
+ext_modules = []
+if sys.platform.startswith("linux"):
+    ext_modules.append(
+        Extension(
+            "omni_plugins_shm._native",
+            sources=["src/_native.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
+            optional=True,
+        )
+    )
+
+setup(ext_modules=ext_modules)
