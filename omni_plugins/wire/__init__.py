@@ -6,13 +6,15 @@
 the decoder treats every byte as untrusted: see ``docs/wire-format.md``.
 ``empty_bytes(n)`` is the owned, uninitialised receive buffer the decoder's copies use
 (huge pages above 32 MiB), for backends that read a message into memory of their own.
+``IMPLEMENTATION`` is ``"native"`` when the compiled header path (``_native.c``) is active,
+``"python"`` when it is not built or ``OMNI_WIRE_PURE=1`` was set at import.
 """
 
 from omni_plugins.errors import WireFormatError
 from omni_plugins.wire._alloc import empty_bytes
-from omni_plugins.wire._decode import decode
+from omni_plugins.wire._codec import IMPLEMENTATION, decode, encode
 from omni_plugins.wire._dtypes import ALLOWED_NUMPY_DTYPES, ALLOWED_TORCH_DTYPES
-from omni_plugins.wire._encode import OOB_BYTES_THRESHOLD, encode
+from omni_plugins.wire._encode import OOB_BYTES_THRESHOLD
 from omni_plugins.wire._encoded import Encoded
 from omni_plugins.wire._format import ALIGNMENT, DEFAULT_LIMITS, FORMAT_VERSION, MAGIC, PREFIX_SIZE, Limits, peek_nbytes
 
@@ -22,6 +24,7 @@ __all__ = [
     "ALLOWED_TORCH_DTYPES",
     "DEFAULT_LIMITS",
     "FORMAT_VERSION",
+    "IMPLEMENTATION",
     "MAGIC",
     "OOB_BYTES_THRESHOLD",
     "PREFIX_SIZE",

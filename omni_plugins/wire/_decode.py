@@ -238,26 +238,8 @@ def _from_readonly(arr: np.ndarray) -> torch.Tensor:
     return tensor
 
 
-def decode(buffer: Any, *, copy: bool = False, limits: Limits = DEFAULT_LIMITS) -> Any:
-    """Decode a message produced by :func:`encode` from any buffer-protocol object.
-
-    With ``copy=False`` tensors and arrays are views over ``buffer`` (zero copy): they
-    keep it alive, and must not be written when ``buffer`` is read-only (``bytes``).
-    With ``copy=True`` they own their memory. Large ``bytes`` values are always copied.
-    Bytes after the message's declared length are ignored. Raises only
-    :class:`WireFormatError`, whose message names the check that failed.
-    """
-    try:
-        return _decode(buffer, copy, limits)
-    except WireFormatError:
-        raise
-    except RecursionError:
-        raise WireFormatError("header nesting too deep") from None
-    except Exception as exc:  # safety net: the contract is "only WireFormatError on bad input"
-        raise WireFormatError(f"malformed message ({type(exc).__name__}: {exc})") from exc
-
-
-def _decode(buffer: Any, copy: bool, limits: Limits) -> Any:
+def decode_py(buffer: Any, copy: bool, limits: Limits) -> Any:
+    """The pure-Python decoder (the reference); may raise any exception, see ``omni_plugins.wire.decode``."""
     try:
         mv = memoryview(buffer)
     except TypeError:

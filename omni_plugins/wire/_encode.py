@@ -234,8 +234,10 @@ class _Encoder:
         raise _Refused(f"objects of type {type(obj).__module__}.{type(obj).__qualname__} are not supported")
 
 
-def encode(obj: Any, *, limits: Limits = DEFAULT_LIMITS) -> Encoded:
-    """Encode a payload; tensors and arrays are referenced, not copied.
+def encode_py(obj: Any, *, limits: Limits = DEFAULT_LIMITS) -> Encoded:
+    """The pure-Python encoder (the reference; ``omni_plugins.wire.encode`` may take the compiled path).
+
+    Encode a payload; tensors and arrays are referenced, not copied.
 
     Accepts dict (str keys), list, tuple, str, bytes, int (64-bit), float, bool, None,
     torch tensors and numeric numpy arrays of an allowed dtype. Non-contiguous tensors
