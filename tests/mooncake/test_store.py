@@ -64,9 +64,10 @@ def test_received_tensors_outlive_later_gets(master: MooncakeMaster) -> None:
 def test_consumed_object_is_removed_in_the_background(master: MooncakeMaster) -> None:
     """``get`` leaves the forced remove to a background thread; the object still goes, and a re-put survives it."""
     key = f"bg-{uuid.uuid4().hex}"
-    with create_connector("mooncake-store", store_config(master)) as producer, create_connector(
-        "mooncake-store", store_config(master, global_segment_size=0)
-    ) as consumer:
+    with (
+        create_connector("mooncake-store", store_config(master)) as producer,
+        create_connector("mooncake-store", store_config(master, global_segment_size=0)) as consumer,
+    ):
         for round_ in range(20):  # consume then immediately re-put the same key, from the consuming instance too
             assert producer.put(0, 1, key, {"v": torch.full((64,), round_)}).ok
             got = consumer.get(0, 1, key, timeout=5)

@@ -127,3 +127,27 @@ def test_short_claim_timeout_uses_acknowledged_finish() -> None:
         got = consumer.get(0, 1, "k", timeout=5)
         assert got is not None and torch.equal(got.data["v"], torch.arange(7))
         assert producer.health()["staged"] == 0
+
+
+def test_read_past_its_deadline_strands_the_buffer_and_returns_the_claim(producer: Connector) -> None:
+    """A read that may still land later must never have its buffer reused; the payload stays available."""
+    from omni_plugins_mooncake.te.transfer import TIMED_OUT
+
+    class _TimesOut:
+        def read(self, *args: object) -> int:
+            return TIMED_OUT
+
+    with consumer_of(producer) as consumer:
+        producer.put(0, 1, "k", {"v": torch.arange(10)})
+        reader = consumer._reader  # type: ignore[attr-defined]
+        consumer._reader = _TimesOut()  # type: ignore[attr-defined]
+        with pytest.raises(ConnectorError, match="did not complete"):
+            consumer.get(0, 1, "k")
+        health = consumer.health()
+        assert health["stranded_receive_buffers"] == 1
+        assert health["receive_buffers"]["in_use_bytes"] > 0  # not back in the pool
+        stranded = consumer._stranded[0]  # type: ignore[attr-defined]
+        consumer._reader = reader  # type: ignore[attr-defined]
+        got = consumer.get(0, 1, "k", timeout=5)  # the claim was returned: the payload can be read again
+        assert got is not None and torch.equal(got.data["v"], torch.arange(10))
+        assert not stranded.address <= got.data["v"].data_ptr() < stranded.address + stranded.size

@@ -17,6 +17,8 @@ from omni_plugins_mooncake.config import MooncakeStoreConfig, MooncakeTEConfig
 from omni_plugins_mooncake.memory import SlabPool, size_class
 from omni_plugins_mooncake.te.control import ControlClient, ControlServer
 from omni_plugins_mooncake.te.pool import StagingTable
+from omni_plugins_mooncake.te import transfer as transfer_module
+from omni_plugins_mooncake.te.transfer import DONE, FAILED, TIMED_OUT, Reader
 
 from omni_plugins import create_connector, wire
 from omni_plugins.errors import ConfigError, PluginLoadError
@@ -333,3 +335,61 @@ def test_closed_remover_removes_synchronously() -> None:
     assert ["a"] in store.removed and len(remover) == 0
     remover.submit("late")  # e.g. a get racing close: still removed, at once
     assert ["late"] in store.removed
+
+
+# -- one-sided reads that wait without spinning ---------------------------------------
+class _FakeEngine:
+    """``batch_transfer_async_read`` returns ``batch``; ``transfer_check_status`` replays ``statuses`` (last one repeats)."""
+
+    def __init__(self, statuses: list[int], batch: int = 7) -> None:
+        self.statuses = statuses
+        self.batch = batch
+        self.submitted: list[tuple[str, list[int], list[int], list[int]]] = []
+        self.checks = 0
+
+    def batch_transfer_async_read(self, segment: str, local: list[int], remote: list[int], sizes: list[int]) -> int:
+        self.submitted.append((segment, local, remote, sizes))
+        return self.batch
+
+    def transfer_check_status(self, batch: int) -> int:
+        assert batch == self.batch
+        status = self.statuses[min(self.checks, len(self.statuses) - 1)]
+        self.checks += 1
+        return status
+
+
+@pytest.mark.parametrize(
+    ("statuses", "batch", "expected"),
+    [
+        ([0, 0, 1], 7, DONE),  # completes after two pending checks
+        ([0, -1], 7, FAILED),  # the engine reports failure (and freed the batch)
+        ([1], 0, FAILED),  # the submit failed: nothing to wait for
+        ([1], -1, FAILED),
+        ([0, -2], 7, TIMED_OUT),  # the engine's own timeout: slices may still land
+    ],
+)
+def test_reader_maps_engine_statuses(statuses: list[int], batch: int, expected: int) -> None:
+    engine = _FakeEngine(statuses, batch)
+    assert Reader(engine).read("peer:1", 100, 200, 4096, time.monotonic() + 10) == expected
+    assert engine.submitted == [("peer:1", [100], [200], [4096])]
+
+
+def test_reader_gives_up_at_its_deadline_instead_of_hanging() -> None:
+    engine = _FakeEngine([0])  # never completes
+    started = time.monotonic()
+    assert Reader(engine).read("peer:1", 100, 200, 64 << 20, started + 0.2) == TIMED_OUT
+    assert engine.checks >= 1
+    assert time.monotonic() - started < 5
+
+
+def test_reader_sleeps_through_half_of_a_long_read_and_only_yields_for_a_short_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long read is not polled from the start (that would keep a core busy); a short one never sleeps."""
+    sleeps: list[float] = []
+    monkeypatch.setattr(transfer_module.time, "sleep", sleeps.append)
+    reader = Reader(_FakeEngine([0, 0, 1]), initial_rate=1e9)
+    assert reader.read("peer:1", 100, 200, 64 << 20, time.monotonic() + 10) == DONE  # ~67 ms expected at 1 GB/s
+    assert len(sleeps) == 1 and sleeps[0] == pytest.approx((64 << 20) / 1e9 / 2, rel=0.01)
+    sleeps.clear()
+    reader = Reader(_FakeEngine([0, 0, 1]), initial_rate=1e9)
+    assert reader.read("peer:1", 100, 200, 1 << 20, time.monotonic() + 10) == DONE  # ~1 ms expected
+    assert sleeps == []

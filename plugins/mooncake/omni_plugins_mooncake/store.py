@@ -193,7 +193,9 @@ class MooncakeStoreConnector(Connector):
         if rc == OBJECT_NOT_FOUND:  # cleaned up (or the master restarted) in between
             return
         self._count(remove_failures=1)
-        logger.warning("mooncake store (master %s): consumed key %r could not be removed: %s", self.config.master_address, key, describe(rc))
+        logger.warning(
+            "mooncake store (master %s): consumed key %r could not be removed: %s", self.config.master_address, key, describe(rc)
+        )
 
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:

@@ -22,10 +22,11 @@ from omni_plugins_mooncake._backoff import poll
 from omni_plugins_mooncake._env import prepare_environment
 from omni_plugins_mooncake._import import import_mooncake
 from omni_plugins_mooncake.config import MooncakeTEConfig
-from omni_plugins_mooncake.memory import SlabPool
+from omni_plugins_mooncake.memory import Slab, SlabPool
 from omni_plugins_mooncake.te.control import ControlClient, ControlServer, PeerUnreachableError
 from omni_plugins_mooncake.te.discovery import PeerDirectory
 from omni_plugins_mooncake.te.pool import Staged, StagingTable
+from omni_plugins_mooncake.te.transfer import DONE, FAILED, TIMED_OUT, Reader
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class MooncakeTransferEngineConnector(Connector):
         if rc != 0:
             raise ConnectorError(f"mooncake TransferEngine on {cfg.local_hostname} ({cfg.protocol}) failed to initialise: code {rc}")
         self._te = te
+        self._reader = Reader(te)
+        self._stranded: list[Slab] = []  # receive slabs a timed-out read may still write to: never reused
         self.segment = f"{cfg.local_hostname}:{te.get_rpc_port()}"
         self._send_pool = SlabPool(
             te.register_memory,
@@ -131,6 +134,7 @@ class MooncakeTransferEngineConnector(Connector):
             **self._table.stats(),
             "staging_pool": self._send_pool.stats(),
             "receive_buffers": self._recv_pool.stats(),
+            "stranded_receive_buffers": len(self._stranded),
         }
 
     def _close(self) -> None:
@@ -150,6 +154,8 @@ class MooncakeTransferEngineConnector(Connector):
         if reaper is not None:
             reaper.join(5)
         self._te = None  # the engine (and its listening ports) goes when the last reference does
+        self._reader = None  # type: ignore[assignment]
+        self._stranded = []
 
     # -- consumer ---------------------------------------------------------------
     def _try_get(self, key: str) -> GetResult | None:
@@ -183,20 +189,19 @@ class MooncakeTransferEngineConnector(Connector):
         try:
             segment, remote_addr, size, token = str(reply["segment"]), int(reply["addr"]), int(reply["size"]), int(reply["token"])
             claim_ttl = float(reply["claim_ttl"])
+            if not 0 < claim_ttl < 1e9:
+                raise ValueError(f"claim_ttl {claim_ttl}")
         except (KeyError, TypeError, ValueError) as exc:
             raise ConnectorError(f"mooncake-te peer {client.address} sent a malformed claim for key {key!r}: {exc}") from None
         if size <= 0:
             raise ConnectorError(f"mooncake-te peer {client.address} announced key {key!r} with size {size}")
         slab = self._recv_pool.acquire(size)
         try:
-            te = self._te  # None once closed (by another thread)
-            rc = te.transfer_sync_read(segment, slab.address, remote_addr, size) if te is not None else -1
-            if rc != 0:
-                raise ConnectorError(
-                    f"mooncake-te: reading key {key!r} ({size} bytes) from {segment} (peer {client.address}) failed: code {rc}"
-                )
+            rc = self._read(segment, slab, remote_addr, size, claimed_at + claim_ttl)
+            if rc != DONE:
+                what = "did not complete before the claim ran out" if rc == TIMED_OUT else "failed"
+                raise ConnectorError(f"mooncake-te: reading key {key!r} ({size} bytes) from {segment} (peer {client.address}) {what}")
         except BaseException:
-            self._recv_pool.release(slab)
             self._unclaim(client, token)
             raise
         try:
@@ -211,6 +216,23 @@ class MooncakeTransferEngineConnector(Connector):
             raise ConnectorError(f"mooncake-te: payload of key {key!r} from peer {client.address} is corrupt: {exc}") from exc
         finally:
             del view
+
+    def _read(self, segment: str, slab: Slab, remote_addr: int, size: int, deadline: float) -> int:
+        """One-sided read into ``slab``; on failure the slab goes back to the pool, or is stranded if bytes may still land."""
+        rc = TIMED_OUT
+        try:
+            # the engine is None once closed (by another thread)
+            rc = self._reader.read(segment, slab.address, remote_addr, size, deadline) if self._te is not None else FAILED
+        finally:
+            if rc == TIMED_OUT:
+                with self._clients_lock:
+                    self._stranded.append(slab)
+                logger.error(
+                    "mooncake-te: a read of %d bytes from %s timed out; its %d-byte buffer is kept out of use", size, segment, slab.size
+                )
+            elif rc != DONE:
+                self._recv_pool.release(slab)
+        return rc
 
     def _finish(self, client: ControlClient, key: str, token: int, claim_left: float) -> None:
         """Tell the producer to free the payload; when the claim surely outlived the read, without waiting.
