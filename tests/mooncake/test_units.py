@@ -15,9 +15,9 @@ from omni_plugins_mooncake._import import explain_import_failure
 from omni_plugins_mooncake._remover import Remover
 from omni_plugins_mooncake.config import MooncakeStoreConfig, MooncakeTEConfig
 from omni_plugins_mooncake.memory import SlabPool, size_class
+from omni_plugins_mooncake.te import transfer as transfer_module
 from omni_plugins_mooncake.te.control import ControlClient, ControlServer
 from omni_plugins_mooncake.te.pool import StagingTable
-from omni_plugins_mooncake.te import transfer as transfer_module
 from omni_plugins_mooncake.te.transfer import DONE, FAILED, TIMED_OUT, Reader
 
 from omni_plugins import create_connector, wire
