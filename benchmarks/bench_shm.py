@@ -463,7 +463,10 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
             "target": "(context: protocol without codec)",
             "protocol": small["floor_protocol"],
         }
-        out["roundtrip_4KiB_floor_inotify_vs_pipe"] = {"value": small["roundtrip_floor_inotify_vs_pipe"], "target": "(context: previous protocol)"}
+        out["roundtrip_4KiB_floor_inotify_vs_pipe"] = {
+            "value": small["roundtrip_floor_inotify_vs_pipe"],
+            "target": "(context: previous protocol)",
+        }
         out["codec_4KiB_us_per_hop"] = {"value": small["codec_us"], "target": "(context: in-process, twice per round trip)"}
     return out
 

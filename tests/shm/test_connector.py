@@ -26,7 +26,6 @@ from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
 KIB, MIB = 1 << 10, 1 << 20
 
 
-
 def _only(namespace: str, kind: str) -> list[str]:
     return [n for n in namespace_segments(namespace) if (p := parse_name(n)) is not None and p.kind == kind]
 
@@ -196,7 +195,7 @@ def test_garbage_at_a_key_is_a_connector_error_and_removed(pair: Any, namespace:
 def test_segment_for_another_key_is_rejected(pair: Any, namespace: str) -> None:
     producer, consumer = pair
     producer.put(0, 1, "one", {"v": 1})
-    os.rename(segment_path(Names(namespace).published('one')), segment_path(Names(namespace).published('two')))
+    os.rename(segment_path(Names(namespace).published("one")), segment_path(Names(namespace).published("two")))
     with pytest.raises(ConnectorError, match="different key"):
         consumer.get(0, 1, "two")
 
@@ -205,7 +204,7 @@ def test_segment_for_another_key_is_rejected(pair: Any, namespace: str) -> None:
 def test_corrupt_payload_bytes_raise_wire_format_error(pair: Any, namespace: str, zero_copy: bool) -> None:
     producer, consumer = pair
     producer.put(0, 1, "k", make_payload(1, 8 * KIB))
-    path = segment_path(Names(namespace).published('k'))
+    path = segment_path(Names(namespace).published("k"))
     with open(path, "r+b") as fh:  # valid segment header, destroyed wire message
         fh.seek(PAYLOAD_OFFSET)
         fh.write(b"\xff" * 64)
@@ -239,7 +238,7 @@ def test_blocking_get_without_inotify_falls_back(pair: Any, monkeypatch: pytest.
 
     monkeypatch.setattr(notify, "_Watch", broken)
     producer, _ = pair
-    consumer = ShmConnector(producer.config)
+    consumer = ShmConnector(producer.config.model_copy(update={"futex_wait": False}))  # the path without the C extension
     try:
         timer = threading.Timer(0.1, lambda: producer.put(0, 1, "late", {"v": 3}))
         timer.start()
@@ -295,7 +294,7 @@ def test_symlink_at_a_key_is_rejected_without_following_it(pair: Any, namespace:
     _, consumer = pair
     target = tmp_path / "victim"
     target.write_bytes(b"OMNISHM\x01" + bytes(4096))
-    link = segment_path(Names(namespace).published('ln'))
+    link = segment_path(Names(namespace).published("ln"))
     os.symlink(target, link)
     with pytest.raises(ConnectorError, match="not a regular file"):
         consumer.get(0, 1, "ln")

@@ -31,3 +31,14 @@ class TestShmContractZeroCopy(ConnectorContract):
     @pytest.fixture
     def connector_spec(self, namespace: str) -> tuple[str, dict[str, Any]]:
         return "shm", {"namespace": namespace, "zero_copy": True}
+
+
+class TestShmContractInotify(ConnectorContract):
+    """The contract on the path without the C extension: blocked gets wait on inotify (``futex_wait: false``)."""
+
+    cross_process = True
+    bad_config = {"futex_wait": "sometimes"}
+
+    @pytest.fixture
+    def connector_spec(self, namespace: str) -> tuple[str, dict[str, Any]]:
+        return "shm", {"namespace": namespace, "futex_wait": False}

@@ -16,7 +16,6 @@ from omni_plugins import create_connector
 JOIN = 120
 
 
-
 def test_capability_is_advertised(pair: Any) -> None:
     assert pair[1].capabilities.wait_any is True
 

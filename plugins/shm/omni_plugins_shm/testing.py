@@ -175,3 +175,34 @@ def view_holder_worker(config: dict[str, object], key: str, ready: object) -> No
     ready.put(res is not None)  # type: ignore[attr-defined]
     while True:
         time.sleep(1)
+
+
+def waiting_consumer_worker(config: dict[str, object], key: str, ready: object) -> None:
+    """Signal ``ready``, then block in ``get(key)`` for up to two minutes (for tests that SIGKILL a waiting consumer)."""
+    from omni_plugins import create_connector
+
+    conn = create_connector("shm", config)
+    ready.put(conn.owner_token)  # type: ignore[attr-defined]
+    conn.get(0, 1, key, timeout=120)
+
+
+def killed_after_publish_worker(config: dict[str, object], key: str, seed: int, nbytes: int) -> None:
+    """Put ``key`` and die by SIGKILL right after the publishing rename, before the wake-up ring.
+
+    Fault injection for "a producer killed mid-publish": the payload is published, nobody is woken.
+    """
+    import signal
+
+    from omni_plugins import create_connector
+    from omni_plugins_shm.segments import pool
+
+    publish = pool.ProducerPool.publish
+
+    def publish_then_die(self: pool.ProducerPool, seg: pool.Segment, published_path: str) -> bool:
+        if publish(self, seg, published_path):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return False
+
+    pool.ProducerPool.publish = publish_then_die  # type: ignore[method-assign]
+    conn = create_connector("shm", config)
+    conn.put(0, 1, key, make_payload(seed, nbytes))

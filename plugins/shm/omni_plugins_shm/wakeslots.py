@@ -44,11 +44,17 @@ from types import ModuleType
 from omni_plugins.errors import ConnectorError
 from omni_plugins_shm.naming import WAKE_FIRST_SLOT, WAKE_SLOTS
 
-_futex: ModuleType | None
-try:
-    from omni_plugins_shm import _native as _futex
-except ImportError:  # pragma: no cover - the pure-Python install (tests force it per connector)
-    _futex = None
+
+def _load_native() -> ModuleType | None:
+    try:
+        from omni_plugins_shm import _native
+    except ImportError:  # pragma: no cover - the pure-Python install (tests force it per connector)
+        return None
+    return _native
+
+
+#: the C extension's futex calls, or None (pure Python; tests set None to force that path)
+_futex = _load_native()
 
 MAGIC = b"OMNIWAK1"
 SIZE = mmap.PAGESIZE
@@ -128,7 +134,16 @@ class WakeFile:
         i = offset // 4
         words[i] = (words[i] + 1) & 0xFFFFFFFF  # not atomic: only a change signal (see the module doc)
         if _CTYPES_RING:
-            _syscall(_SYS_FUTEX, ctypes.addressof(words) + offset, _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+            # syscall() is variadic: every argument typed explicitly (a bare int would be passed as a 32-bit int)
+            _syscall(
+                ctypes.c_long(_SYS_FUTEX),
+                ctypes.c_void_p(ctypes.addressof(words) + offset),
+                ctypes.c_int(_FUTEX_WAKE),
+                ctypes.c_int(0x7FFFFFFF),
+                None,
+                None,
+                ctypes.c_int(0),
+            )
 
     # -- consumer ---------------------------------------------------------------------
     def seq(self, offset: int) -> int:
