@@ -37,7 +37,7 @@ def durable_server(track_server: Any) -> Iterator[RedisServer]:
 def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
     """The first time ``command`` is sent, read the replies of its batch for real, then fail as if the link died."""
     real_send, real_read, real_skip = Connection.send_many, Connection.read, Connection.skip
-    real_send_packed = Connection.send_packed
+    real_send_packed, real_send_frame, real_read_pair = Connection.send_packed, Connection.send_frame, Connection.read_pair
     state = {"left": 0}
     fired: list[int] = []
 
@@ -61,6 +61,21 @@ def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
             state["left"] = len(names)
         real_send_packed(self, framed)
 
+    def send_frame(self: Connection, frame: bytes) -> None:
+        names = _command_names(frame)
+        if not fired and not state["left"] and command.encode() in names:
+            state["left"] = len(names)
+        real_send_frame(self, frame)
+
+    def read_pair(self: Connection) -> Any:
+        replies = real_read_pair(self)
+        if state["left"]:
+            state["left"] = max(0, state["left"] - 2)
+            if not state["left"]:
+                fired.append(1)
+                raise ConnectionResetError(f"injected: reply to {command} lost")
+        return replies
+
     def skip(self: Connection, expected: Any) -> bool:  # the fast path consumes the whole batch at once
         consumed = real_skip(self, expected)
         if consumed and state["left"]:
@@ -73,6 +88,8 @@ def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
     monkeypatch.setattr(Connection, "read", read)
     monkeypatch.setattr(Connection, "skip", skip)
     monkeypatch.setattr(Connection, "send_packed", send_packed)
+    monkeypatch.setattr(Connection, "send_frame", send_frame)
+    monkeypatch.setattr(Connection, "read_pair", read_pair)
     return fired
 
 

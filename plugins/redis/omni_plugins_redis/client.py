@@ -19,12 +19,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from omni_plugins.errors import ConnectorError
 from omni_plugins_redis.config import RedisConfig
 from omni_plugins_redis.framing import Arg, Buffer, ProtocolError, Reply, ReplyError, ReplyReader, pack_many, send_buffers
+from omni_plugins_redis.timeouts import set_receive_timeout, use_kernel_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,8 @@ class AuthError(ConnectorError):
     """The server rejected our credentials or the ACL user lacks a permission (not retried)."""
 
 
-@dataclass(frozen=True)
-class Address:
-    """A TCP ``host:port`` or a unix socket ``path``."""
+class Address(NamedTuple):
+    """A TCP ``host:port`` or a unix socket ``path`` (a tuple: hashed in C on every routed step)."""
 
     host: str = ""
     port: int = 0
@@ -64,8 +63,12 @@ class Connection:
         self._config = config
         self._sent: deque[tuple[Arg, ...]] = deque()  # deferred, sent, reply not read yet
         self._outbox: list[tuple[Arg, ...]] = []  # deferred, not sent yet
+        self._outbox_frames: list[bytes] = []  # their RESP framing (framed once, when deferred)
         self.broken = False
         self._sock = self._open()
+        self._kernel_timeouts = not isinstance(self._sock, ssl.SSLSocket)
+        if self._kernel_timeouts:
+            use_kernel_timeouts(self._sock, config.socket_timeout)
         self._reader = ReplyReader(self._sock)
         try:
             self._handshake()
@@ -126,19 +129,33 @@ class Connection:
 
     def send_many(self, commands: Sequence[Sequence[Arg]]) -> None:
         """Send commands in one write, preceded by any deferred commands not yet sent."""
+        framed = pack_many(commands)
         if self._outbox:
-            commands = [*self._outbox, *commands]
-            self._sent.extend(self._outbox)
-            self._outbox.clear()
-        send_buffers(self._sock, pack_many(commands))
+            framed = [*self._take_outbox(), *framed]
+        send_buffers(self._sock, framed)
 
     def send_packed(self, framed: Sequence[Buffer]) -> None:
         """Like :meth:`send_many` for commands already framed with :func:`pack_many` (reused across retries)."""
         if self._outbox:
-            framed = [*pack_many(self._outbox), *framed]
-            self._sent.extend(self._outbox)
-            self._outbox.clear()
+            framed = [*self._take_outbox(), *framed]
         send_buffers(self._sock, framed)
+
+    def send_frame(self, frame: bytes) -> None:
+        """Send one framed ``bytes`` (the hot path of small puts and gets) with any deferred commands, in one write."""
+        if self._outbox:
+            frame = b"".join([*self._take_outbox(), frame])
+        try:
+            self._sock.sendall(frame)
+        except BlockingIOError:
+            raise TimeoutError(f"timed out sending to Redis {self.address}") from None
+
+    def _take_outbox(self) -> list[bytes]:
+        """The frames of the deferred commands about to be sent (their replies are read first)."""
+        frames = self._outbox_frames
+        self._sent.extend(self._outbox)
+        self._outbox.clear()
+        self._outbox_frames = []
+        return frames
 
     def skip(self, expected: re.Pattern[bytes]) -> bool:
         """Consume the next replies if they match ``expected`` (see :meth:`ReplyReader.skip`)."""
@@ -146,26 +163,34 @@ class Connection:
             self._drain()
         return self._reader.skip(expected)
 
-    def defer(self, *args: Arg, flush: bool = False) -> None:
+    def defer(self, *args: Arg, flush: bool = False, frame: bytes | None = None) -> None:
         """Queue an idempotent command whose reply is read later (errors are logged, not raised).
 
         The command rides along with the next write on this connection (no extra
         system call or server wake-up); ``flush`` sends it now instead (e.g.
         deleting big parts, to free server memory at once). If the connection
         dies first, :meth:`unconfirmed` hands it back so the pool re-sends it.
+        ``frame`` is the command's RESP framing when the caller already has it.
         """
-        self._outbox.append(args)
+        self._queue(args, frame)
         if flush or not self._config.lazy_cleanup:
             self.send_many([])
 
+    def _queue(self, args: tuple[Arg, ...], frame: bytes | None = None) -> None:
+        self._outbox.append(args)
+        self._outbox_frames.append(frame if frame is not None else b"".join(pack_many([args])))
+
     def _drain(self) -> None:
         """Read the replies of deferred commands already sent (they precede any other reply)."""
+        if self._reader.skip_integers(len(self._sent)):  # the usual case: every delete answered with a count
+            self._sent.clear()
+            return
         while self._sent:
             reply = self._reader.read()
             command = self._sent.popleft()
             if isinstance(reply, ReplyError):
                 if reply.code in _TRANSIENT_REPLIES:
-                    self._outbox.append(command)  # e.g. LOADING after a restart: send again with the next write
+                    self._queue(command)  # e.g. LOADING after a restart: send again with the next write
                 else:
                     log.warning("Redis %s: deferred %s failed: %s", self.address, command[0], reply)
 
@@ -180,6 +205,7 @@ class Connection:
         commands = [*self._sent, *self._outbox]
         self._sent.clear()
         self._outbox.clear()
+        self._outbox_frames = []
         return commands
 
     def read(self, timeout: float | None = None) -> Reply:
@@ -188,11 +214,23 @@ class Connection:
             self._drain()
         if timeout is None:
             return self._reader.read()
-        self._sock.settimeout(timeout)
+        self._set_read_timeout(timeout)
         try:
             return self._reader.read()
         finally:
-            self._sock.settimeout(self._config.socket_timeout)
+            self._set_read_timeout(self._config.socket_timeout)
+
+    def _set_read_timeout(self, seconds: float) -> None:
+        if self._kernel_timeouts:
+            set_receive_timeout(self._sock, seconds)
+        else:
+            self._sock.settimeout(seconds)
+
+    def read_pair(self) -> tuple[Reply, Reply]:
+        """The next two replies (see :meth:`ReplyReader.read_pair`)."""
+        if self._sent:
+            self._drain()
+        return self._reader.read_pair()
 
     def read_bulk_into(self, dest: memoryview) -> bool:
         self._drain()
@@ -260,7 +298,9 @@ class NodePool:
                     self._waiters -= 1
             self._busy += 1
             conn = self._idle.pop() if self._idle else None
-            redo, self._redo = self._redo, []
+            redo = self._redo
+            if redo:
+                self._redo = []
         try:
             if conn is None:
                 conn = Connection(self.address, cfg)

@@ -37,7 +37,7 @@ from omni_plugins.wire import empty_bytes
 from omni_plugins_redis import manifest as mf
 from omni_plugins_redis.client import Connection, RedisClient
 from omni_plugins_redis.config import RedisConfig
-from omni_plugins_redis.framing import Buffer, Pieces, ProtocolError, Reply, ReplyError
+from omni_plugins_redis.framing import Buffer, Pieces, ProtocolError, Reply, ReplyError, frame_key_command
 from omni_plugins_redis.keys import PayloadKeys
 from omni_plugins_redis.waiting import Claimer, peek_claim
 
@@ -172,13 +172,10 @@ class RedisConnector(Connector):
         # visible together or not at all (a part refused while queuing, e.g. OOM or an
         # ACL denial, aborts the whole EXEC).
         if isinstance(state.element, bytes):  # small inline payload: one template, one match
-            conn.send_packed([self._inline_commit(keys.manifest, marker, state.element)])
-            if conn.skip(self._inline_committed):
-                conn.defer("DEL", marker)  # every reply as expected: committed
-                return
-            replies = [conn.read() for _ in range(5 if self._ttl_ms else 4)]
-            self._check_commit(replies)
-            conn.defer("DEL", marker)
+            conn.send_frame(self._inline_commit(keys.manifest, marker, state.element))
+            if not conn.skip(self._inline_committed):  # not every reply as expected: parse them one by one
+                self._check_commit([conn.read() for _ in range(5 if self._ttl_ms else 4)])
+            conn.defer("DEL", marker, frame=frame_key_command("DEL", marker))
             return
         commit: list[tuple[Any, ...]] = [("MULTI",)]
         if state.parts:
@@ -473,7 +470,7 @@ class _PartUnusable(Exception):
 def _drop_inline_claim(conn: Connection, claim_key: bytes, element: bytes | bytearray) -> None:
     """Right after a claim: an inline payload is in hand, so its claim list's delete rides on the next write."""
     if mf.looks_inline(element):
-        conn.defer("UNLINK", claim_key)
+        conn.defer("UNLINK", claim_key, frame=frame_key_command("UNLINK", claim_key))
 
 
 def _split(buffers: list[memoryview], chunk: int) -> list[list[Buffer]]:

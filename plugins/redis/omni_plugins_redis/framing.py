@@ -113,6 +113,11 @@ def pack_many(commands: Iterable[Sequence[Arg]]) -> list[Buffer]:
     return out
 
 
+def frame_key_command(command: str, key: bytes) -> bytes:
+    """RESP framing of a one-key command (``DEL k``, ``UNLINK k``) in one step (what :func:`pack` makes, joined)."""
+    return b"*2\r\n%b$%d\r\n%b\r\n" % (_token(command), len(key), key)
+
+
 def send_buffers(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
     """Write all buffers; vectored (``sendmsg``) on plain sockets, ``sendall`` each under TLS."""
     if isinstance(sock, ssl.SSLSocket):
@@ -122,7 +127,10 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
     views = [as_bytes_view(b) for b in buffers if len(b)]
     start = 0
     while start < len(views):
-        sent = sock.sendmsg(views[start : start + _IOV_MAX])
+        try:
+            sent = sock.sendmsg(views[start : start + _IOV_MAX])
+        except BlockingIOError:  # the kernel's send timeout ran out (see .timeouts)
+            raise TimeoutError("timed out sending to the server") from None
         while sent:
             size = views[start].nbytes
             if sent >= size:
@@ -134,31 +142,49 @@ def send_buffers(sock: socket.socket, buffers: Sequence[Buffer]) -> None:
 
 
 class ReplyReader:
-    """Parses RESP2 replies from a socket, with a zero-extra-copy path for large bulk strings."""
+    """Parses RESP2 replies from a socket, with a zero-extra-copy path for large bulk strings.
+
+    Received bytes live in one reusable buffer between ``_pos`` (next unread
+    byte) and ``_end``; the socket writes straight into its free tail, so a
+    small reply costs one ``recv_into`` and no Python-level copy of the buffer.
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-        self._buf = bytearray()
+        self._buf = bytearray(_READ_CHUNK)
         self._pos = 0
-        self._scratch = bytearray(_READ_CHUNK)
+        self._end = 0
 
     def _fill(self) -> None:
-        if self._pos:
-            del self._buf[: self._pos]
-            self._pos = 0
-        n = self._sock.recv_into(self._scratch)
+        """Receive more bytes after ``_end``: compact (or grow) the buffer first when its tail is full."""
+        buf = self._buf
+        if self._pos == self._end:
+            self._pos = self._end = 0
+        elif self._end == len(buf):
+            if self._pos:
+                left = self._end - self._pos
+                buf[:left] = buf[self._pos : self._end]
+                self._pos, self._end = 0, left
+            elif len(buf) >= _MAX_LINE:
+                raise ProtocolError(f"RESP line or small reply longer than {_MAX_LINE} bytes")
+            else:
+                buf.extend(bytes(len(buf)))
+        try:
+            n = self._sock.recv_into(memoryview(buf)[self._end :])
+        except BlockingIOError:  # the kernel's receive timeout ran out (see .timeouts)
+            raise TimeoutError("timed out waiting for the server's reply") from None
         if n == 0:
             raise ConnectionError("server closed the connection")
-        self._buf += memoryview(self._scratch)[:n]
+        self._end += n
 
-    def _line(self) -> bytes:
+    def _line(self) -> bytearray:
         while True:
-            end = self._buf.find(b"\r\n", self._pos)
+            end = self._buf.find(b"\r\n", self._pos, self._end)
             if end >= 0:
-                line = bytes(self._buf[self._pos : end])
-                self._pos = end + 2
-                if not line:
+                if end == self._pos:
                     raise ProtocolError("empty RESP line")
+                line = self._buf[self._pos : end]
+                self._pos = end + 2
                 return line
             self._fill()
 
@@ -168,28 +194,31 @@ class ReplyReader:
             data = bytearray(n)
             self._read_into(memoryview(data))
             return data
-        while len(self._buf) - self._pos < n + 2:
+        while self._end - self._pos < n + 2:
             self._fill()
-        small = bytes(self._buf[self._pos : self._pos + n])
-        if self._buf[self._pos + n : self._pos + n + 2] != b"\r\n":
+        pos = self._pos
+        if self._buf[pos + n : pos + n + 2] != b"\r\n":
             raise ProtocolError("bulk string not terminated by CRLF")
-        self._pos += n + 2
-        return small
+        self._pos = pos + n + 2
+        return bytes(memoryview(self._buf)[pos : pos + n])
 
     def _read_into(self, dest: memoryview) -> None:
         """Fill ``dest`` from the buffer, then straight from the socket; consume the CRLF."""
         n = dest.nbytes
-        have = min(len(self._buf) - self._pos, n)
+        have = min(self._end - self._pos, n)
         if have:
-            dest[:have] = self._buf[self._pos : self._pos + have]
+            dest[:have] = memoryview(self._buf)[self._pos : self._pos + have]
             self._pos += have
         offset = have
         while offset < n:
-            got = self._sock.recv_into(dest[offset:])
+            try:
+                got = self._sock.recv_into(dest[offset:])
+            except BlockingIOError:
+                raise TimeoutError("timed out waiting for the server's reply") from None
             if got == 0:
                 raise ConnectionError("server closed the connection mid-value")
             offset += got
-        while len(self._buf) - self._pos < 2:
+        while self._end - self._pos < 2:
             self._fill()
         if self._buf[self._pos : self._pos + 2] != b"\r\n":
             raise ProtocolError("bulk string not terminated by CRLF")
@@ -201,31 +230,59 @@ class ReplyReader:
         False (nothing consumed) when they do not, or have not all arrived yet: the
         caller then parses them one by one with :meth:`read`.
         """
-        if self._pos == len(self._buf):
+        if self._pos == self._end:
             self._fill()
-        found = expected.match(self._buf, self._pos)
+        found = expected.match(self._buf, self._pos, self._end)
         if found is None:
             return False
         self._pos = found.end()
         return True
 
+    def skip_integers(self, count: int) -> bool:
+        """Consume ``count`` integer replies if they have all arrived (the deferred deletes' usual answers)."""
+        pattern = _INTEGERS.get(count)
+        if pattern is None:
+            return False
+        return self.skip(pattern)
+
+    def read_pair(self) -> tuple[Reply, Reply]:
+        """Read two replies; a small bulk string followed by an integer is parsed in one step.
+
+        That is the answer to ``LMOVE`` + ``PEXPIRE`` (every get): when both have
+        arrived, one match finds them and the body is copied once, into a
+        writable ``bytearray``. Anything else goes through :meth:`read`.
+        """
+        if self._pos == self._end:
+            self._fill()
+        buf = self._buf
+        head = _BULK_HEAD.match(buf, self._pos, self._end)
+        if head is not None:
+            start = head.end()
+            stop = start + int(head.group(1))
+            tail = _CRLF_INTEGER.match(buf, stop, self._end)
+            if tail is not None:
+                body = buf[start:stop]
+                self._pos = tail.end()
+                return body, int(tail.group(1))
+        return self.read(), self.read()
+
     def read(self) -> Reply:
         """Read one reply. Error replies are *returned* as :class:`ReplyError` (callers raise)."""
         line = self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"+":
-            return rest.decode("utf-8", "replace")
-        if kind == b"-":
-            return ReplyError(rest.decode("utf-8", "replace"))
-        if kind == b":":
-            return _int(rest)
-        if kind == b"$":
-            n = _int(rest)
+        kind = line[0]
+        if kind == _BULK:
+            n = _int(line[1:])
             return None if n < 0 else self._exact(n)
-        if kind == b"*":
-            n = _int(rest)
+        if kind == _INTEGER:
+            return _int(line[1:])
+        if kind == _SIMPLE:
+            return line[1:].decode("utf-8", "replace")
+        if kind == _ERROR:
+            return ReplyError(line[1:].decode("utf-8", "replace"))
+        if kind == _ARRAY:
+            n = _int(line[1:])
             return None if n < 0 else [self.read() for _ in range(n)]
-        raise ProtocolError(f"unexpected RESP type byte {kind!r}")
+        raise ProtocolError(f"unexpected RESP type byte {bytes(line[:1])!r}")
 
     def read_bulk_into(self, dest: memoryview) -> bool:
         """Read a bulk-string reply of exactly ``len(dest)`` bytes into ``dest``.
@@ -235,12 +292,12 @@ class ReplyReader:
         then out of step and the connection must be dropped).
         """
         line = self._line()
-        kind, rest = line[:1], line[1:]
-        if kind == b"-":
-            raise ReplyError(rest.decode("utf-8", "replace"))
-        if kind != b"$":
-            raise ProtocolError(f"expected a bulk string, got type byte {kind!r}")
-        n = _int(rest)
+        kind = line[0]
+        if kind == _ERROR:
+            raise ReplyError(line[1:].decode("utf-8", "replace"))
+        if kind != _BULK:
+            raise ProtocolError(f"expected a bulk string, got type byte {bytes(line[:1])!r}")
+        n = _int(line[1:])
         if n < 0:
             return False
         if n != dest.nbytes:
@@ -249,8 +306,16 @@ class ReplyReader:
         return True
 
 
-def _int(text: bytes) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ProtocolError(f"bad RESP integer {text[:32]!r}") from None
+_SIMPLE, _ERROR, _INTEGER, _BULK, _ARRAY = b"+-:$*"
+# Longest line (or small reply) the reader buffers before calling the stream corrupt.
+_MAX_LINE = 16 * 1024 * 1024
+# ``count`` integer replies in a row, e.g. ":1\r\n:0\r\n" (the replies of deferred DEL/UNLINKs).
+_BULK_HEAD = re.compile(rb"\$(\d{1,19})\r\n")
+_CRLF_INTEGER = re.compile(rb"\r\n:(\d{1,19})\r\n")
+_INTEGERS = {count: re.compile(rb"(?::\d{1,19}\r\n){%d}" % count) for count in range(1, 9)}
+
+
+def _int(text: bytes | bytearray) -> int:
+    if not 0 < len(text) <= 20 or not (text.isdigit() or (text[0] == 45 and text[1:].isdigit())):
+        raise ProtocolError(f"bad RESP integer {bytes(text[:32])!r}")
+    return int(text)

@@ -129,9 +129,8 @@ class Claimer:
             if found is not None:
                 return _claimed(conn, found, state)
         state.sent = True
-        conn.send_packed([move_commands(keys.manifest, claim_key)])
-        moved = conn.read()
-        expire = conn.read()
+        conn.send_frame(move_commands(keys.manifest, claim_key))
+        moved, expire = conn.read_pair()
         state.sent = False
         return _taken(conn, moved, expire, state)
 
