@@ -19,7 +19,7 @@ def limit_address_space(headroom_mib: int) -> None:
 
 
 def run(test_one_input: Callable[[bytes], None], write_seeds: Callable[[str], None], warm_up: Callable[[], None] | None = None) -> None:
-    """Parse ``--as-headroom-mib=N`` (default 1024), seed empty corpus dirs, cap memory, then fuzz.
+    """Parse ``--as-headroom-mib=N`` (default 1024; 0 = no cap), seed empty corpus dirs, cap memory, then fuzz.
 
     ``warm_up`` runs after the cap and before libFuzzer's ``-timeout`` applies
     (slow first imports belong there).
@@ -34,7 +34,8 @@ def run(test_one_input: Callable[[bytes], None], write_seeds: Callable[[str], No
     for arg in argv[1:]:
         if not arg.startswith("-") and (os.path.isdir(arg) or not os.path.exists(arg)):
             write_seeds(arg)
-    limit_address_space(headroom)
+    if headroom > 0:  # --as-headroom-mib=0: no cap (an ASan build reserves terabytes of shadow memory)
+        limit_address_space(headroom)
     if warm_up is not None:
         warm_up()
     atheris.Setup(argv, test_one_input)

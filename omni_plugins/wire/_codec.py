@@ -27,8 +27,8 @@ from omni_plugins.errors import WireFormatError
 from omni_plugins.wire import _decode as _dec
 from omni_plugins.wire import _encode as _enc
 from omni_plugins.wire._alloc import copy_out
-from omni_plugins.wire._dtypes import BY_CODE, Kind
-from omni_plugins.wire._encoded import Encoded
+from omni_plugins.wire._dtypes import BY_CODE, BY_TORCH, Kind
+from omni_plugins.wire._encoded import Encoded, Segment
 from omni_plugins.wire._format import DEFAULT_LIMITS, Limits
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ def _load_native() -> ModuleType | None:
         copy_out=copy_out,
         from_readonly=_dec._from_readonly,
         crc32=zlib.crc32,
+        Segment=Segment,
+        strided=torch.strided,
+        torch_specs={dt: (s.code, s.carrier_torch, s.is_complex) for dt, s in BY_TORCH.items()},
         specs=[
             (s.code, _KIND_CODES[s.kind], s.itemsize, s.carrier, s.torch_dtype, s.needs_view, s.is_bool)
             for s in BY_CODE.values()

@@ -59,7 +59,10 @@ typedef struct {
 static Spec specs[256];
 static int configured = 0;
 
-static PyObject *WireFormatError, *Refused, *REF, *TUPLE, *EncodedType, *EncoderType, *TensorType;
+static PyObject *WireFormatError, *Refused, *REF, *TUPLE, *EncodedType, *EncoderType, *TensorType, *SegmentType;
+static PyObject *TorchSpecs, *Strided;
+static PyObject *s_dtype, *s_is_cpu, *s_layout, *s_requires_grad, *s_is_contiguous, *s_is_neg, *s_is_conj, *s_shape, *s_nbytes;
+static PyObject *s_offset, *s_source, *s__head, *s__data_start, *s__segments;
 static PyObject *DefaultLimits, *DEFER;
 static PyObject *np_frombuffer, *torch_from_numpy, *copy_out, *from_readonly, *zlib_crc32;
 static PyObject *s_walk, *s_tensor, *s_items, *s_cursor, *s_table, *s_segments, *s_reshape, *s_view, *s_cast;
@@ -159,8 +162,11 @@ typedef struct {
     WBuf w;
     CLimits lim;
     Py_ssize_t items;
-    PyObject *limits; /* borrowed */
-    PyObject *enc;    /* the Python _Encoder, created at the first call-back */
+    uint64_t cursor;     /* end of the data section so far */
+    PyObject *table;     /* list of [code, offset, nbytes, shape], created at the first buffer */
+    PyObject *segments;  /* list of Segment */
+    PyObject *limits;    /* borrowed */
+    PyObject *enc;       /* the Python _Encoder, created at the first call-back; shares table and segments */
 } Enc;
 
 /* All encoder functions return 0 on success and -1 to refuse; a refusal may or may not
@@ -371,18 +377,40 @@ static int w_plain(WBuf *w, PyObject *o, int depth) {
     return -1;
 }
 
+static int set_ssize(PyObject *obj, PyObject *name, Py_ssize_t v) {
+    PyObject *n = PyLong_FromSsize_t(v);
+    if (n == NULL) return -1;
+    int rc = PyObject_SetAttr(obj, name, n);
+    Py_DECREF(n);
+    return rc;
+}
+
+static int get_ssize(PyObject *obj, PyObject *name, Py_ssize_t *out) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    *out = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int ensure_lists(Enc *e) {
+    if (e->table != NULL) return 0;
+    e->table = PyList_New(0);
+    e->segments = PyList_New(0);
+    return (e->table == NULL || e->segments == NULL) ? -1 : 0;
+}
+
 /* Hand one value to the Python encoder (``_Encoder.walk`` or ``_tensor``) and serialise
- * the fragment it returns. The item budget is shared through ``_Encoder.items``. */
+ * the fragment it returns. The item budget and the data cursor go to and come back from
+ * the ``_Encoder``; the table and segment lists are the same objects on both sides. */
 static int e_callback(Enc *e, PyObject *o, int depth) {
     if (e->enc == NULL) {
+        if (ensure_lists(e) < 0) return -1;
         e->enc = PyObject_CallOneArg(EncoderType, e->limits);
         if (e->enc == NULL) return -1;
+        if (PyObject_SetAttr(e->enc, s_table, e->table) < 0 || PyObject_SetAttr(e->enc, s_segments, e->segments) < 0) return -1;
     }
-    PyObject *n = PyLong_FromSsize_t(e->items);
-    if (n == NULL) return -1;
-    int rc = PyObject_SetAttr(e->enc, s_items, n);
-    Py_DECREF(n);
-    if (rc < 0) return -1;
+    if (set_ssize(e->enc, s_items, e->items) < 0 || set_ssize(e->enc, s_cursor, (Py_ssize_t)e->cursor) < 0) return -1;
     PyObject *frag;
     if (Py_TYPE(o) == (PyTypeObject *)TensorType) {
         PyObject *args[2] = {e->enc, o};
@@ -395,14 +423,118 @@ static int e_callback(Enc *e, PyObject *o, int depth) {
         Py_DECREF(d);
     }
     if (frag == NULL) return -1;
-    PyObject *items = PyObject_GetAttr(e->enc, s_items);
-    if (items == NULL) { Py_DECREF(frag); return -1; }
-    e->items = PyLong_AsSsize_t(items);
-    Py_DECREF(items);
-    if (e->items == -1 && PyErr_Occurred()) { Py_DECREF(frag); return -1; }
-    rc = w_plain(&e->w, frag, 0);
+    Py_ssize_t cursor;
+    int rc = get_ssize(e->enc, s_items, &e->items);
+    if (rc == 0) rc = get_ssize(e->enc, s_cursor, &cursor);
+    if (rc == 0 && cursor < 0) rc = -1;
+    if (rc == 0) {
+        e->cursor = (uint64_t)cursor;
+        rc = w_plain(&e->w, frag, 0);
+    }
     Py_DECREF(frag);
     return rc;
+}
+
+/* An instance of a plain Python class with __slots__, without running its __init__
+ * (Encoded and Segment only assign their arguments; the differential tests compare
+ * every field through to_bytes() / buffers()). */
+static PyObject *new_slotted(PyObject *type, PyObject *const *names, PyObject *const *values, int n) {
+    PyObject *obj = ((PyTypeObject *)type)->tp_alloc((PyTypeObject *)type, 0);
+    if (obj == NULL) return NULL;
+    for (int i = 0; i < n; i++) {
+        if (PyObject_SetAttr(obj, names[i], values[i]) < 0) {
+            Py_DECREF(obj);
+            return NULL;
+        }
+    }
+    return obj;
+}
+
+static int is_true_attr(PyObject *o, PyObject *name, int want) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) return -1;
+    int r = (v == (want ? Py_True : Py_False));
+    Py_DECREF(v);
+    return r;
+}
+
+static int is_true_call(PyObject *o, PyObject *name, int want) {
+    PyObject *args[1] = {o};
+    PyObject *v = PyObject_VectorcallMethod(name, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    if (v == NULL) return -1;
+    int r = (v == (want ? Py_True : Py_False));
+    Py_DECREF(v);
+    return r;
+}
+
+/* The common tensor: exact torch.Tensor, allowlisted dtype, CPU, strided, no autograd,
+ * contiguous, no lazy neg / conj bit, ndim <= max_ndim. Returns 1 when it was added to the
+ * table, 0 when the Python ``_tensor`` must handle it, -1 on error. Mirrors ``_tensor`` +
+ * ``_add`` for exactly that case. */
+static int e_plain_tensor(Enc *e, PyObject *t) {
+    PyObject *dtype = PyObject_GetAttr(t, s_dtype);
+    if (dtype == NULL) return -1;
+    PyObject *spec = PyDict_GetItemWithError(TorchSpecs, dtype); /* (code, carrier torch dtype or None, is_complex) */
+    Py_DECREF(dtype);
+    if (spec == NULL) return PyErr_Occurred() ? -1 : 0;
+    int r;
+    if ((r = is_true_attr(t, s_is_cpu, 1)) != 1) return r;
+    PyObject *layout = PyObject_GetAttr(t, s_layout);
+    if (layout == NULL) return -1;
+    r = layout == Strided;
+    Py_DECREF(layout);
+    if (!r) return 0;
+    if ((r = is_true_attr(t, s_requires_grad, 0)) != 1) return r;
+    if ((r = is_true_call(t, s_is_contiguous, 1)) != 1) return r;
+    if ((r = is_true_call(t, s_is_neg, 0)) != 1) return r;
+    if (PyTuple_GET_ITEM(spec, 2) == Py_True && (r = is_true_call(t, s_is_conj, 0)) != 1) return r;
+    PyObject *shape = PyObject_GetAttr(t, s_shape);
+    if (shape == NULL) return -1;
+    if (!PyTuple_Check(shape) || PyTuple_GET_SIZE(shape) > e->lim.max_ndim || e->items + 1 > e->lim.max_items) {
+        Py_DECREF(shape);
+        return 0;
+    }
+    PyObject *source = Py_NewRef(t), *carrier = PyTuple_GET_ITEM(spec, 1);
+    if (carrier != Py_None) {
+        PyObject *args[2] = {t, carrier};
+        Py_SETREF(source, PyObject_VectorcallMethod(s_view, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL));
+        if (source == NULL) { Py_DECREF(shape); return -1; }
+    }
+    PyObject *nbytes = PyObject_GetAttr(source, s_nbytes);
+    uint64_t n = nbytes == NULL ? 0 : PyLong_AsUnsignedLongLong(nbytes);
+    uint64_t off = (e->cursor + ALIGNMENT - 1) & ~(uint64_t)(ALIGNMENT - 1);
+    PyObject *offset = NULL, *row = NULL, *segment = NULL;
+    r = -1;
+    if (nbytes == NULL || PyErr_Occurred() || ensure_lists(e) < 0) goto out;
+    if ((offset = PyLong_FromUnsignedLongLong(off)) == NULL) goto out;
+    if ((row = PyList_New(4)) == NULL) goto out;
+    PyList_SET_ITEM(row, 0, Py_NewRef(PyTuple_GET_ITEM(spec, 0)));
+    PyList_SET_ITEM(row, 1, Py_NewRef(offset));
+    PyList_SET_ITEM(row, 2, Py_NewRef(nbytes));
+    PyList_SET_ITEM(row, 3, Py_NewRef(shape));
+    {
+        PyObject *names[3] = {s_offset, s_nbytes, s_source}, *values[3] = {offset, nbytes, source};
+        if ((segment = new_slotted(SegmentType, names, values, 3)) == NULL) goto out;
+    }
+    if (PyList_Append(e->table, row) < 0 || PyList_Append(e->segments, segment) < 0) goto out;
+    e->items += 1;
+    e->cursor = off + n;
+    r = 1;
+out:
+    Py_XDECREF(nbytes);
+    Py_XDECREF(offset);
+    Py_XDECREF(row);
+    Py_XDECREF(segment);
+    Py_DECREF(source);
+    Py_DECREF(shape);
+    return r;
+}
+
+static int e_tensor(Enc *e, PyObject *t) {
+    int r = e_plain_tensor(e, t);
+    if (r < 0) return -1;
+    if (r == 0) return e_callback(e, t, 0);
+    return w_ext0(&e->w, EXT_REF);
 }
 
 static int e_walk(Enc *e, PyObject *o, int depth);
@@ -458,6 +590,7 @@ static int e_walk(Enc *e, PyObject *o, int depth) {
     if (t == &PyList_Type) return e_seq(e, o, depth + 1, 0);
     if (t == &PyTuple_Type) return e_seq(e, o, depth + 1, 1);
     if (t == &PyBytes_Type && PyBytes_GET_SIZE(o) < OOB_BYTES_THRESHOLD) return w_bin(&e->w, PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o));
+    if (t == (PyTypeObject *)TensorType) return e_tensor(e, o);
     return e_callback(e, o, depth);
 }
 
@@ -469,32 +602,22 @@ static PyObject *native_encode(PyObject *self, PyObject *const *args, Py_ssize_t
     e.w.cap = sizeof(e.w.stack);
     e.w.len = PREFIX_SIZE + 1; /* prefix, then the [tree, table] array header */
     e.items = 0;
+    e.cursor = 0;
+    e.table = NULL;
+    e.segments = NULL;
     e.limits = args[1];
     e.enc = NULL;
-    PyObject *result = NULL, *segments = NULL, *head = NULL;
+    PyObject *result = NULL, *head = NULL, *ds = NULL, *tot = NULL;
     if (read_limits(args[1], &e.lim) < 0) goto fail;
     e.w.buf[PREFIX_SIZE] = 0x92;
     if (e_walk(&e, args[0], 0) < 0) goto refuse;
-    uint64_t cursor = 0;
-    if (e.enc != NULL) {
-        PyObject *table = PyObject_GetAttr(e.enc, s_table);
-        if (table == NULL) goto refuse;
-        int rc = w_plain(&e.w, table, 0);
-        Py_DECREF(table);
-        if (rc < 0) goto refuse;
-        PyObject *c = PyObject_GetAttr(e.enc, s_cursor);
-        if (c == NULL) goto refuse;
-        cursor = PyLong_AsUnsignedLongLong(c);
-        Py_DECREF(c);
-        if (PyErr_Occurred()) goto refuse;
-        segments = PyObject_GetAttr(e.enc, s_segments);
-        if (segments == NULL) goto refuse;
+    if (e.table != NULL) {
+        if (w_plain(&e.w, e.table, 0) < 0) goto refuse;
     } else {
         unsigned char *p = wb_take(&e.w, 1);
         if (!p) goto refuse;
         p[0] = 0x90;
-        segments = PyList_New(0);
-        if (segments == NULL) goto fail;
+        if (ensure_lists(&e) < 0) goto fail;
     }
     size_t hlen = e.w.len - PREFIX_SIZE;
     if (hlen > (size_t)e.lim.max_header_bytes || hlen > 0xFFFFFFFFu) goto refuse;
@@ -523,18 +646,15 @@ static PyObject *native_encode(PyObject *self, PyObject *const *args, Py_ssize_t
     h[7] = 0;
     put_le32(h + 8, (uint32_t)hlen);
     put_le32(h + 12, crc);
-    put_le64(h + 16, (uint64_t)data_start + cursor);
+    put_le64(h + 16, (uint64_t)data_start + e.cursor);
     memcpy(h + PREFIX_SIZE, header, hlen);
     memset(h + PREFIX_SIZE + hlen, 0, data_start - PREFIX_SIZE - hlen);
+    ds = PyLong_FromSize_t(data_start);
+    tot = PyLong_FromUnsignedLongLong((uint64_t)data_start + e.cursor);
+    if (ds == NULL || tot == NULL) goto fail;
     {
-        PyObject *ds = PyLong_FromSize_t(data_start);
-        PyObject *tot = PyLong_FromUnsignedLongLong((uint64_t)data_start + cursor);
-        if (ds != NULL && tot != NULL) {
-            PyObject *cargs[4] = {head, ds, segments, tot};
-            result = PyObject_Vectorcall(EncodedType, cargs, 4, NULL);
-        }
-        Py_XDECREF(ds);
-        Py_XDECREF(tot);
+        PyObject *names[4] = {s__head, s__data_start, s__segments, s_nbytes}, *values[4] = {head, ds, e.segments, tot};
+        result = new_slotted(EncodedType, names, values, 4);
     }
     goto done;
 refuse:
@@ -550,8 +670,11 @@ fail:
 done:
     if (e.w.buf != e.w.stack) PyMem_Free(e.w.buf);
     Py_XDECREF(e.enc);
-    Py_XDECREF(segments);
+    Py_XDECREF(e.table);
+    Py_XDECREF(e.segments);
     Py_XDECREF(head);
+    Py_XDECREF(ds);
+    Py_XDECREF(tot);
     return result;
 }
 
@@ -1188,9 +1311,23 @@ static PyObject *native_configure(PyObject *self, PyObject *args, PyObject *kw) 
         set_global(kw, "Tensor", &TensorType) < 0 || set_global(kw, "default_limits", &DefaultLimits) < 0 ||
         set_global(kw, "frombuffer", &np_frombuffer) < 0 || set_global(kw, "from_numpy", &torch_from_numpy) < 0 ||
         set_global(kw, "copy_out", &copy_out) < 0 || set_global(kw, "from_readonly", &from_readonly) < 0 ||
-        set_global(kw, "crc32", &zlib_crc32) < 0)
+        set_global(kw, "crc32", &zlib_crc32) < 0 || set_global(kw, "Segment", &SegmentType) < 0 ||
+        set_global(kw, "torch_specs", &TorchSpecs) < 0 || set_global(kw, "strided", &Strided) < 0)
         return NULL;
-    if (!PyType_Check(TensorType)) { PyErr_SetString(PyExc_TypeError, "Tensor must be a type"); return NULL; }
+    if (!PyType_Check(TensorType) || !PyType_Check(EncodedType) || !PyType_Check(SegmentType) || !PyDict_Check(TorchSpecs)) {
+        PyErr_SetString(PyExc_TypeError, "Tensor, Encoded and Segment must be types, torch_specs a dict");
+        return NULL;
+    }
+    {
+        PyObject *k, *v;
+        Py_ssize_t pos = 0;
+        while (PyDict_Next(TorchSpecs, &pos, &k, &v)) {
+            if (!PyTuple_CheckExact(v) || PyTuple_GET_SIZE(v) != 3 || !PyLong_CheckExact(PyTuple_GET_ITEM(v, 0))) {
+                PyErr_SetString(PyExc_TypeError, "torch_specs values must be (code, carrier torch dtype or None, is_complex)");
+                return NULL;
+            }
+        }
+    }
     CLimits lim;
     if (read_limit(DefaultLimits, s_max_header_bytes, &lim.max_header_bytes) < 0 || read_limit(DefaultLimits, s_max_depth, &lim.max_depth) < 0 ||
         read_limit(DefaultLimits, s_max_items, &lim.max_items) < 0 || read_limit(DefaultLimits, s_max_ndim, &lim.max_ndim) < 0)
@@ -1261,6 +1398,20 @@ PyMODINIT_FUNC PyInit__native(void) {
     INTERN(s_max_depth, "max_depth");
     INTERN(s_max_items, "max_items");
     INTERN(s_max_ndim, "max_ndim");
+    INTERN(s_dtype, "dtype");
+    INTERN(s_is_cpu, "is_cpu");
+    INTERN(s_layout, "layout");
+    INTERN(s_requires_grad, "requires_grad");
+    INTERN(s_is_contiguous, "is_contiguous");
+    INTERN(s_is_neg, "is_neg");
+    INTERN(s_is_conj, "is_conj");
+    INTERN(s_shape, "shape");
+    INTERN(s_nbytes, "nbytes");
+    INTERN(s_offset, "offset");
+    INTERN(s_source, "source");
+    INTERN(s__head, "_head");
+    INTERN(s__data_start, "_data_start");
+    INTERN(s__segments, "_segments");
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
     DEFER = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
