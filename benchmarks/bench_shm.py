@@ -26,6 +26,10 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
 - ``floor_inotify_pingpong``: the previous protocol's floor (publish ``rename`` into a watched
   directory, claim, ``lstat``, copy, return; inotify ``poll``/``read`` via the connector's own
   watch) -- the floor of the path without the C extension.
+- ``floor_cas_pingpong``: what a hand-off without any file syscall costs -- publish = a state word
+  set in a shared page + the futex ring, claim = a compare-and-swap on that word, return = a store;
+  the only syscalls are ``FUTEX_WAIT``/``FUTEX_WAKE``. The lower bound of a claim in a shared
+  slot table (not what the connector does; see docs/shm.md).
 - ``codec_us`` (in-process, not a mode): ``wire.encode`` + ``write_into`` + ``wire.decode`` of the
   payload, best of N -- paid twice per round trip by ``shm_pingpong``.
 
@@ -70,6 +74,8 @@ FLOOR_PROTOCOL = {
     "rename claim (+ FUTEX_WAIT while absent) + lstat + copy out of a kept mapping + rename return",
     "floor_inotify_pingpong": "per hop: rename publish into an inotify-watched directory | "
     "rename claim (+ poll + read of the inotify fd while absent) + lstat + copy out + rename return",
+    "floor_cas_pingpong": "per hop: copy in + state word 0->1 + futex bump | CAS claim 1->2 (+ FUTEX_WAIT while absent) "
+    "+ copy out + state word 2->0: no file syscalls (a lower bound for a claim in a shared slot table; not the connector)",
 }
 
 
@@ -130,7 +136,7 @@ def _child(ctl: Connection, data: Connection) -> None:
             del src
             shm.close()
         elif kind in FLOOR_PROTOCOL:
-            _floor_side(ns, "b", size, n, ctl, futex=kind == "floor_pingpong")
+            _floor_side(ns, "b", size, n, ctl, kind)
         elif kind == "pipe_pingpong":
             for _ in range(n):
                 msg = data.recv_bytes()
@@ -162,14 +168,18 @@ def _child(ctl: Connection, data: Connection) -> None:
         ctl.send("done")
 
 
-def _floor_side(root: str, me: str, size: int, n: int, ctl: Connection, futex: bool) -> list[float]:
+def _floor_side(root: str, me: str, size: int, n: int, ctl: Connection, kind: str) -> list[float]:
     """One side of a floor mode (``a`` = parent, starts each round; ``b`` = child, answers).
 
-    ``futex``: the connector's protocol with the C extension (``floor_pingpong``): publish with
+    ``floor_pingpong``: the connector's protocol with the C extension: publish with
     ``renameat2``, ring the key's slot in a shared wake page (``FUTEX_WAKE`` only if the peer
-    waits), wait with ``FUTEX_WAIT``. Otherwise the inotify protocol (``floor_inotify_pingpong``).
-    Both: claim ``rename``, ``lstat`` -> kept mapping, copy out, return ``rename``.
+    waits), wait with ``FUTEX_WAIT``. ``floor_inotify_pingpong``: the inotify protocol. Both:
+    claim ``rename``, ``lstat`` -> kept mapping, copy out, return ``rename``.
+    ``floor_cas_pingpong``: no file syscalls (state word + CAS + futex), see ``FLOOR_PROTOCOL``.
     """
+    if kind == "floor_cas_pingpong":
+        return _floor_cas_side(root, me, size, n, ctl)
+    futex = kind == "floor_pingpong"
     import mmap as _mmap
 
     from omni_plugins_shm.naming import WAKE_FIRST_SLOT
@@ -244,6 +254,64 @@ def _floor_side(root: str, me: str, size: int, n: int, ctl: Connection, futex: b
     else:
         wake.close()
     for m in maps.values():
+        m.close()
+    return times
+
+
+def _floor_cas_side(root: str, me: str, size: int, n: int, ctl: Connection) -> list[float]:
+    """``floor_cas_pingpong``: each side's inbox is a state word (0 empty, 1 published, 2 claimed) + a wake slot."""
+    import mmap as _mmap
+
+    from omni_plugins_shm import _native
+    from omni_plugins_shm.naming import WAKE_FIRST_SLOT
+
+    other = "b" if me == "a" else "a"
+    fd = os.open(f"{root}/wake", os.O_RDWR)
+    page = _mmap.mmap(fd, _mmap.PAGESIZE)
+    os.close(fd)
+    segs = {}
+    for side in ("a", "b"):  # side's inbox segment (the payload sent to side)
+        fd = os.open(f"{root}/seg.{side}", os.O_RDWR)
+        segs[side] = _mmap.mmap(fd, 16 * KIB)
+        os.close(fd)
+    slot = {side: WAKE_FIRST_SLOT + 8 * i for i, side in enumerate("ab")}
+    state = {side: 8 + 4 * i for i, side in enumerate("ab")}  # state words, below the wake slots
+    msg = os.urandom(size)
+    if me == "b":
+        ctl.send("ready")
+    else:
+        assert ctl.recv() == "ready"
+    times = []
+
+    def publish() -> None:
+        segs[other][:size] = msg
+        if not _native.cas(page, state[other], 0, 1):
+            raise SystemExit("floor_cas: inbox not empty")
+        _native.bump(page, slot[other])
+
+    def receive() -> None:
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            seen = _native.load(page, slot[me])
+            if _native.cas(page, state[me], 1, 2):
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"floor_cas: nothing arrived in {TIMEOUT}s")
+            _native.wait(page, slot[me], seen, TIMEOUT)
+        bytearray(segs[me][:size])  # the copy out
+        _native.cas(page, state[me], 2, 0)
+
+    for _ in range(n):
+        t0 = time.perf_counter()
+        if me == "a":
+            publish()
+            receive()
+        else:
+            receive()
+            publish()
+        times.append(time.perf_counter() - t0)
+    page.close()
+    for m in segs.values():
         m.close()
     return times
 
@@ -354,7 +422,7 @@ def _run_floor(kind: str, size: int, n: int, ctl: Connection) -> list[float]:
             os.ftruncate(fd, nbytes)
             os.close(fd)
         ctl.send((kind, size, n, root))
-        times = _floor_side(root, "a", size, n, ctl, futex=kind == "floor_pingpong")
+        times = _floor_side(root, "a", size, n, ctl, kind)
         assert ctl.recv() == "done"
     finally:
         for d in (f"{root}/pub", root):
@@ -399,7 +467,7 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
         if size <= PINGPONG_MAX:
             kinds += ["pipe_pingpong", "pipe_wire_pingpong", "floor_inotify_pingpong", "shm_pingpong_inotify", "shm_pingpong_polling"]
             if _has_native():  # the C extension's protocol (else shm_pingpong is the inotify path again)
-                kinds += ["floor_pingpong"]
+                kinds += ["floor_pingpong", "floor_cas_pingpong"]
             kinds += ["shm_pingpong"]
         plan += [(size, r, k) for r in range(rounds) for k in kinds]
     samples: dict[tuple[int, str], list[float]] = {}
@@ -434,6 +502,7 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
         raw = entry["raw"]["median_s"]
         entry["ratio_vs_raw"] = {k: raw / v["median_s"] for k, v in entry.items() if isinstance(v, dict) and "median_s" in v}
         if "pipe_pingpong" in entry:
+            entry["codec_us"] = _codec_us(payloads.get(int(size_key), torch.randn(int(size_key) // 4)))
             entry["roundtrip_ratio_vs_pipe"] = entry["shm_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
             entry["roundtrip_ratio_vs_pipe_wire"] = entry["shm_pingpong"]["median_s"] / entry["pipe_wire_pingpong"]["median_s"]
             entry["roundtrip_polling_vs_inotify"] = entry["shm_pingpong_polling"]["median_s"] / entry["shm_pingpong_inotify"]["median_s"]
@@ -441,8 +510,14 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
             floor = entry.get("floor_pingpong", entry["floor_inotify_pingpong"])
             entry["roundtrip_floor_vs_pipe"] = floor["median_s"] / entry["pipe_pingpong"]["median_s"]
             entry["roundtrip_floor_inotify_vs_pipe"] = entry["floor_inotify_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
+            if "floor_cas_pingpong" in entry:
+                entry["roundtrip_floor_cas_vs_pipe"] = entry["floor_cas_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
+                # the same lower bound plus the codec measured in-process (2 hops per round trip): what a
+                # connector with a syscall-free claim would cost at best with today's codec
+                entry["roundtrip_floor_cas_plus_codec_vs_pipe"] = (
+                    entry["floor_cas_pingpong"]["median_s"] + 2 * entry["codec_us"] * 1e-6
+                ) / entry["pipe_pingpong"]["median_s"]
             entry["floor_protocol"] = FLOOR_PROTOCOL["floor_pingpong" if "floor_pingpong" in entry else "floor_inotify_pingpong"]
-            entry["codec_us"] = _codec_us(payloads.get(int(size_key), torch.randn(int(size_key) // 4)))
     return results
 
 
@@ -467,6 +542,16 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
             "value": small["roundtrip_floor_inotify_vs_pipe"],
             "target": "(context: previous protocol)",
         }
+        if "roundtrip_floor_cas_vs_pipe" in small:
+            out["roundtrip_4KiB_floor_cas_vs_pipe"] = {
+                "value": small["roundtrip_floor_cas_vs_pipe"],
+                "target": "(context: a claim without file syscalls, no codec)",
+                "protocol": FLOOR_PROTOCOL["floor_cas_pingpong"],
+            }
+            out["roundtrip_4KiB_floor_cas_plus_codec_vs_pipe"] = {
+                "value": small["roundtrip_floor_cas_plus_codec_vs_pipe"],
+                "target": "(context: that floor + 2 x codec_us)",
+            }
         out["codec_4KiB_us_per_hop"] = {"value": small["codec_us"], "target": "(context: in-process, twice per round trip)"}
     return out
 

@@ -131,6 +131,27 @@ futex_wait(PyObject *self, PyObject *args)
     Py_RETURN_TRUE;
 }
 
+PyDoc_STRVAR(cas_doc,
+             "cas(buffer, offset, expected, new) -> bool\n\n"
+             "Atomically set the 32-bit word at offset to new if it equals expected (seq_cst). True if it did.\n"
+             "(Used by bench_shm's floor of a claim without syscalls; the connector claims by rename.)");
+
+static PyObject *
+futex_cas(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t off;
+    unsigned long expected, desired;
+    Py_buffer view;
+    uint32_t *word;
+    if (!PyArg_ParseTuple(args, "Onkk:cas", &obj, &off, &expected, &desired) || slot(obj, off, &view, &word) < 0)
+        return NULL;
+    uint32_t want = (uint32_t)expected;
+    int ok = __atomic_compare_exchange_n(word, &want, (uint32_t)desired, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(ok);
+}
+
 PyDoc_STRVAR(rename_doc,
              "rename_noreplace(src, dst) -> None\n\n"
              "renameat2(src, dst, RENAME_NOREPLACE): FileExistsError if dst exists, OSError otherwise\n"
@@ -167,6 +188,7 @@ native_rename_noreplace(PyObject *self, PyObject *args)
 static PyMethodDef methods[] = {
     {"rename_noreplace", native_rename_noreplace, METH_VARARGS, rename_doc},
     {"bump", futex_bump, METH_VARARGS, bump_doc},
+    {"cas", futex_cas, METH_VARARGS, cas_doc},
     {"load", futex_load, METH_VARARGS, load_doc},
     {"wait", futex_wait, METH_VARARGS, wait_doc},
     {NULL, NULL, 0, NULL},
