@@ -30,6 +30,10 @@ apt_packages() {
   command -v openssl >/dev/null || missing+=(openssl)
   ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1 ' || missing+=(libibverbs1)
   command -v ip >/dev/null || missing+=(iproute2)  # brings lo up in the tests' network namespace
+  # a C compiler and Python's headers build the optional accelerators (wire header, shm wake-ups)
+  command -v cc >/dev/null || missing+=(gcc libc6-dev)
+  "$PY" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+    2>/dev/null || missing+=(python3-dev)
   if [ "${#missing[@]}" -gt 0 ]; then
     say "installing Debian packages: ${missing[*]}"
     need_root apt-get update -qq
