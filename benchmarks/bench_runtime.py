@@ -20,6 +20,13 @@ Modes, measured in the same run, interleaved round by round:
   sweeps plus a blocking ``get`` parked on the one predicted next key.
 * ``raw``      -- floor: one stream, ``connector.put`` in the producer, blocking
   ``connector.get`` in the consumer, no runtime.
+* ``raw64``    -- floor for the same traffic: the connector alone under the same
+  schedule (``--streams`` streams, the same steps), a step's chunks made first and
+  then ``connector.put`` one after the other on the producer's model thread (a
+  chunk waits for the puts before it, as behind a send thread), one consumer thread looping ``connector.wait_any`` over
+  every stream's next key and a ``get`` per reported key, latency taken when the
+  ``get`` returns. No runtime, no I/O threads, no hand-off to a model thread: what
+  a runtime that cost nothing would still see.
 
 Reported: p50/p99/mean hand-off latency per mode, the ratios runtime/poll5ms and
 runtime/raw, and per-chunk runtime overhead (time spent in ``send_chunk`` on the
@@ -59,7 +66,7 @@ from omni_plugins.runtime import RuntimeTuning, StageTransferRuntime
 
 BUILDER = "bench_runtime.passthrough"
 RAW_ITEMS = 200  # single-stream put -> blocking get samples per round
-MODES = ("runtime", "poll5ms", "park1", "raw")
+MODES = ("runtime", "poll5ms", "park1", "raw", "raw64")
 STREAM_MODES = tuple(m for m in MODES if m != "raw")
 
 
@@ -141,17 +148,23 @@ def produce(
         finally:
             conn.close()
         return {"send_call_us": None, "process_cpu_us_per_chunk": cpu / RAW_ITEMS * 1e6}
+    if mode == "raw64":
+        return _produce_raw64(cfg, streams, chunks, period, pattern, step_s, chunk_floats, start_at, release)
     rt = StageTransferRuntime(StageConfig(stage_id=0, async_chunk=True, custom_process_next_stage_input_func=BUILDER), cfg)
     put_lat: list[float] = []
+    put_trace: list[tuple[float, float, float]] = []  # (send_chunk time, put start, put end) per chunk
     put_cpu = [0.0]
     pconn = rt.connector
     assert pconn is not None
     raw_put = pconn.put
 
     def timed_put(from_stage: Any, to_stage: Any, key: str, data: Any) -> Any:
+        t_start = time.monotonic()
         c0 = time.thread_time()
         result = raw_put(from_stage, to_stage, key, data)
-        put_lat.append(time.monotonic() - data["ts"]["send"][0])
+        t_end = time.monotonic()
+        put_lat.append(t_end - data["ts"]["send"][0])
+        put_trace.append((data["ts"]["send"][0], t_start, t_end))
         put_cpu[0] += time.thread_time() - c0
         return result
 
@@ -180,6 +193,7 @@ def produce(
         rt.wait_sends(60)
         cpu = time.process_time() - cpu0
         send_cpu = _thread_cpu(rt, "sender") - send_cpu0
+        sender_stats = rt.debug_state()["sender"]
         release()  # the consumer has read everything: now the connector may go
         for r in reqs:
             rt.cleanup_finished_request(r.request_id)
@@ -189,6 +203,8 @@ def produce(
     n = streams * chunks
     return {
         "send_call_us": call_s / n * 1e6,
+        "put_trace": put_trace,
+        "sender": sender_stats,
         "send_to_put_done_p50_ms": put_lat[len(put_lat) // 2] * 1e3 if put_lat else None,
         "process_cpu_us_per_chunk": cpu / n * 1e6,
         "cpu_breakdown_us_per_chunk": {
@@ -198,6 +214,48 @@ def produce(
             "send_thread_runtime_only": (send_cpu - put_cpu[0]) / n * 1e6,
         },
     }
+
+
+def _produce_raw64(
+    cfg: dict[str, Any],
+    streams: int,
+    chunks: int,
+    period: int,
+    pattern: str,
+    step_s: float,
+    chunk_floats: int,
+    start_at: float,
+    release: Callable[[], Any],
+) -> dict:
+    """``raw64`` producer: the same schedule, ``connector.put`` inline on this (model) thread, no runtime."""
+    conn = create_connector(cfg["name"], cfg["extra"])
+    put_trace: list[tuple[float, float, float]] = []
+    sent = [0] * streams
+    try:
+        _sleep_until(start_at)
+        cpu0 = time.process_time()
+        next_step = time.monotonic()
+        for emitting in schedule(streams, chunks, period, pattern):
+            # the step's chunks are made first (as the runtime's send_chunk calls make them), then put
+            # one after the other: a later chunk's latency includes the puts before it, as with a send thread
+            step: list[tuple[str, float, dict]] = []
+            for i in emitting:
+                t0 = time.monotonic()
+                data = {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [t0]}, "meta": {"finished": sent[i] + 1 == chunks}}
+                step.append((f"raw64{i}_0_{sent[i]}", t0, data))
+                sent[i] += 1
+            for key, t0, data in step:
+                t_start = time.monotonic()
+                conn.put(0, 1, key, data)
+                put_trace.append((t0, t_start, time.monotonic()))
+            next_step += step_s
+            _sleep_until(next_step)
+        cpu = time.process_time() - cpu0
+        release()
+    finally:
+        conn.close()
+    n = streams * chunks
+    return {"send_call_us": None, "put_trace": put_trace, "process_cpu_us_per_chunk": cpu / n * 1e6}
 
 
 def _thread_cpu(rt: StageTransferRuntime, which: str) -> float:
@@ -246,6 +304,8 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
             conn.close()
         cpu = time.process_time() - cpu0
         return {"latencies": lat, "model_thread_us": None, "missing": RAW_ITEMS - len(lat), "cpu_us_per_chunk": cpu / max(1, len(lat)) * 1e6}
+    if mode == "raw64":
+        return _consume_raw64(cfg, streams, chunks, start_at, bar)
     rt = StageTransferRuntime(StageConfig(stage_id=1, async_chunk=True, recv_timeout_s=60), cfg, tuning=tuning_for(mode))
     rconn = rt.connector
     assert rconn is not None
@@ -263,7 +323,17 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
 
         return call
 
-    rconn.get = timed("get", rconn.get)  # type: ignore[method-assign]
+    got_at: dict[float, float] = {}  # send_chunk time -> when the receive thread's get returned it
+    raw_get = rconn.get
+
+    def traced_get(*a: Any, **kw: Any) -> Any:
+        result = raw_get(*a, **kw)
+        if result is not None:
+            got_at[result.data["ts"]["send"][-1]] = time.monotonic()
+        return result
+
+    rconn.get = timed("get", traced_get)  # type: ignore[method-assign]
+    ready_at: list[tuple[float, float]] = []  # (send_chunk time, returned by recv_chunk / read after collect_signals)
     rconn.wait_any = timed("wait_any", rconn.wait_any)  # type: ignore[method-assign]
     ids = [f"{mode}{i}" for i in range(streams)]
     for rid in ids:
@@ -291,6 +361,7 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
                 sends = payload["ts"]["send"]
                 for t0 in sends[seen[rid] :]:
                     lat.append(t_ready - t0)
+                    ready_at.append((t0, t_ready))
                 bar.update(len(sends) - seen[rid])
                 seen[rid] = len(sends)
             c_sig = time.thread_time()
@@ -304,6 +375,7 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
                 for rid in late:
                     sends = rt.get_local_stage_payload(rid)["ts"]["send"]
                     lat.extend(t_late - t0 for t0 in sends[seen[rid] :])
+                    ready_at.extend((t0, t_late) for t0 in sends[seen[rid] :])
                     bar.update(len(sends) - seen[rid])
                     seen[rid] = len(sends)
             finished |= sig.chunk_finished
@@ -323,6 +395,7 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
     n = max(1, len(lat))
     return {
         "latencies": lat,
+        "trace": [(t0, got_at.get(t0), t_ready) for t0, t_ready in ready_at],
         "model_thread_us": model_s / max(1, len(lat)) * 1e6,
         "missing": streams * chunks - len(lat),
         "cpu_us_per_chunk": cpu / max(1, len(lat)) * 1e6,
@@ -339,6 +412,59 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
             "model_thread_recv_chunk_collect_signals": model_rt_cpu / n * 1e6,
         },
     }
+
+
+def _consume_raw64(cfg: dict[str, Any], streams: int, chunks: int, start_at: float, bar: tqdm) -> dict:
+    """``raw64`` consumer: one thread, ``wait_any`` over every stream's next key, a ``get`` per reported key."""
+    conn = create_connector(cfg["name"], cfg["extra"])
+    nxt = [0] * streams
+    lat: list[float] = []
+    trace: list[tuple[float, float | None, float]] = []
+    cpu0 = time.process_time()
+    deadline = start_at + 300
+    try:
+        keys = {f"raw64{i}_0_0": i for i in range(streams)}
+        while keys and time.monotonic() < deadline:
+            for key in conn.wait_any(list(keys), 0.05):
+                got = conn.get(0, 1, key, timeout=None)
+                t1 = time.monotonic()
+                if got is None:
+                    continue
+                i = keys.pop(key)
+                t0 = got.data["ts"]["send"][0]
+                lat.append(t1 - t0)
+                trace.append((t0, t1, t1))
+                bar.update(1)
+                nxt[i] += 1
+                if nxt[i] < chunks:
+                    keys[f"raw64{i}_0_{nxt[i]}"] = i
+        cpu = time.process_time() - cpu0
+        cpu_active = cpu  # the wait before the producer's start is idle in poll()
+    finally:
+        conn.close()
+    return {
+        "latencies": lat,
+        "trace": trace,
+        "model_thread_us": None,
+        "missing": streams * chunks - len(lat),
+        "cpu_us_per_chunk": cpu / max(1, len(lat)) * 1e6,
+        "cpu_active_us_per_chunk": cpu_active / max(1, len(lat)) * 1e6,
+    }
+
+
+def _segments(put_trace: list[tuple[float, float, float]], trace: list[tuple[float, float | None, float]]) -> dict[str, float | None]:
+    """p50 (ms) of each leg of the hand-off, per chunk: send_chunk -> put start -> put end -> get returned -> model thread."""
+    puts = {t0: (start, end) for t0, start, end in put_trace}
+    legs: dict[str, list[float]] = {"send_to_put_start": [], "put": [], "put_end_to_get_returned": [], "get_returned_to_model_thread": []}
+    for t0, t_got, t_ready in trace:
+        p = puts.get(t0)
+        if p is None or t_got is None:
+            continue
+        legs["send_to_put_start"].append(p[0] - t0)
+        legs["put"].append(p[1] - p[0])
+        legs["put_end_to_get_returned"].append(t_got - p[1])
+        legs["get_returned_to_model_thread"].append(t_ready - t_got)
+    return {k: round(statistics.median(v) * 1e3, 3) if v else None for k, v in legs.items()}
 
 
 def _mean_dicts(rows: list[dict[str, float]]) -> dict[str, float] | None:
@@ -393,6 +519,8 @@ def main() -> None:
     put_done: dict[str, list[float]] = {m: [] for m in MODES}
     prod_cpu: dict[str, list[float]] = {m: [] for m in MODES}
     breakdowns: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    put_traces: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
+    sender_stats: dict[str, dict] = {}
     total = args.rounds * len(STREAM_MODES) * args.streams * args.chunks
     step_s = args.step_ms / 1e3
     cmds = results = proc = None
@@ -447,6 +575,9 @@ def main() -> None:
                         put_done[mode].append(prod["send_to_put_done_p50_ms"])
                     if prod.get("cpu_breakdown_us_per_chunk") is not None:
                         breakdowns[mode].append(prod["cpu_breakdown_us_per_chunk"])
+                    put_traces[mode] += [tuple(x) for x in prod.get("put_trace") or ()]
+                    if prod.get("sender") is not None:
+                        sender_stats[mode] = prod["sender"]
     finally:
         if cmds is not None and proc is not None:
             cmds.put(None)
@@ -482,13 +613,20 @@ def main() -> None:
         entry["producer_cpu_us_per_chunk"] = statistics.fmean(prod_cpu[mode]) if prod_cpu[mode] else None
         entry["leftover_states"] = sum(r.get("leftover_states", 0) for r in per_mode[mode])
         entry["receiver"] = per_mode[mode][-1].get("receiver") if per_mode[mode] else None
+        entry["sender"] = sender_stats.get(mode)
         entry["consumer_cpu_breakdown_us_per_chunk"] = _mean_dicts([r["cpu_breakdown_us_per_chunk"] for r in per_mode[mode] if "cpu_breakdown_us_per_chunk" in r])
         entry["producer_cpu_breakdown_us_per_chunk"] = _mean_dicts(breakdowns[mode])
+        traces = [tuple(x) for r in per_mode[mode] for x in r.get("trace") or ()]
+        entry["legs_p50_ms"] = _segments(put_traces[mode], traces) if traces and put_traces[mode] else None
         report["modes"][mode] = entry
-    rt, poll, park1, raw = (report["modes"][m] for m in MODES)
+    rt, poll, park1, raw, raw64 = (report["modes"].get(m, {}) for m in ("runtime", "poll5ms", "park1", "raw", "raw64"))
 
     def ratio(a: Any, b: Any) -> float | None:
         return round(a / b, 3) if a is not None and b else None
+
+    for e in (rt, poll, park1, raw, raw64):  # modes left out (experiments) report no ratios
+        for k in ("p50_ms", "p99_ms", "consumer_cpu_us_per_chunk", "producer_cpu_us_per_chunk", "consumer_cpu_active_us_per_chunk"):
+            e.setdefault(k, None)
 
     report["ratios"] = {
         "p50_runtime_vs_poll5ms": ratio(rt["p50_ms"], poll["p50_ms"]),
@@ -496,6 +634,8 @@ def main() -> None:
         "p50_runtime_vs_park1": ratio(rt["p50_ms"], park1["p50_ms"]),
         "p99_runtime_vs_park1": ratio(rt["p99_ms"], park1["p99_ms"]),
         "p50_runtime_vs_raw_connector": ratio(rt["p50_ms"], raw["p50_ms"]),
+        "p50_runtime_vs_raw64_same_traffic": ratio(rt["p50_ms"], raw64["p50_ms"]),
+        "p99_runtime_vs_raw64_same_traffic": ratio(rt["p99_ms"], raw64["p99_ms"]),
         # CPU per chunk (robust to machine load): runtime vs the bare connector put/get
         "consumer_cpu_runtime_vs_raw": ratio(rt["consumer_cpu_us_per_chunk"], raw["consumer_cpu_us_per_chunk"]),
         "producer_cpu_runtime_vs_raw": ratio(rt["producer_cpu_us_per_chunk"], raw["producer_cpu_us_per_chunk"]),

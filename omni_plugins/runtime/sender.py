@@ -50,7 +50,8 @@ class Sender:
         self._cond = threading.Condition(registry.lock)
         self._ring: deque[RequestState] = deque()
         self._stop = False
-        self.stats = {"puts": 0, "put_failures": 0, "dropped": 0}
+        #: ``rounds``: lock rounds that took tasks; ``sleeps``: waits for work (each ends in a thread wake-up)
+        self.stats = {"puts": 0, "put_failures": 0, "dropped": 0, "rounds": 0, "sleeps": 0}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -148,9 +149,11 @@ class Sender:
                     picked = self._next_tasks()
                     if picked:
                         break
+                    self.stats["sleeps"] += 1
                     self._cond.wait(self._backoff if self._ring else 0.1)
                 if self._stop:
                     return
+            self.stats["rounds"] += 1
             results = [self._put(state, task) for state, task in picked]
             purge: list[str] = []
             with self._cond:
