@@ -7,6 +7,8 @@ Methods (one "op" = encode + decode of a payload ``{"request_id", "step", "hidde
 
 * ``memcpy``        -- ``dst.copy_(src)`` of the tensor into a pre-touched tensor (the physical baseline)
 * ``wire_view``     -- ``encode`` + ``decode(arena)`` of a message already in an arena (zero copy)
+* ``wire_view_pure`` -- the same on the pure-Python header path (``OMNI_WIRE_PURE=1``'s), for the
+  compiled path's speed-up; when the extension is not built both are the pure-Python path
 * ``wire_copy``     -- ``encode`` + ``write_into(pre-touched arena)`` + ``decode(arena, copy=True)``
 * ``wire_bytes``    -- ``encode(...).to_bytes()`` + ``decode(copy=False)``
 * ``numpy_bytes``   -- ``t.numpy().tobytes()`` + ``torch.frombuffer(b).clone()`` (tensor only)
@@ -35,10 +37,11 @@ import torch
 from tqdm import tqdm
 
 from omni_plugins import wire
+from omni_plugins.wire import _codec
 
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20, "256MiB": 256 << 20}
 QUICK_SIZES = ("4KiB", "1MiB", "64MiB")
-METHODS = ("memcpy", "wire_view", "wire_copy", "wire_bytes", "numpy_bytes", "pickle5", "torch_save")
+METHODS = ("memcpy", "wire_view", "wire_view_pure", "wire_copy", "wire_bytes", "numpy_bytes", "pickle5", "torch_save")
 
 Op = Callable[[], Any]
 
@@ -62,6 +65,11 @@ def make_ops(payload: dict[str, Any]) -> dict[str, Op]:
     def wire_view() -> Any:
         wire.encode(payload)
         return wire.decode(view_arena)
+
+    def wire_view_pure() -> Any:
+        with _codec.use("python"):
+            wire.encode(payload)
+            return wire.decode(view_arena)
 
     def wire_copy() -> Any:
         wire.encode(payload).write_into(copy_arena)
@@ -153,6 +161,7 @@ def ratios(results: dict[str, Any], clock: str) -> dict[str, Any]:
         med = {name: max(v[f"{clock}_median_s"], 1e-12) for name, v in r.items()}
         out[size_name] = {
             "wire_view_over_memcpy": med["wire_view"] / med["memcpy"],
+            "wire_view_speedup_vs_pure_python": med["wire_view_pure"] / med["wire_view"],
             "wire_copy_speedup_vs_numpy_bytes": med["numpy_bytes"] / med["wire_copy"],
             "wire_copy_speedup_vs_pickle5": med["pickle5"] / med["wire_copy"],
             "wire_copy_speedup_vs_torch_save": med["torch_save"] / med["wire_copy"],
@@ -222,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": rounds,
             "budget_s": budget,
             "torch_threads": torch.get_num_threads(),
+            "wire_implementation": wire.IMPLEMENTATION,
             "load_avg_at_end": os.getloadavg(),
         },
         "results": results,

@@ -23,6 +23,12 @@ so memory errors in it are caught by running an AddressSanitizer build of it::
 
     python benchmarks/fuzz/fuzz_wire_native.py -runs=100000 [corpus_dir]   # the built module, under RLIMIT_AS
 
+Under ``LD_PRELOAD=libasan`` libFuzzer's coverage feedback does not work (ASan supplies the
+coverage symbols), so the ASan run is best a replay-and-mutate of the guided run's corpus::
+
+    ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD=... python benchmarks/fuzz/fuzz_wire_native.py \
+        --native-so=/tmp/asan/_native.so --mutate-loop=600 /tmp/corpus-native
+
 ``--native-so=PATH`` loads that build of the module instead of the installed one.
 """
 
@@ -56,10 +62,11 @@ with atheris.instrument_imports(include=["omni_plugins.wire", "msgpack"]):
     from omni_plugins.errors import WireFormatError
     from omni_plugins.wire import _codec
 
-import numpy as np
-import torch
-from _harness import run
-from fuzz_wire import make_input, write_seeds
+# after the preload on purpose: fuzz_wire imports omni_plugins.wire, which picks its implementation
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from _harness import run  # noqa: E402
+from fuzz_wire import make_input, write_seeds  # noqa: E402
 
 if _codec.IMPLEMENTATION != "native":
     raise SystemExit("omni_plugins.wire._native is not built (or OMNI_WIRE_PURE is set): nothing to compare")
@@ -118,7 +125,56 @@ def test_one_input(data: bytes) -> None:
             check_encoders(got_n)
 
 
+def mutate_loop(corpus: str, seconds: float, seed: int) -> None:
+    """Without libFuzzer: mutate the corpus files (and random bytes) for ``seconds`` and check each input.
+
+    For the AddressSanitizer run: under ``LD_PRELOAD=libasan`` libFuzzer's coverage feedback is
+    broken (ASan provides the coverage symbols), so the guided run builds the corpus and this
+    loop replays and mutates it with the instrumented C module.
+    """
+    import os
+    import random
+    import time
+
+    rng = random.Random(seed)
+    seeds = [b""]
+    if os.path.isdir(corpus):
+        for name in sorted(os.listdir(corpus)):
+            with open(os.path.join(corpus, name), "rb") as f:
+                seeds.append(f.read())
+    for s in seeds:
+        test_one_input(s)
+    count, start = len(seeds), time.monotonic()
+    while time.monotonic() - start < seconds:
+        data = bytearray(rng.choice(seeds) if rng.random() < 0.9 else rng.randbytes(rng.randrange(64)))
+        for _ in range(rng.randint(1, 8)):
+            op = rng.randrange(4)
+            if op == 0 and data:
+                data[rng.randrange(len(data))] = rng.randrange(256)
+            elif op == 1:
+                data.insert(rng.randrange(len(data) + 1), rng.randrange(256))
+            elif op == 2 and data:
+                del data[rng.randrange(len(data))]
+            else:
+                other = rng.choice(seeds)
+                if other:
+                    i = rng.randrange(len(other))
+                    data[rng.randrange(len(data) + 1) :] = other[i : i + rng.randrange(1, 64)]
+        test_one_input(bytes(data))
+        count += 1
+    elapsed = time.monotonic() - start
+    module = getattr(_codec._NATIVE_MODULE, "__file__", "?")
+    print(f"mutate loop ({module}): {count} inputs in {elapsed:.0f} s ({count / elapsed:.0f}/s), no failure", flush=True)
+
+
 def main() -> None:
+    for arg in sys.argv[1:]:
+        if arg.startswith("--mutate-loop="):  # --mutate-loop=SECONDS CORPUS_DIR [--seed=N]
+            seconds = float(arg.split("=", 1)[1])
+            seed = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--seed=")), 0)
+            corpus = next((a for a in sys.argv[1:] if not a.startswith("-")), "")
+            mutate_loop(corpus, seconds, seed)
+            return
     run(test_one_input, write_seeds)
 
 

@@ -62,10 +62,7 @@ def _load_native() -> ModuleType | None:
         Segment=Segment,
         strided=torch.strided,
         torch_specs={dt: (s.code, s.carrier_torch, s.is_complex) for dt, s in BY_TORCH.items()},
-        specs=[
-            (s.code, _KIND_CODES[s.kind], s.itemsize, s.carrier, s.torch_dtype, s.needs_view, s.is_bool)
-            for s in BY_CODE.values()
-        ],
+        specs=[(s.code, _KIND_CODES[s.kind], s.itemsize, s.carrier, s.torch_dtype, s.needs_view, s.is_bool) for s in BY_CODE.values()],
     )
     return _native
 

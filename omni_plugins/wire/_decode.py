@@ -22,7 +22,6 @@ from omni_plugins.wire._alloc import copy_out
 from omni_plugins.wire._dtypes import BY_CODE, DtypeSpec
 from omni_plugins.wire._format import (
     ALIGNMENT,
-    DEFAULT_LIMITS,
     EXT_REF,
     EXT_TUPLE,
     FORMAT_VERSION,

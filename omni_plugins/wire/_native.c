@@ -84,6 +84,8 @@ static int read_limit(PyObject *limits, PyObject *name, Py_ssize_t *out) {
     return 0;
 }
 
+/* 0: read; 1: read, but a limit is negative (msgpack gives -1 a meaning of its own, so the
+ * Python code decides); -1: error. */
 static int read_limits(PyObject *limits, CLimits *out) {
     if (limits == DefaultLimits) {
         *out = default_limits;
@@ -93,7 +95,7 @@ static int read_limits(PyObject *limits, CLimits *out) {
     if (read_limit(limits, s_max_depth, &out->max_depth) < 0) return -1;
     if (read_limit(limits, s_max_items, &out->max_items) < 0) return -1;
     if (read_limit(limits, s_max_ndim, &out->max_ndim) < 0) return -1;
-    return 0;
+    return (out->max_header_bytes < 0 || out->max_depth < 0 || out->max_items < 0 || out->max_ndim < 0) ? 1 : 0;
 }
 
 /* ------------------------------------------------------------------ crc32 (zlib's) */
@@ -608,7 +610,9 @@ static PyObject *native_encode(PyObject *self, PyObject *const *args, Py_ssize_t
     e.limits = args[1];
     e.enc = NULL;
     PyObject *result = NULL, *head = NULL, *ds = NULL, *tot = NULL;
-    if (read_limits(args[1], &e.lim) < 0) goto fail;
+    int lim_rc = read_limits(args[1], &e.lim);
+    if (lim_rc < 0) goto fail;
+    if (lim_rc > 0) goto refuse;
     e.w.buf[PREFIX_SIZE] = 0x92;
     if (e_walk(&e, args[0], 0) < 0) goto refuse;
     if (e.table != NULL) {
@@ -1183,7 +1187,9 @@ static PyObject *native_decode(PyObject *self, PyObject *const *args, Py_ssize_t
     int copy = PyObject_IsTrue(args[1]);
     if (copy < 0) return NULL;
     d.copy = copy;
-    if (read_limits(args[2], &d.lim) < 0) return NULL;
+    int lim_rc = read_limits(args[2], &d.lim);
+    if (lim_rc < 0) return NULL;
+    if (lim_rc > 0) return Py_NewRef(DEFER);
     d.depth_cap = C_DEPTH_CAP;
     PyObject *mv = as_byte_view(args[0]);
     if (mv == NULL) return NULL;
@@ -1306,6 +1312,8 @@ static int set_global(PyObject *kw, const char *name, PyObject **slot) {
 /* configure(**kw): hand the Python objects of the codec to the module (called once at import). */
 static PyObject *native_configure(PyObject *self, PyObject *args, PyObject *kw) {
     if (PyTuple_GET_SIZE(args) != 0 || kw == NULL) { PyErr_SetString(PyExc_TypeError, "configure takes keyword arguments only"); return NULL; }
+    /* once only: a decode in another thread holds borrowed pointers into the tables */
+    if (configured) { PyErr_SetString(PyExc_RuntimeError, "omni_plugins.wire._native is already configured"); return NULL; }
     if (set_global(kw, "WireFormatError", &WireFormatError) < 0 || set_global(kw, "Refused", &Refused) < 0 || set_global(kw, "REF", &REF) < 0 ||
         set_global(kw, "TUPLE", &TUPLE) < 0 || set_global(kw, "Encoded", &EncodedType) < 0 || set_global(kw, "Encoder", &EncoderType) < 0 ||
         set_global(kw, "Tensor", &TensorType) < 0 || set_global(kw, "default_limits", &DefaultLimits) < 0 ||

@@ -7,12 +7,15 @@ properties and a tracemalloc check; this adds the hard limit and bounded runs of
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from omni_plugins import wire
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,17 +82,25 @@ UNDER_RLIMIT = textwrap.dedent(
 )
 
 
-def test_decoder_under_address_space_limit() -> None:
-    proc = subprocess.run([sys.executable, "-c", UNDER_RLIMIT], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("pure", ["0", "1"], ids=["default", "pure-python"])
+def test_decoder_under_address_space_limit(pure: str) -> None:
+    """Once with the implementation the install provides (the compiled one when built), once pure Python."""
+    env = {**os.environ, "OMNI_WIRE_PURE": pure}
+    proc = subprocess.run([sys.executable, "-c", UNDER_RLIMIT], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     status, count, rejected = proc.stdout.split()[-3:]
     assert status == "OK" and int(count) > 3000 and int(rejected) >= 8 * 2
 
 
-@pytest.mark.parametrize(("harness", "runs"), [("fuzz_wire.py", 3000), ("fuzz_config.py", 300)])
+@pytest.mark.parametrize(("harness", "runs"), [("fuzz_wire.py", 3000), ("fuzz_wire_native.py", 3000), ("fuzz_config.py", 300)])
 def test_bounded_atheris_run(harness: str, runs: int, tmp_path: Path) -> None:
-    """A few thousand coverage-guided inputs through each long-run harness (skipped without atheris)."""
+    """A few thousand coverage-guided inputs through each long-run harness (skipped without atheris).
+
+    ``fuzz_wire_native.py`` compares the compiled header path with the pure-Python one on every input.
+    """
     pytest.importorskip("atheris")
+    if harness == "fuzz_wire_native.py" and wire.IMPLEMENTATION != "native":
+        pytest.skip("omni_plugins.wire._native is not built")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "fuzz" / harness), f"-runs={runs}", "-timeout=20", str(tmp_path / "corpus")],
         capture_output=True,

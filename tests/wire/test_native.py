@@ -33,7 +33,7 @@ from .payloads import assert_same, payloads
 
 NATIVE_BUILT = _codec.IMPLEMENTATION == "native"
 needs_native = pytest.mark.skipif(not NATIVE_BUILT, reason="omni_plugins.wire._native is not built")
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 REF = msgpack.ExtType(1, b"")
 TUPLE = msgpack.ExtType(2, b"")
 F32, U8, BOOL, BF16, BYTES = 9, 2, 1, 8, 64
@@ -233,17 +233,14 @@ def test_encoder_corner_cases() -> None:
 
 
 @needs_native
-def test_encoder_survives_a_mutating_subclass() -> None:
-    """A value whose conversion mutates the container being walked: same result as Python (or its error)."""
-    victim: dict[str, Any] = {}
-
-    class Sneaky(int):
-        def __index__(self) -> int:  # pragma: no cover - never called, the base conversion is used
-            victim.clear()
-            return 0
-
-    victim.update(a=Sneaky(1), b=[1, 2], c="x")
-    assert_encoders_agree(victim)
+def test_nonsense_limits_are_left_to_python() -> None:
+    """Negative limits mean something to msgpack (-1: "default"); the C path hands such calls to Python."""
+    odd = wire.Limits(max_items=-1)
+    assert_encoders_agree([1, 2], limits=odd)
+    assert_decoders_agree(wire.encode([1, 2]).to_bytes(), limits=odd)
+    assert_decoders_agree(wire.encode(torch.ones(2)).to_bytes(), limits=odd)
+    with pytest.raises(RuntimeError, match="already configured"):
+        _codec._NATIVE_MODULE.configure(specs=[])
 
 
 # ------------------------------------------------------------------ decoder: same verdicts, same values
@@ -270,7 +267,9 @@ def test_decoders_agree_on_every_truncation() -> None:
 
 @needs_native
 @FUZZ
-@given(st.lists(st.tuples(st.integers(0, len(SAMPLE_BYTES) - 1), st.integers(0, 255)), min_size=1, max_size=6), st.booleans(), st.booleans())
+@given(
+    st.lists(st.tuples(st.integers(0, len(SAMPLE_BYTES) - 1), st.integers(0, 255)), min_size=1, max_size=6), st.booleans(), st.booleans()
+)
 def test_decoders_agree_on_mutations(mutations: list[tuple[int, int]], resealed: bool, copy: bool) -> None:
     buf = bytearray(SAMPLE_BYTES)
     for pos, value in mutations:
@@ -300,14 +299,15 @@ def _be(fmt: str, v: int) -> bytes:
 def _ints() -> st.SearchStrategy[bytes]:
     small = st.integers(0, 127).map(lambda v: bytes([v]))
     neg = st.integers(-32, -1).map(lambda v: _be("b", v))
-    wide = st.tuples(st.sampled_from([("B", 0xCC), ("H", 0xCD), ("I", 0xCE), ("Q", 0xCF), ("b", 0xD0), ("h", 0xD1), ("i", 0xD2), ("q", 0xD3)]), st.integers(0, 2**64 - 1)).map(
-        lambda t: bytes([t[0][1]]) + (t[1] % (1 << (8 * struct.calcsize(t[0][0])))).to_bytes(struct.calcsize(t[0][0]), "big")
-    )
+    wide = st.tuples(
+        st.sampled_from([("B", 0xCC), ("H", 0xCD), ("I", 0xCE), ("Q", 0xCF), ("b", 0xD0), ("h", 0xD1), ("i", 0xD2), ("q", 0xD3)]),
+        st.integers(0, 2**64 - 1),
+    ).map(lambda t: bytes([t[0][1]]) + (t[1] % (1 << (8 * struct.calcsize(t[0][0])))).to_bytes(struct.calcsize(t[0][0]), "big"))
     return st.one_of(small, neg, wide)
 
 
-def _raw(prefixes: tuple[int, int, int, int | None], payload: bytes) -> bytes:
-    fix, b8, b16, b32 = prefixes
+def _raw(prefixes: tuple[int | None, int, int], payload: bytes) -> bytes:
+    fix, b8, b16 = prefixes
     n = len(payload)
     if fix is not None and n < 32:
         return bytes([fix | n]) + payload
@@ -317,12 +317,25 @@ def _raw(prefixes: tuple[int, int, int, int | None], payload: bytes) -> bytes:
 
 
 _text = st.one_of(st.text(max_size=6).map(lambda s: s.encode("utf-8", "surrogatepass")), st.binary(max_size=4))
-strs = _text.map(lambda b: _raw((0xA0, 0xD9, 0xDA, 0xDB), b))
+strs = _text.map(lambda b: _raw((0xA0, 0xD9, 0xDA), b))
 str8s = _text.map(lambda b: bytes([0xD9, len(b)]) + b)
 bins = st.binary(max_size=6).map(lambda b: bytes([0xC4, len(b)]) + b)
-floats = st.one_of(st.binary(min_size=4, max_size=4).map(lambda b: b"\xca" + b), st.binary(min_size=8, max_size=8).map(lambda b: b"\xcb" + b))
+floats = st.one_of(
+    st.binary(min_size=4, max_size=4).map(lambda b: b"\xca" + b), st.binary(min_size=8, max_size=8).map(lambda b: b"\xcb" + b)
+)
 exts = st.one_of(
-    st.sampled_from([b"\xc7\x00\x01", b"\xc7\x00\x02", b"\xc8\x00\x00\x01", b"\xc9\x00\x00\x00\x00\x02", b"\xc7\x00\xff", b"\xc7\x00\x03", b"\xd4\x01\x00", b"\xc7\x01\x01\x00"]),
+    st.sampled_from(
+        [
+            b"\xc7\x00\x01",
+            b"\xc7\x00\x02",
+            b"\xc8\x00\x00\x01",
+            b"\xc9\x00\x00\x00\x00\x02",
+            b"\xc7\x00\xff",
+            b"\xc7\x00\x03",
+            b"\xd4\x01\x00",
+            b"\xc7\x01\x01\x00",
+        ]
+    ),
 )
 misc = st.sampled_from([b"\xc0", b"\xc2", b"\xc3", b"\xc1"])
 keys = st.one_of(st.sampled_from([b"\xa1a", b"\xa1b", b"\xd9\x01a", b"\xc4\x01a", b"\x01"]), strs)
@@ -330,10 +343,14 @@ keys = st.one_of(st.sampled_from([b"\xa1a", b"\xa1b", b"\xd9\x01a", b"\xc4\x01a"
 
 def _containers(children: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
     arrays = st.lists(children, max_size=4).flatmap(
-        lambda items: st.sampled_from([bytes([0x90 | len(items)]), b"\xdc" + _be("H", len(items)), b"\xdd" + _be("I", len(items))]).map(lambda h: h + b"".join(items))
+        lambda items: st.sampled_from([bytes([0x90 | len(items)]), b"\xdc" + _be("H", len(items)), b"\xdd" + _be("I", len(items))]).map(
+            lambda h: h + b"".join(items)
+        )
     )
     maps = st.lists(st.tuples(keys, children), max_size=4).flatmap(
-        lambda pairs: st.sampled_from([bytes([0x80 | len(pairs)]), b"\xde" + _be("H", len(pairs))]).map(lambda h: h + b"".join(k + v for k, v in pairs))
+        lambda pairs: st.sampled_from([bytes([0x80 | len(pairs)]), b"\xde" + _be("H", len(pairs))]).map(
+            lambda h: h + b"".join(k + v for k, v in pairs)
+        )
     )
     return st.one_of(arrays, maps)
 
@@ -412,7 +429,13 @@ def test_decoders_agree_on_corner_cases(header: bytes) -> None:
 def test_decoders_agree_on_buffer_kinds() -> None:
     data = wire.encode({"a": torch.arange(10, dtype=torch.int32), "b": np.ones((2, 2))}).to_bytes()
     padded = data + b"\xee" * 100  # bytes after the declared length are ignored
-    for buf in (data, bytearray(padded), memoryview(bytearray(data)), np.frombuffer(bytearray(data), dtype=np.uint8), memoryview(data).cast("B", (len(data) // 4, 4)) if len(data) % 4 == 0 else data):
+    for buf in (
+        data,
+        bytearray(padded),
+        memoryview(bytearray(data)),
+        np.frombuffer(bytearray(data), dtype=np.uint8),
+        memoryview(data).cast("B", (len(data) // 4, 4)) if len(data) % 4 == 0 else data,
+    ):
         for copy in (False, True):
             assert_decoders_agree(buf, copy=copy)
     for bad in (None, 12, "text", memoryview(bytearray(data))[::2]):
