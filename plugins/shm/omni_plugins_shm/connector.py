@@ -186,7 +186,8 @@ class ShmConnector(Connector):
             claim = self._claim(names.published_path)
         if claim is None:
             return None
-        self._notifier.forget(names.published_bytes)
+        if self._notifier.tracking:
+            self._notifier.forget(names.published_bytes)
         return self._consume(claim, key, names.digest, zero_copy)
 
     def _wait_claim(self, names: KeyNames, timeout: float) -> str | None:

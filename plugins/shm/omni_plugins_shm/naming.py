@@ -126,7 +126,7 @@ class KeyNames:
     per request, so this runs on every ``put`` and ``get``).
     """
 
-    __slots__ = ("digest", "published", "published_bytes", "published_path", "wake_slot", "wanted")
+    __slots__ = ("_bytes", "digest", "published", "published_path", "wake_slot")
 
     def __init__(self, names: Names, publish_dir: str, key: str) -> None:
         raw = key.encode("utf-8", "surrogatepass")
@@ -137,8 +137,19 @@ class KeyNames:
         else:
             self.published = f"{names.prefix}{HASHED}.{digest.hex()}"
         self.published_path = f"{publish_dir}/{self.published}"
-        self.published_bytes = self.published.encode()
-        #: what a waiter for this key looks for in inotify events
-        self.wanted = frozenset({self.published_bytes})
         #: offset of this key's futex slot in the wake file
         self.wake_slot = WAKE_FIRST_SLOT + 8 * (digest[0] % WAKE_SLOTS)
+        self._bytes: bytes | None = None
+
+    @property
+    def published_bytes(self) -> bytes:
+        """The published name as bytes (inotify event names); built on first use (the futex path never needs it)."""
+        b = self._bytes
+        if b is None:
+            b = self._bytes = self.published.encode()
+        return b
+
+    @property
+    def wanted(self) -> frozenset[bytes]:
+        """What an inotify waiter for this key looks for in event names."""
+        return frozenset({self.published_bytes})

@@ -306,6 +306,11 @@ class Notifier:
         finally:
             self._release(watch)
 
+    @property
+    def tracking(self) -> bool:
+        """Whether some thread's watch tracks published names (only then is :meth:`forget` needed)."""
+        return self._tracking
+
     def forget(self, name: bytes) -> None:
         """This thread claimed ``name``: drop it from its watch's tracked set (no-op when not tracking)."""
         if not self._tracking:
