@@ -102,6 +102,10 @@ class Delivery:
             self._ready_due = False
             self.ready.set()
 
+    def unread(self) -> bool:
+        """The model thread has not collected everything published yet (``collect_signals`` clears it)."""
+        return self.ready.is_set()
+
     def _on_chunk(self, state: RequestState, chunk: Any) -> None:
         finished = payload_finished(chunk)
         consumable = payload_is_consumable(chunk) if isinstance(chunk, dict) else chunk is not None

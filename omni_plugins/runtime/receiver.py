@@ -73,6 +73,10 @@ class ArrivalHandler(Protocol):
         """Wake the model thread for what ``on_payload``/``on_failure`` delivered (once per batch)."""
         ...
 
+    def unread(self) -> bool:
+        """Something delivered earlier is still waiting for the model thread (read without the lock)."""
+        ...
+
 
 class Receiver:
     """Owns the receive thread of one runtime."""
@@ -251,8 +255,9 @@ class Receiver:
         The waited set (next key -> request) is rebuilt only when the set of
         receiving requests changed (registry ``epoch``) or :meth:`notify` was
         called; after an arrival only that request's entry moves to its next
-        key. Every key a wait reports is taken first, then all of them are
-        delivered under one lock hold and the model thread is woken once.
+        key. The keys a wait reports are taken one by one; each goes to the
+        model thread at once if it has read everything before, else with the
+        others under one lock hold (see :meth:`_take_reported`).
         """
         t = self._tuning
         next_sweep = 0.0
@@ -292,17 +297,9 @@ class Receiver:
                     continue
                 if not ready:
                     continue
-                taken: list[tuple[RequestState, int, str, Any]] = []
-                for key in ready:
-                    item = pending.get(key)
-                    if item is not None and not self._stop.is_set():
-                        got = self._take(item[0], item[1], key, timeout=None)
-                        if got is not _ABSENT:
-                            taken.append((item[0], item[1], key, got))
-                if taken:
+                if self._take_reported(ready, pending):
                     self.stats["wait_hits"] += 1
                     backoff = t.poll_min_s
-                    self._deliver(taken, pending)
                 else:  # reported but not there (taken by someone else, or a wrong hint): do not spin
                     self.stats["wait_spurious"] += 1
                     self._stop.wait(backoff)
@@ -310,6 +307,32 @@ class Receiver:
             except Exception:  # never let the thread die
                 logger.exception("receive loop error")
                 self._stop.wait(t.poll_max_s)
+
+    def _take_reported(self, keys: list[str], pending: dict[str, tuple[RequestState, int]]) -> bool:
+        """Take the keys a wait reported and deliver them; True if any was there.
+
+        A chunk is handed over as soon as the model thread has read everything
+        delivered before it (it is idle, waiting for news) -- not after the gets
+        of the other reported keys, which would hold it back by one ``get``
+        each; chunks taken while the model thread is still busy with an earlier
+        delivery gather and go over together when it is done or at the end.
+        """
+        taken: list[tuple[RequestState, int, str, Any]] = []
+        found = False
+        for key in keys:
+            item = pending.get(key)
+            if item is None or self._stop.is_set():
+                continue
+            got = self._take(item[0], item[1], key, timeout=None)
+            if got is _ABSENT:
+                continue
+            found = True
+            taken.append((item[0], item[1], key, got))
+            if not self._handler.unread():
+                self._deliver(taken, pending)
+                taken = []
+        self._deliver(taken, pending)
+        return found
 
     def _fetch(self, state: RequestState, index: int, key: str, *, timeout: float | None) -> bool:
         """Take one key and deliver it (park-one and poll modes)."""

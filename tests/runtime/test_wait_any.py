@@ -278,3 +278,80 @@ def test_timeout_wakes_an_idle_model_thread(runtimes: list, namespace: str) -> N
     assert c.wait_ready(10)
     assert c.collect_signals().timed_out == {"late"}
     assert c.active_request_count() == 0
+
+
+class GatedConnector(MemoryConnector):
+    """Reports its keys in sorted order; the get of ``gate_key`` signals ``entered`` and waits for ``release``."""
+
+    def __init__(self, namespace: str, gate_key: str) -> None:
+        super().__init__(MemoryConfig(namespace=namespace))
+        self.gate_key = gate_key
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        return sorted(super()._wait_any(keys, timeout))
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        if key == self.gate_key:
+            self.entered.set()
+            self.release.wait(10)  # bounded: a broken runtime fails the assertions, it does not hang
+        return super()._get(from_stage, to_stage, key, timeout)
+
+
+def _publish_first_chunks(conn: Connector, ids: list[str]) -> None:
+    for rid in ids:
+        conn.put(0, 1, f"{rid}_0_0", {"ids": {"prompt": [1]}, "meta": {"finished": True}})
+
+
+def test_a_reported_chunk_goes_over_before_the_next_get_when_the_model_thread_is_idle(runtimes: list, namespace: str) -> None:
+    """One wait reports a_0_0 and b_0_0; b's get blocks. a must reach the model thread meanwhile
+    (not after b's get, as when every reported key was taken before any was delivered)."""
+    conn = GatedConnector(namespace, gate_key="b_0_0")
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    runtimes.append(c)
+    _publish_first_chunks(conn, ["a", "b"])
+    for rid in ("a", "b"):
+        c.register_chunk_recv(Req(rid))
+    try:
+        assert conn.entered.wait(10)
+        assert c.wait_ready(10)
+        assert set(c.recv_chunk()) == {"a"}  # b is still being fetched
+        assert c.collect_signals().chunk_ready == {"a"}
+    finally:
+        conn.release.set()
+    seen: set[str] = set()
+    deadline = time.monotonic() + 10
+    while "b" not in seen and time.monotonic() < deadline:
+        c.wait_ready(0.05)
+        seen |= set(c.recv_chunk())
+        c.collect_signals()
+    assert seen == {"b"}
+    for rid in ("a", "b"):
+        c.cleanup_finished_request(rid)
+    assert c.active_request_count() == 0 and conn.keys() == []
+
+
+def test_chunks_gather_while_the_model_thread_has_unread_ones(runtimes: list, namespace: str) -> None:
+    """a is delivered at once; the model thread does not read it, so b (taken while a is unread)
+    waits for c and both go over together after c's get."""
+    conn = GatedConnector(namespace, gate_key="c_0_0")
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    runtimes.append(c)
+    _publish_first_chunks(conn, ["a", "b", "c"])
+    for rid in ("a", "b", "c"):
+        c.register_chunk_recv(Req(rid))
+    try:
+        assert conn.entered.wait(10)  # a and b were taken, c's get is running
+        assert c.get_local_stage_payload("a") is not None
+        assert c.get_local_stage_payload("b") is None  # gathered, not yet delivered
+    finally:
+        conn.release.set()
+    wait_until = time.monotonic() + 10
+    while c.get_local_stage_payload("c") is None and time.monotonic() < wait_until:
+        time.sleep(0.002)
+    assert set(c.recv_chunk()) == {"a", "b", "c"}
+    assert c.collect_signals().chunk_finished == {"a", "b", "c"}
+    for rid in ("a", "b", "c"):
+        c.cleanup_finished_request(rid)
+    assert c.active_request_count() == 0 and conn.keys() == []
