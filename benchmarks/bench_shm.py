@@ -103,7 +103,7 @@ def _polling(enable: bool) -> None:
     def unavailable(directory: str) -> None:
         raise OSError(24, "inotify disabled by bench_shm")
 
-    notify._Watch = unavailable if enable else notify._RealWatch  # type: ignore[attr-defined,assignment]
+    notify._Watch = unavailable if enable else notify._RealWatch  # type: ignore[attr-defined,assignment,misc]
 
 
 def _child(ctl: Connection, data: Connection) -> None:
@@ -521,6 +521,10 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
     return results
 
 
+def _entry(value: float, target: str, **more: str) -> dict[str, Any]:
+    return {"value": value, "target": target, **more}
+
+
 def _targets(results: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     big = results["sizes"].get(str(64 * MIB))
@@ -529,29 +533,23 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
         out["views_64MiB_vs_raw"] = {"value": big["ratio_vs_raw"]["shm_views"], "target": ">= 1.5"}
     small = results["sizes"].get(str(4 * KIB))
     if small:
-        out["roundtrip_4KiB_vs_pipe"] = {"value": small["roundtrip_ratio_vs_pipe"], "target": "<= 1.5"}
-        out["roundtrip_4KiB_vs_pipe_with_wire_codec"] = {"value": small["roundtrip_ratio_vs_pipe_wire"], "target": "(context)"}
-        out["roundtrip_4KiB_polling_vs_inotify"] = {"value": small["roundtrip_polling_vs_inotify"], "target": "(context)"}
-        out["roundtrip_4KiB_futex_vs_inotify"] = {"value": small["roundtrip_futex_vs_inotify"], "target": "(context: C extension's wake)"}
-        out["roundtrip_4KiB_floor_vs_pipe"] = {
-            "value": small["roundtrip_floor_vs_pipe"],
-            "target": "(context: protocol without codec)",
-            "protocol": small["floor_protocol"],
-        }
-        out["roundtrip_4KiB_floor_inotify_vs_pipe"] = {
-            "value": small["roundtrip_floor_inotify_vs_pipe"],
-            "target": "(context: previous protocol)",
-        }
+        out["roundtrip_4KiB_vs_pipe"] = _entry(small["roundtrip_ratio_vs_pipe"], "<= 1.5")
+        out["roundtrip_4KiB_vs_pipe_with_wire_codec"] = _entry(small["roundtrip_ratio_vs_pipe_wire"], "(context)")
+        out["roundtrip_4KiB_polling_vs_inotify"] = _entry(small["roundtrip_polling_vs_inotify"], "(context)")
+        out["roundtrip_4KiB_futex_vs_inotify"] = _entry(small["roundtrip_futex_vs_inotify"], "(context: C extension's wake)")
+        out["roundtrip_4KiB_floor_vs_pipe"] = _entry(
+            small["roundtrip_floor_vs_pipe"], "(context: protocol without codec)", protocol=small["floor_protocol"]
+        )
+        out["roundtrip_4KiB_floor_inotify_vs_pipe"] = _entry(small["roundtrip_floor_inotify_vs_pipe"], "(context: previous protocol)")
         if "roundtrip_floor_cas_vs_pipe" in small:
-            out["roundtrip_4KiB_floor_cas_vs_pipe"] = {
-                "value": small["roundtrip_floor_cas_vs_pipe"],
-                "target": "(context: a claim without file syscalls, no codec)",
-                "protocol": FLOOR_PROTOCOL["floor_cas_pingpong"],
-            }
-            out["roundtrip_4KiB_floor_cas_plus_codec_vs_pipe"] = {
-                "value": small["roundtrip_floor_cas_plus_codec_vs_pipe"],
-                "target": "(context: that floor + 2 x codec_us)",
-            }
+            out["roundtrip_4KiB_floor_cas_vs_pipe"] = _entry(
+                small["roundtrip_floor_cas_vs_pipe"],
+                "(context: a claim without file syscalls, no codec)",
+                protocol=FLOOR_PROTOCOL["floor_cas_pingpong"],
+            )
+            out["roundtrip_4KiB_floor_cas_plus_codec_vs_pipe"] = _entry(
+                small["roundtrip_floor_cas_plus_codec_vs_pipe"], "(context: that floor + 2 x codec_us)"
+            )
         out["codec_4KiB_us_per_hop"] = {"value": small["codec_us"], "target": "(context: in-process, twice per round trip)"}
     return out
 
