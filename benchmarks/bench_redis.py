@@ -13,8 +13,9 @@ Targets (issue 6): at 64 MiB put >= 5x raw SET and get >= 2x raw GET; at
 From 16 MiB on, two pieces of same-run evidence are added (they change no
 baseline or target): the redis-server's CPU per call, and the *ingest floor*:
 the same bytes written as ``chunk_bytes`` parts with hand-framed pipelined
-``SET``s on a raw socket, interleaved with the other calls. ``raw SET / floor``
-is the best ratio any parted put could show against this server right now.
+``SET``s on a raw socket, interleaved with the other calls: no codec, no
+transaction, no manifest. ``raw SET / floor`` is what a minimal client that
+writes parts reaches against this server in the same minutes.
 
     python3 benchmarks/bench_redis.py --json results/redis.json [--quick] [--plot redis.png]
 """
@@ -62,9 +63,9 @@ class ServerProbe:
     ``cpu()`` reads the redis-server's CPU time (all threads, ns resolution from
     ``/proc/<pid>/task/*/schedstat``). ``floor_put()`` writes the same bytes as
     ``chunk``-sized parts with hand-framed, pipelined ``SET ... PX`` on a raw
-    socket (no codec, no transaction, no manifest): what this server needs to
-    take the payload in as parts, whatever the client. ``raw SET time / floor
-    time`` is then the ceiling of any parted put's ratio on this machine, now.
+    socket (no codec, no transaction, no manifest): the least a client can do to
+    hand this server the payload as parts. The put's distance to it is client
+    overhead; the floor's distance to the target is the server's own ingest cost.
     """
 
     def __init__(self, server: RedisServer, chunk: int) -> None:
@@ -182,7 +183,7 @@ def bench_size(conn: Any, raw: Any, size: int, rounds: int, probe: ServerProbe |
     }
     if probe is not None:
         result["server_cpu_seconds"] = {k: statistics.median(v) for k, v in server_cpu.items()}
-        # the best ratio any parted put can reach against this server now, and how close we are
+        # what a minimal parted writer reaches against this server now, and how close the put comes
         result["floor_put_vs_raw_set"] = med["set"] / med["floor_put"]
         result["put_vs_floor"] = med["put"] / med["floor_put"]
     return result
@@ -220,8 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         r = by_size[64 * MIB]
         targets["put_64MiB_vs_raw_set>=5"] = {"value": round(r["put_vs_raw_set"], 2), "ok": r["put_vs_raw_set"] >= 5}
         if "floor_put_vs_raw_set" in r:
-            # same-run evidence: the ceiling of any parted put against this server (raw SET / ingest floor)
-            targets["put_64MiB_vs_raw_set>=5"]["ceiling"] = round(r["floor_put_vs_raw_set"], 2)
+            # same-run evidence: what a minimal parted writer (no codec, no transaction) reaches against this server
+            targets["put_64MiB_vs_raw_set>=5"]["floor_put_vs_raw_set"] = round(r["floor_put_vs_raw_set"], 2)
+            targets["put_64MiB_vs_raw_set>=5"]["put_vs_floor"] = round(r["put_vs_floor"], 2)
         targets["get_64MiB_vs_raw_get>=2"] = {"value": round(r["get_vs_raw_get"], 2), "ok": r["get_vs_raw_get"] >= 2}
     if 4 * KIB in by_size:
         r = by_size[4 * KIB]
@@ -249,10 +251,10 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{'':>8}  server CPU per call: put {cpu['put'] * 1e3:.1f} ms, SET {cpu['set'] * 1e3:.1f} ms, "
                 f"floor {cpu['floor_put'] * 1e3:.1f} ms; floor put {r['gbps']['floor_put']:.2f} GB/s "
-                f"({r['floor_put_vs_raw_set']:.2f}x SET = the ceiling of any parted put now; put takes {r['put_vs_floor']:.2f}x the floor)"
+                f"({r['floor_put_vs_raw_set']:.2f}x SET; put takes {r['put_vs_floor']:.2f}x the floor's time)"
             )
     for name, t in targets.items():
-        extra = f" (ceiling now {t['ceiling']})" if "ceiling" in t else ""
+        extra = f" (minimal parted writer, same run: {t['floor_put_vs_raw_set']}x)" if "floor_put_vs_raw_set" in t else ""
         print(f"target {name}: {t['value']} {'OK' if t['ok'] else 'MISSED'}{extra}")
     if args.json_path:
         with open(args.json_path, "w") as fh:
