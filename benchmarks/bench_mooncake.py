@@ -177,17 +177,18 @@ class Bench:
         self.raw_cons.close()
 
     # -- one timed round per variant ----------------------------------------------
-    def store_raw(self, size: int) -> tuple[float, float]:
-        """(put_from + get_into, the forced remove a consuming reader also needs)."""
+    def store_raw(self, size: int) -> tuple[float, float, float, float]:
+        """(put_from + get_into, the forced remove a consuming reader also needs, put_from, get_into)."""
         key = f"raw-{uuid.uuid4().hex}"
         t0 = time.perf_counter()
         rc = self.raw_prod.put_from(key, self.src.addr, size, self.raw_replicate)
+        t_put = time.perf_counter()
         got = self.raw_cons.get_into(key, self.dst.addr, self.dst.size)
         t1 = time.perf_counter()
         if rc != 0 or got != size:
             raise RuntimeError(f"raw store round failed: put {rc}, get {got}")
         self.raw_cons.remove(key, True)
-        return t1 - t0, time.perf_counter() - t1
+        return t1 - t0, time.perf_counter() - t1, t_put - t0, t1 - t_put
 
     def store(self, payload: dict[str, torch.Tensor]) -> tuple[float, float]:
         key = f"conn-{uuid.uuid4().hex}"
@@ -252,7 +253,7 @@ class Bench:
 def _one_round(bench: Bench, size: int, payload: dict[str, torch.Tensor], rng: random.Random) -> dict[str, float]:
     """Every variant once, in a shuffled order (no variant always runs first, after gc, or last)."""
     variants: list[tuple[tuple[str, ...], Callable[[], Any]]] = [
-        (("store_raw", "store_raw_remove"), partial(bench.store_raw, size)),
+        (("store_raw", "store_raw_remove", "store_raw_put", "store_raw_get"), partial(bench.store_raw, size)),
         (("store_put", "store_get"), partial(bench.store, payload)),
         (("te_raw_read",), partial(bench.te_raw_read, size)),
         (("te_raw_async_read",), partial(bench.te_raw_async_read, size)),
@@ -292,6 +293,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         for k in (
                             "store_raw",
                             "store_raw_remove",
+                            "store_raw_put",
+                            "store_raw_get",
                             "store_put",
                             "store_get",
                             "te_raw_read",

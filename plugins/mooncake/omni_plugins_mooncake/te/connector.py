@@ -49,7 +49,7 @@ class MooncakeTransferEngineConnector(Connector):
         if rc != 0:
             raise ConnectorError(f"mooncake TransferEngine on {cfg.local_hostname} ({cfg.protocol}) failed to initialise: code {rc}")
         self._te = te
-        self._reader = Reader(te)
+        self._reader: Reader | None = Reader(te)
         self._stranded: list[Slab] = []  # receive slabs a timed-out read may still write to: never reused
         self.segment = f"{cfg.local_hostname}:{te.get_rpc_port()}"
         self._send_pool = SlabPool(
@@ -154,7 +154,7 @@ class MooncakeTransferEngineConnector(Connector):
         if reaper is not None:
             reaper.join(5)
         self._te = None  # the engine (and its listening ports) goes when the last reference does
-        self._reader = None  # type: ignore[assignment]
+        self._reader = None
         self._stranded = []
 
     # -- consumer ---------------------------------------------------------------
@@ -221,8 +221,8 @@ class MooncakeTransferEngineConnector(Connector):
         """One-sided read into ``slab``; on failure the slab goes back to the pool, or is stranded if bytes may still land."""
         rc = TIMED_OUT
         try:
-            # the engine is None once closed (by another thread)
-            rc = self._reader.read(segment, slab.address, remote_addr, size, deadline) if self._te is not None else FAILED
+            reader = self._reader  # None once closed (by another thread)
+            rc = reader.read(segment, slab.address, remote_addr, size, deadline) if reader is not None else FAILED
         finally:
             if rc == TIMED_OUT:
                 with self._clients_lock:
