@@ -153,6 +153,33 @@ def test_orphaned_wake_file_is_reclaimed_by_gc_and_a_foreign_one_refused(namespa
         os.rmdir(pubdir)
 
 
+def test_instances_opening_and_closing_concurrently_always_share_one_wake_file(namespace: str) -> None:
+    """The flock lifecycle under churn: every live instance's wake file is the one at the path.
+
+    Three threads open and close instances of one namespace (the last one out removes the file and
+    the publish directory, the next one in creates them again); each checks, while open, that the
+    file it mapped is the file at the path -- the invariant that makes every producer ring the
+    wake file every waiter sleeps on.
+    """
+    path = _wake_path(namespace)
+    errors: list[str] = []
+
+    def churn() -> None:
+        for _ in range(12):
+            with create_connector("shm", {"namespace": namespace, "reclaim_on_start": False}) as conn:
+                mine = os.fstat(conn._wake._fd)  # type: ignore[attr-defined]
+                if not os.path.samestat(mine, os.stat(path)):
+                    errors.append("an open instance's wake file is not the one at the path")
+
+    threads = [threading.Thread(target=churn) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(JOIN)
+    assert errors == []
+    assert not os.path.exists(path)
+
+
 # -- waiting, both paths -----------------------------------------------------------------------
 @pytest.mark.parametrize("futex_wait", [True, False], ids=["futex", "inotify"])
 def test_blocked_get_is_woken_and_ignores_other_keys(namespace: str, futex_wait: bool) -> None:
