@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from omni_plugins_redis import manifest as mf
 from omni_plugins_redis.config import RedisConfig
 from omni_plugins_redis.connector import MARKER_TTL_MS, RedisConnector
-from omni_plugins_redis.framing import Pieces, ProtocolError, ReplyError, ReplyReader, pack, pack_many, send_buffers
+from omni_plugins_redis.framing import Pieces, ProtocolError, ReplyError, ReplyReader, frame_key_command, pack, pack_many, send_buffers
 from omni_plugins_redis.keys import PayloadKeys
 from omni_plugins_redis.waiting import CLAIM_TTL_MS, move_commands
 from pydantic import ValidationError
@@ -194,3 +194,75 @@ def test_reader_parses_replies_and_streams_bulk_into_buffer() -> None:
     with c, d:
         c.sendall(b"$-1\r\n")
         assert ReplyReader(d).read_bulk_into(memoryview(bytearray(3))) is False
+
+
+def test_one_key_frames_match_pack() -> None:
+    key = b"t:{k%7D}:c:ab.1f"
+    assert frame_key_command("UNLINK", key) == _joined(pack("UNLINK", key))
+    assert frame_key_command("DEL", key) == _joined(pack("DEL", key))
+
+
+def test_reader_pair_fast_path_and_fallbacks() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        reader = ReplyReader(b)
+        a.sendall(b"$3\r\nabc\r\n:1\r\n")  # LMOVE + PEXPIRE, all arrived: one step, writable copy
+        body, expire = reader.read_pair()
+        assert body == b"abc" and isinstance(body, bytearray) and expire == 1
+        a.sendall(b"$-1\r\n:0\r\n")  # nothing to claim
+        assert reader.read_pair() == (None, 0)
+        a.sendall(b"-NOPERM no\r\n:1\r\n")
+        err, expire = reader.read_pair()
+        assert isinstance(err, ReplyError) and err.code == "NOPERM" and expire == 1
+        body_bytes = bytes(range(256)) * 20
+        a.sendall(b"$%d\r\n" % len(body_bytes) + body_bytes[:100])  # the rest arrives later: generic path
+        threading.Timer(0.05, lambda: a.sendall(body_bytes[100:] + b"\r\n:1\r\n")).start()
+        body, expire = reader.read_pair()
+        assert body == body_bytes and expire == 1
+        a.sendall(b":1\r\n:0\r\n+OK\r\n")
+        assert reader.skip_integers(2) is True and reader.read() == "OK"
+        a.sendall(b":1\r\n-ERR x\r\n")
+        assert reader.skip_integers(2) is False  # an error among them: nothing consumed
+        assert reader.read() == 1 and isinstance(reader.read(), ReplyError)
+
+
+def test_reader_replies_across_buffer_boundaries() -> None:
+    """Replies that straddle the reader's buffer end (compaction) or exceed it (growth) parse intact."""
+    a, b = socket.socketpair()
+    with a, b:
+        values = [bytes([i % 251]) * size for i, size in enumerate([65_000, 40_000, 65_530, 3, 1000] * 4)]
+        stream = b"".join(b"$%d\r\n%b\r\n" % (len(v), v) for v in values) + b"+" + b"x" * 200_000 + b"\r\n"
+        writer = threading.Thread(target=a.sendall, args=(stream,))
+        writer.start()
+        reader = ReplyReader(b)
+        assert [reader.read() for _ in values] == values
+        assert reader.read() == "x" * 200_000
+        writer.join(10)
+
+
+@pytest.mark.parametrize("line", [b":12x\r\n", b":\r\n", b"$-\r\n", b":" + b"9" * 30 + b"\r\n", b"?1\r\n"])
+def test_reader_rejects_malformed_lines(line: bytes) -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(line)
+        with pytest.raises(ProtocolError):
+            ReplyReader(b).read()
+
+
+def test_kernel_timeouts_bound_a_silent_server() -> None:
+    """A server that accepts and never answers: the read fails with TimeoutError instead of hanging."""
+    from omni_plugins_redis.client import Address, Connection
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        conn = Connection(Address(host="127.0.0.1", port=port), RedisConfig(socket_timeout=0.2))
+        try:
+            peer, _ = listener.accept()
+            with peer:
+                conn.send("PING")
+                with pytest.raises(TimeoutError):
+                    conn.read()
+                with pytest.raises(TimeoutError):
+                    conn.read(timeout=0.1)  # a per-read bound (blocking get) is enforced the same way
+        finally:
+            conn.close()
