@@ -131,6 +131,22 @@ static uint32_t crc32_bytes(const unsigned char *p, size_t n) {
     return c ^ 0xFFFFFFFFu;
 }
 
+/* zlib.crc32 of a header: the table version for short ones, zlib's (faster) above 1 MiB. */
+static int header_crc(const unsigned char *p, size_t n, uint32_t *out) {
+    if (n <= (1u << 20)) {
+        *out = crc32_bytes(p, n);
+        return 0;
+    }
+    PyObject *mv = PyMemoryView_FromMemory((char *)p, (Py_ssize_t)n, PyBUF_READ);
+    if (mv == NULL) return -1;
+    PyObject *c = PyObject_CallOneArg(zlib_crc32, mv);
+    Py_DECREF(mv);
+    if (c == NULL) return -1;
+    *out = (uint32_t)PyLong_AsUnsignedLong(c);
+    Py_DECREF(c);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 /* ------------------------------------------------------------------ small helpers */
 
 static inline void put_be16(unsigned char *p, uint16_t v) { p[0] = (unsigned char)(v >> 8); p[1] = (unsigned char)v; }
@@ -631,18 +647,7 @@ static PyObject *native_encode(PyObject *self, PyObject *const *args, Py_ssize_t
     unsigned char *h = (unsigned char *)PyBytes_AS_STRING(head);
     const unsigned char *header = e.w.buf + PREFIX_SIZE;
     uint32_t crc;
-    if (hlen <= (1u << 20)) {
-        crc = crc32_bytes(header, hlen);
-    } else { /* zlib's crc32 is faster on long inputs */
-        PyObject *mvh = PyMemoryView_FromMemory((char *)header, (Py_ssize_t)hlen, PyBUF_READ);
-        if (mvh == NULL) goto fail;
-        PyObject *c = PyObject_CallOneArg(zlib_crc32, mvh);
-        Py_DECREF(mvh);
-        if (c == NULL) goto fail;
-        crc = (uint32_t)PyLong_AsUnsignedLong(c);
-        Py_DECREF(c);
-        if (PyErr_Occurred()) goto fail;
-    }
+    if (header_crc(header, hlen, &crc) < 0) goto fail;
     memcpy(h, "OMNW", 4);
     h[4] = 1; /* FORMAT_VERSION */
     h[5] = 0;
@@ -1235,18 +1240,7 @@ static PyObject *native_decode(PyObject *self, PyObject *const *args, Py_ssize_t
     if (header == NULL) { PyErr_NoMemory(); goto done; }
     memcpy(header, base + PREFIX_SIZE, (size_t)hlen);
     uint32_t actual;
-    if (hlen <= (1u << 20)) {
-        actual = crc32_bytes(header, (size_t)hlen);
-    } else {
-        PyObject *mvh = PyMemoryView_FromMemory((char *)header, (Py_ssize_t)hlen, PyBUF_READ);
-        if (mvh == NULL) goto done;
-        PyObject *c = PyObject_CallOneArg(zlib_crc32, mvh);
-        Py_DECREF(mvh);
-        if (c == NULL) goto done;
-        actual = (uint32_t)PyLong_AsUnsignedLong(c);
-        Py_DECREF(c);
-        if (PyErr_Occurred()) goto done;
-    }
+    if (header_crc(header, (size_t)hlen, &actual) < 0) goto done;
     if (actual != crc) { wire_error("header checksum mismatch (corrupted or truncated header)"); goto done; }
     d.h = header;
     d.end = header + hlen;

@@ -200,6 +200,7 @@ def test_encoder_corner_cases() -> None:
         "x" * 32,
         "é" * 200,
         "x" * 70000,
+        "x" * ((1 << 20) + 10),  # a header over 1 MiB: its checksum comes from zlib, not the table code
         b"",
         b"y" * 255,
         b"y" * 256,
@@ -444,6 +445,19 @@ def test_decoders_agree_on_buffer_kinds() -> None:
     assert_decoders_agree(wire.encode([[1]] * 3).to_bytes(), limits=wire.Limits(max_depth=1))
     assert_decoders_agree(wire.encode(torch.ones([1] * 5)).to_bytes(), limits=wire.Limits(max_ndim=4))
     assert_decoders_agree(wire.encode("x" * 200).to_bytes(), limits=wire.Limits(max_header_bytes=100))
+
+
+@needs_native
+def test_checksum_matches_zlib() -> None:
+    rng = np.random.default_rng(7)
+    for n in [*range(20), 63, 64, 65, 1000, 4097, (1 << 20) + 3]:
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        assert _codec._NATIVE_MODULE.crc32(data) == zlib.crc32(data)
+    big = wire.encode({"s": "y" * ((1 << 20) + 100)}).to_bytes()
+    assert_decoders_agree(big)
+    corrupted = bytearray(big)
+    corrupted[1000] ^= 1
+    assert_decoders_agree(bytes(corrupted))
 
 
 @needs_native
