@@ -456,9 +456,9 @@ class StageTransferRuntime:
         With TP > 1 in streaming mode this is collective: rank 0 packs signals and
         staged payloads into one packet, the other ranks apply it.
         """
-        leader = self.is_data_transfer_rank()
+        packet: dict[str, Any] | None = None
         if self.async_chunk and self.tp.world_size > 1:
-            packet: dict[str, Any] | None = None
+            leader = self.is_data_transfer_rank()
             if leader:
                 with self._lock:
                     packet = self._delivery.take_stream_packet(with_payloads=True)
@@ -467,10 +467,9 @@ class StageTransferRuntime:
             if not leader:
                 with self._lock:
                     self._delivery.apply_stream_packet(packet)
-        else:
-            with self._lock:
+        with self._lock:  # one hold on a single rank: take the flags and build the report together
+            if packet is None:
                 packet = self._delivery.take_stream_packet(with_payloads=False)
-        with self._lock:
             outbox = self._registry.outbox
             stage_recv = set()
             for state in self._registry.signalled():
