@@ -236,3 +236,50 @@ def test_wait_any_sees_a_later_put_without_consuming(target: str, request: pytes
         assert ready == [keys[5]]
         got = conn.get(0, 1, keys[5])
         assert got is not None and got.data == {"v": 5}
+
+
+def _parts_of(server: RedisServer | RedisCluster, key: str) -> list[bytes]:
+    return server.keys(PREFIX + "{" + key + "}:p:*")
+
+
+def test_consumed_parts_go_with_the_next_parted_put(server_config: dict[str, Any], redis_server: RedisServer) -> None:
+    """A get leaves its (unreachable) parts for the next parted put to delete one by one; any other write deletes them."""
+    a, b = torch.randn(100_000), torch.randn(120_000)  # 400 / 480 KB: 7 and 8 parts
+    with create_connector("redis", {**server_config, "chunk_bytes": SMALL_CHUNK}) as conn:
+        assert conn.put(0, 1, "reuse-a", {"x": a}).ok
+        got = conn.get(0, 1, "reuse-a")
+        assert got is not None and torch.equal(got.data["x"], a)
+        assert conn.put(0, 1, "reuse-b", {"x": b}).ok  # deletes a's parts, interleaved with its own
+        assert _parts_of(redis_server, "reuse-a") == [] and len(_parts_of(redis_server, "reuse-b")) == 8
+        got = conn.get(0, 1, "reuse-b")
+        assert got is not None and torch.equal(got.data["x"], b)
+        assert conn.get(0, 1, "reuse-b") is None  # consumed; this write also deletes b's parts
+        assert conn.put(0, 1, "small", {"v": 1}).ok
+        assert _parts_of(redis_server, "reuse-b") == []
+        assert conn.get(0, 1, "small") is not None
+    assert redis_server.keys(PREFIX + "*") == []
+
+
+def test_parts_deleted_at_once_without_reuse(server_config: dict[str, Any], redis_server: RedisServer) -> None:
+    x = torch.randn(100_000)
+    with create_connector("redis", {**server_config, "chunk_bytes": SMALL_CHUNK, "reuse_part_memory": False}) as conn:
+        assert conn.put(0, 1, "noreuse", {"x": x}).ok
+        assert conn.get(0, 1, "noreuse") is not None
+        conn.health()  # a round trip on another connection: the delete (sent with the get) has run by now
+        assert _parts_of(redis_server, "noreuse") == []
+    assert redis_server.keys(PREFIX + "*") == []
+
+
+def test_consumed_parts_across_cluster_nodes(cluster_config: dict[str, Any], redis_cluster: RedisCluster) -> None:
+    """Retired parts of several payloads (several hash tags) are deleted key by key: no CROSSSLOT, nothing left."""
+    tensors = {f"xs{i}": torch.full((40_000,), float(i)) for i in range(6)}  # 160 KB each: 3 parts
+    with create_connector("redis", {**cluster_config, "chunk_bytes": SMALL_CHUNK, "inline_bytes": 0}) as conn:
+        for key, t in tensors.items():
+            assert conn.put(0, 1, key, {"t": t}).ok
+        for key, t in tensors.items():
+            got = conn.get(0, 1, key)
+            assert got is not None and torch.equal(got.data["t"], t)
+        for key, t in tensors.items():  # later puts take over the consumed parts on their node
+            assert conn.put(0, 1, key + "-2", {"t": t}).ok
+            assert conn.get(0, 1, key + "-2") is not None
+    assert redis_cluster.keys(PREFIX + "*") == []

@@ -263,3 +263,17 @@ def test_deferred_replies_never_mix_with_later_replies(redis_server: RedisServer
     finally:
         conn.close()
     assert raw.exists(PREFIX + "str") == 0
+
+
+def test_retired_parts_are_handed_back_if_the_connection_dies(redis_server: RedisServer, server_config: dict[str, Any]) -> None:
+    from omni_plugins_redis.client import Address
+    from omni_plugins_redis.config import RedisConfig
+
+    conn = Connection(Address(host="127.0.0.1", port=redis_server.port), RedisConfig(**server_config))
+    try:
+        conn.retire([b"omnitest:{a}:p:1:0", b"omnitest:{a}:p:1:1"])
+        conn.retire([b"omnitest:{b}:p:2:0"])
+        assert conn.unconfirmed() == [("UNLINK", b"omnitest:{a}:p:1:0", b"omnitest:{a}:p:1:1"), ("UNLINK", b"omnitest:{b}:p:2:0")]
+        assert conn.take_retired() == []  # handed over: the pool re-sends them on its next connection
+    finally:
+        conn.close()

@@ -64,6 +64,7 @@ class Connection:
         self._sent: deque[tuple[Arg, ...]] = deque()  # deferred, sent, reply not read yet
         self._outbox: list[tuple[Arg, ...]] = []  # deferred, not sent yet
         self._outbox_frames: list[bytes] = []  # their RESP framing (framed once, when deferred)
+        self._retired: list[list[bytes]] = []  # consumed payloads' parts, one list per payload (see retire)
         self.broken = False
         self._sock = self._open()
         self._kernel_timeouts = not isinstance(self._sock, ssl.SSLSocket)
@@ -130,19 +131,19 @@ class Connection:
     def send_many(self, commands: Sequence[Sequence[Arg]]) -> None:
         """Send commands in one write, preceded by any deferred commands not yet sent."""
         framed = pack_many(commands)
-        if self._outbox:
+        if self._outbox or self._retired:
             framed = [*self._take_outbox(), *framed]
         send_buffers(self._sock, framed)
 
     def send_packed(self, framed: Sequence[Buffer]) -> None:
         """Like :meth:`send_many` for commands already framed with :func:`pack_many` (reused across retries)."""
-        if self._outbox:
+        if self._outbox or self._retired:
             framed = [*self._take_outbox(), *framed]
         send_buffers(self._sock, framed)
 
     def send_frame(self, frame: bytes) -> None:
         """Send one framed ``bytes`` (the hot path of small puts and gets) with any deferred commands, in one write."""
-        if self._outbox:
+        if self._outbox or self._retired:
             frame = b"".join([*self._take_outbox(), frame])
         try:
             self._sock.sendall(frame)
@@ -151,6 +152,9 @@ class Connection:
 
     def _take_outbox(self) -> list[bytes]:
         """The frames of the deferred commands about to be sent (their replies are read first)."""
+        if self._retired:  # this write is not a parted put: delete them with it
+            for group in self.take_retired():
+                self._queue(("UNLINK", *group))
         frames = self._outbox_frames
         self._sent.extend(self._outbox)
         self._outbox.clear()
@@ -176,6 +180,23 @@ class Connection:
         if flush or not self._config.lazy_cleanup:
             self.send_many([])
 
+    def retire(self, keys: Sequence[bytes]) -> None:
+        """Delete these keys (a consumed payload's parts) later, one by one, interleaved with the next parted put.
+
+        Redis's allocator returns freed memory to the kernel within milliseconds,
+        so a put that follows a get faults in fresh pages for every part; deleting
+        each old part right before a new one arrives lets the server reuse that
+        memory. Any other write on this connection deletes them at once; they are
+        re-sent like deferred commands if the connection dies. ``keys`` are the
+        parts of one payload (one hash tag: one multi-key delete is allowed).
+        """
+        self._retired.append(list(keys))
+
+    def take_retired(self) -> list[list[bytes]]:
+        """The retired keys, one list per payload, now the caller's to delete (see :meth:`retire`)."""
+        groups, self._retired = self._retired, []
+        return groups
+
     def _queue(self, args: tuple[Arg, ...], frame: bytes | None = None) -> None:
         self._outbox.append(args)
         self._outbox_frames.append(frame if frame is not None else b"".join(pack_many([args])))
@@ -196,13 +217,14 @@ class Connection:
 
     def settle(self) -> None:
         """Send and confirm all deferred commands now."""
-        if self._outbox:
+        if self._outbox or self._retired:
             self.send_many([])
         self._drain()
 
     def unconfirmed(self) -> list[tuple[Arg, ...]]:
         """Deferred commands not known to have run (taken out of this connection)."""
         commands = [*self._sent, *self._outbox]
+        commands += [("UNLINK", *group) for group in self.take_retired()]
         self._sent.clear()
         self._outbox.clear()
         self._outbox_frames = []

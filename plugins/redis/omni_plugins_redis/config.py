@@ -62,6 +62,13 @@ class RedisConfig(ConnectorSettings):
         "instead of at once: saves a system call per put/get; off = no key outlives its operation, at one extra send",
     )
 
+    reuse_part_memory: bool = Field(
+        True,
+        description="with lazy_cleanup: a get leaves the consumed payload's (unreachable) parts for the next parted put "
+        "on the same connection to delete one by one, so the server reuses their memory instead of faulting in fresh "
+        "pages; any other write deletes them at once. off = parts are deleted right after the get",
+    )
+
     connect_timeout: float = Field(5.0, gt=0, le=3600)
     socket_timeout: float = Field(30.0, gt=0, le=3600, description="bound on every socket read/write; nothing waits forever")
     pool_size: int = Field(16, ge=1, le=1024, description="connections per server")
