@@ -81,6 +81,10 @@ class ServerProbe:
                 total += int(fh.read().split()[0])
         return total / 1e9
 
+    def cpus(self) -> tuple[float, float]:
+        """(redis-server CPU seconds, this thread's CPU seconds)."""
+        return self.cpu(), time.thread_time()
+
     def floor_put(self, data: memoryview) -> list[bytes]:
         """Write ``data`` as parts; returns their keys (for :meth:`drop`, outside the timed call)."""
         keys = [b"bench:floor:%d" % i for i in range(-(-data.nbytes // self.chunk))]
@@ -98,6 +102,15 @@ class ServerProbe:
         self.sock.close()
 
 
+def _no_cpus() -> tuple[float, float]:
+    return 0.0, 0.0
+
+
+def _add(server: dict[str, float], client: dict[str, float], name: str, before: tuple[float, float], after: tuple[float, float]) -> None:
+    server[name] += after[0] - before[0]
+    client[name] += after[1] - before[1]
+
+
 def bench_size(conn: Any, raw: Any, size: int, rounds: int, probe: ServerProbe | None = None, floor: bool = False) -> dict[str, Any]:
     tensor = torch.randint(0, 256, (size,), dtype=torch.uint8)
     payload = {"x": tensor}
@@ -111,12 +124,15 @@ def bench_size(conn: Any, raw: Any, size: int, rounds: int, probe: ServerProbe |
     server_cpu: dict[str, list[float]] = {k: [] for k in samples}
     sides = (0, 1, 2) if floor else (0, 1)
     got_size = 0
-    cpu = probe.cpu if probe is not None else (lambda: 0.0)
+    # large sizes: (redis-server CPU, this thread's CPU incl. its system calls) around each call
+    cpu = probe.cpus if probe is not None else _no_cpus
+    client_cpu: dict[str, list[float]] = {k: [] for k in samples}
     for _ in range(rounds):
         # Connector put+get and raw SET+GET alternate call by call (which side goes first
         # alternates too), so a load swing on the shared machine hits both sides alike.
         acc = dict.fromkeys(samples, 0.0)
         acc_cpu = dict.fromkeys(samples, 0.0)
+        acc_client = dict.fromkeys(samples, 0.0)
         for i in range(repeat):
             for side in sides if i % 2 == 0 else sides[::-1]:
                 if side == 0:  # connector: put then get, same key each time (each get consumes)
@@ -133,8 +149,8 @@ def bench_size(conn: Any, raw: Any, size: int, rounds: int, probe: ServerProbe |
                     del res
                     acc["put"] += t1 - t0
                     acc["get"] += t2 - t1
-                    acc_cpu["put"] += c1 - c0
-                    acc_cpu["get"] += c2 - c1
+                    _add(acc_cpu, acc_client, "put", c0, c1)
+                    _add(acc_cpu, acc_client, "get", c1, c2)
                 elif side == 1:  # baseline: raw redis-py SET then GET of the same bytes
                     c0 = cpu()
                     t0 = time.perf_counter()
@@ -148,20 +164,21 @@ def bench_size(conn: Any, raw: Any, size: int, rounds: int, probe: ServerProbe |
                     del value
                     acc["set"] += t1 - t0
                     acc["raw_get"] += t2 - t1
-                    acc_cpu["set"] += c1 - c0
-                    acc_cpu["raw_get"] += c2 - c1
+                    _add(acc_cpu, acc_client, "set", c0, c1)
+                    _add(acc_cpu, acc_client, "raw_get", c1, c2)
                 elif probe is not None:  # evidence: a minimal parted writer for these bytes
                     c0 = cpu()
                     t0 = time.perf_counter()
                     parts = probe.floor_put(memoryview(blob))
                     t1 = time.perf_counter()
                     acc["floor_put"] += t1 - t0
-                    acc_cpu["floor_put"] += cpu() - c0
+                    _add(acc_cpu, acc_client, "floor_put", c0, cpu())
                     probe.drop(parts)  # like the connector's get, frees the parts (not timed)
         raw.delete("bench:raw")
         for name, total in acc.items():
             samples[name].append(total / repeat)
             server_cpu[name].append(acc_cpu[name] / repeat)
+            client_cpu[name].append(acc_client[name] / repeat)
     med = {k: statistics.median(v) for k, v in samples.items()}
     best = {k: min(v) for k, v in samples.items()}
     result = {
@@ -183,6 +200,11 @@ def bench_size(conn: Any, raw: Any, size: int, rounds: int, probe: ServerProbe |
     }
     if probe is not None:
         result["server_cpu_seconds"] = {k: statistics.median(v) for k, v in server_cpu.items()}
+        result["client_cpu_seconds"] = {k: statistics.median(v) for k, v in client_cpu.items()}
+        # the same ratio in CPU time (client + server), which a loaded machine's scheduling does not bend
+        both = {k: statistics.median(server_cpu[k]) + statistics.median(client_cpu[k]) for k in samples}
+        result["cpu_put_vs_raw_set"] = both["set"] / both["put"]
+        result["cpu_get_vs_raw_get"] = both["raw_get"] / both["get"]
     if floor:
         # what a minimal parted writer reaches against this server now, and how close the put comes
         result["floor_put_vs_raw_set"] = med["set"] / med["floor_put"]
@@ -252,7 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         if "server_cpu_seconds" in r:
             cpu = r["server_cpu_seconds"]
-            line = f"{'':>8}  server CPU per call: put {cpu['put'] * 1e3:.1f} ms, get {cpu['get'] * 1e3:.1f} ms, SET {cpu['set'] * 1e3:.1f} ms, GET {cpu['raw_get'] * 1e3:.1f} ms"
+            ccpu = r["client_cpu_seconds"]
+            line = (
+                f"{'':>8}  CPU per call, server + client: put {cpu['put'] * 1e3:.1f} + {ccpu['put'] * 1e3:.1f} ms, "
+                f"SET {cpu['set'] * 1e3:.1f} + {ccpu['set'] * 1e3:.1f} ms ({r['cpu_put_vs_raw_set']:.2f}x); "
+                f"get {cpu['get'] * 1e3:.1f} + {ccpu['get'] * 1e3:.1f} ms, GET {cpu['raw_get'] * 1e3:.1f} + {ccpu['raw_get'] * 1e3:.1f} ms "
+                f"({r['cpu_get_vs_raw_get']:.2f}x)"
+            )
             if "floor_put" in cpu:
                 line += (
                     f"; minimal parted writer {cpu['floor_put'] * 1e3:.1f} ms, {r['gbps']['floor_put']:.2f} GB/s "
