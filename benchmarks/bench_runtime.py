@@ -33,6 +33,14 @@ runtime/raw, and per-chunk runtime overhead (time spent in ``send_chunk`` on the
 producer's model thread, and in ``recv_chunk`` + ``collect_signals`` on the
 consumer's model thread, per chunk). Target: runtime p50 <= 1 ms.
 
+The runtime alone (``runtime_overhead_us_per_chunk``): the same payloads and
+schedule in this process over :class:`PreparedConnector` (payload objects kept as
+they are: the connector costs nothing), CPU per chunk of the receive thread, the
+model thread's ``recv_chunk`` + ``collect_signals``, ``send_chunk`` and the send
+thread -- at the bench's step rhythm ("cold": every pause lets caches go cold)
+against the same steps back to back ("hot", the baseline), best of
+``--overhead-reps``.
+
 CPU per chunk, split by thread (robust where wall-clock latency is queueing on a
 shared machine): ``producer_cpu_breakdown_us_per_chunk`` (``send_chunk`` on the
 model thread; the send thread, and the part of it inside ``connector.put``) and
@@ -53,6 +61,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -62,6 +71,7 @@ import torch
 from tqdm import tqdm
 
 from omni_plugins import StageConfig, create_connector
+from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.runtime import RuntimeTuning, StageTransferRuntime
 
 BUILDER = "bench_runtime.passthrough"
@@ -285,6 +295,122 @@ def producer_server(cmds: Any, results: Any, switch_interval: float | None = Non
             results.put(("error", repr(exc)))
 
 
+# ----------------------------------------------------------------------------- the runtime's own CPU
+class PreparedConnector(Connector):
+    """In-process connector that keeps payload objects as they are (no encoding, no copy).
+
+    With it every CPU microsecond the runtime's threads spend is the runtime's own:
+    what is left of a hand-off when the connector costs nothing.
+    """
+
+    capabilities = Capabilities(
+        blocking_get=True, cross_process=False, cross_host=False, zero_copy_get=False, consume_on_get=True, wait_any=True
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._items: dict[str, Any] = {}
+        self._cond = threading.Condition()
+
+    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
+        with self._cond:
+            self._items[key] = data
+            self._cond.notify_all()
+        return PutResult(True, 0, None)
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        with self._cond:
+            if timeout:
+                self._cond.wait_for(lambda: key in self._items or self.closed, timeout)
+            data = self._items.pop(key, None)
+        return None if data is None else GetResult(data, 0)
+
+    def _wait_any(self, keys: Any, timeout: float) -> list[str]:
+        with self._cond:
+            found: list[str] = []
+            self._cond.wait_for(lambda: self.closed or bool(found.extend(k for k in keys if k in self._items) or found), timeout)
+            return found
+
+    def _cleanup(self, key: str) -> bool:
+        with self._cond:
+            return self._items.pop(key, None) is not None
+
+
+def runtime_overhead(streams: int, chunks: int, period: int, pattern: str, step_s: float, chunk_floats: int, steps_gap: bool) -> dict[str, float]:
+    """CPU per chunk (us) of the runtime alone, over :class:`PreparedConnector`, in this process.
+
+    Consumer: a stage-1 runtime; this thread puts each step's payloads (as the
+    producer stage would) and then reads them as the model thread does
+    (``wait_ready``, ``recv_chunk``, ``collect_signals``). Producer: a stage-0
+    runtime; this thread calls ``send_chunk`` per chunk of the step. Between
+    steps it sleeps until the next ``step_s`` when ``steps_gap`` (the bench's
+    rhythm: code runs cold after every pause), else goes straight on (hot).
+    """
+    plan = schedule(streams, chunks, period, pattern)
+    n = streams * chunks
+    # consumer side
+    conn = PreparedConnector()
+    rt = StageTransferRuntime(StageConfig(stage_id=1, async_chunk=True, recv_timeout_s=60), connector=conn)
+    ids = [f"ovc{i}" for i in range(streams)]
+    for rid in ids:
+        rt.register_chunk_recv(_Req(rid))
+    time.sleep(0.05)  # the receive thread picks the registrations up
+    sent = [0] * streams
+    model_cpu = 0.0
+    recv0 = _thread_cpu(rt, "receiver")
+    next_step = time.monotonic()
+    for emitting in plan:
+        for i in emitting:
+            sent[i] += 1
+            data = {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [time.monotonic()]}, "meta": {"finished": sent[i] == chunks}}
+            conn.put(0, 1, f"{ids[i]}_0_{sent[i] - 1}", data)
+        want = set(ids[i] for i in emitting)
+        deadline = time.monotonic() + 10
+        while want and time.monotonic() < deadline:
+            rt.wait_ready(0.05)
+            c0 = time.thread_time()
+            ready = rt.recv_chunk()
+            sig = rt.collect_signals()
+            model_cpu += time.thread_time() - c0
+            want -= ready.keys() | sig.chunk_ready  # one delivered between the two calls is reported in the signals
+        if steps_gap:
+            next_step += step_s
+            _sleep_until(next_step)
+    recv_cpu = _thread_cpu(rt, "receiver") - recv0
+    for rid in ids:
+        rt.cleanup_finished_request(rid)
+    rt.shutdown()
+    # producer side
+    prt = StageTransferRuntime(StageConfig(stage_id=0, async_chunk=True, custom_process_next_stage_input_func=BUILDER), connector=PreparedConnector())
+    reqs = [_Req(f"ovp{i}") for i in range(streams)]
+    sent = [0] * streams
+    call_cpu = 0.0
+    send0 = _thread_cpu(prt, "sender")
+    next_step = time.monotonic()
+    for emitting in plan:
+        for i in emitting:
+            sent[i] += 1
+            reqs[i].done = sent[i] == chunks
+            out = {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [time.monotonic()]}}
+            c0 = time.thread_time()
+            prt.send_chunk(reqs[i], out)
+            call_cpu += time.thread_time() - c0
+        if steps_gap:
+            next_step += step_s
+            _sleep_until(next_step)
+    prt.wait_sends(30)
+    send_cpu = _thread_cpu(prt, "sender") - send0
+    for r in reqs:
+        prt.cleanup_finished_request(r.request_id)
+    prt.shutdown()
+    return {
+        "consumer_receive_thread": recv_cpu / n * 1e6,
+        "consumer_model_thread_recv_chunk_collect_signals": model_cpu / n * 1e6,
+        "producer_send_chunk": call_cpu / n * 1e6,
+        "producer_send_thread": send_cpu / n * 1e6,
+    }
+
+
 # ----------------------------------------------------------------------------- consumer side
 def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, start_at: float, bar: tqdm) -> dict:
     """Consumer stage on this process's model thread: returns latencies (s) and model-thread cost."""
@@ -498,11 +624,13 @@ def main() -> None:
     ap.add_argument("--chunk-floats", type=int, default=1024, help="float32 values per chunk (default 4 KiB)")
     ap.add_argument("--quick", action="store_true", help="1 round of 4 chunks per stream")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in both processes (GIL hand-off, default 5 ms)")
+    ap.add_argument("--overhead-reps", type=int, default=3, help="best-of repetitions of the runtime-only CPU measurement (0: skip)")
     ap.add_argument("--json", help="write results to this file")
     ap.add_argument("--plot", help="write a latency CDF plot (PNG)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.chunks = 1, 4
+        args.overhead_reps = min(args.overhead_reps, 2)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     backend = args.backend
@@ -589,6 +717,20 @@ def main() -> None:
             else:
                 os.rmdir(SHM_DIR)
 
+    overhead: dict[str, Any] | None = None
+    if args.overhead_reps > 0:  # the runtime alone (no connector cost), at the bench's step rhythm and back to back
+        runs: dict[str, list[dict[str, float]]] = {"cold": [], "hot": []}
+        for _ in tqdm(range(args.overhead_reps), desc="runtime-only CPU", unit="rep"):
+            for label, gap in (("cold", True), ("hot", False)):
+                runs[label].append(runtime_overhead(args.streams, 4, args.period, args.pattern, step_s, args.chunk_floats, gap))
+        best = {label: {k: round(min(r[k] for r in rows), 1) for k in rows[0]} for label, rows in runs.items()}
+        overhead = {
+            **best,
+            "cold_vs_hot": {k: round(best["cold"][k] / best["hot"][k], 2) if best["hot"][k] else None for k in best["cold"]},
+            "note": "us of CPU per chunk over PreparedConnector (payloads kept as objects), best of --overhead-reps; "
+            "cold = sleeping to the next step between steps as in the hand-off modes, hot = steps back to back",
+        }
+
     report: dict[str, Any] = {
         "benchmark": "bench_runtime",
         "backend": backend,
@@ -644,6 +786,7 @@ def main() -> None:
         "consumer_active_cpu_runtime_vs_poll5ms": ratio(rt["consumer_cpu_active_us_per_chunk"], poll["consumer_cpu_active_us_per_chunk"]),
         "consumer_active_cpu_runtime_vs_park1": ratio(rt["consumer_cpu_active_us_per_chunk"], park1["consumer_cpu_active_us_per_chunk"]),
     }
+    report["runtime_overhead_us_per_chunk"] = overhead
     report["target"] = {"p50_ms_max": 1.0, "met": rt["p50_ms"] is not None and rt["p50_ms"] <= 1.0}
     text = json.dumps(report, indent=2)
     print(text)
