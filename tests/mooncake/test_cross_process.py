@@ -42,3 +42,41 @@ def test_64mib_payload_between_processes(master: MooncakeMaster) -> None:
         done.set()
         child.join(60)
     assert child.exitcode == 0
+
+
+def test_te_read_from_a_producer_killed_after_the_claim_fails_fast() -> None:
+    """The claim succeeded, then the producer process died: the one-sided read must fail, not wait for the claim to run out."""
+    import os
+    import signal
+    from typing import Any
+
+    import pytest
+
+    from omni_plugins.errors import ConnectorError
+
+    ctx = mp.get_context("spawn")
+    ready, report, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_children.produce, args=({"mooncake-te": {"pool_size": "256MiB"}}, "k", 3, ready, done, report))
+    child.start()
+    try:
+        addresses, _ = ready.get(timeout=180)
+        with create_connector("mooncake-te", {"listen_address": None, "peers": [addresses["mooncake-te"]]}) as conn:
+            read = conn._read  # type: ignore[attr-defined]
+
+            def kill_then_read(*args: Any) -> int:
+                assert child.pid is not None
+                os.kill(child.pid, signal.SIGKILL)
+                child.join(30)
+                return int(read(*args))
+
+            conn._read = kill_then_read  # type: ignore[attr-defined]
+            with pytest.raises(ConnectorError, match="failed"):
+                conn.get(0, 1, "k")
+            health = conn.health()
+            assert health["stranded_receive_buffers"] == 0  # the engine reported the failure: the buffer is reusable
+            assert health["receive_buffers"]["in_use_bytes"] == 0
+    finally:
+        if child.is_alive():  # never set() with a killed waiter: a multiprocessing Event would wait for it forever
+            done.set()
+        child.join(60)
+    assert child.exitcode == -signal.SIGKILL
