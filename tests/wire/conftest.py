@@ -4,7 +4,7 @@ The module-scoped, parametrized ``wire_implementation`` fixture switches
 ``omni_plugins.wire`` for the tests of one module at a time (hypothesis refuses
 function-scoped fixtures). The "native" half is skipped only when the extension is
 not built; ``tests/wire/test_native.py`` makes that a failure when
-``OMNI_WIRE_REQUIRE_NATIVE=1`` (set by the CI test command).
+``OMNI_REQUIRE_NATIVE=1`` (set by the CI test command).
 """
 
 from __future__ import annotations
