@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 import torch
+from omni_plugins_redis.config import RedisConfig
 from omni_plugins_redis.framing import ReplyReader, pack_many, send_buffers
 from omni_plugins_redis.testing import RedisServer
 from tqdm import tqdm
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="samples per size (median reported)")
     parser.add_argument("--json", dest="json_path", help="write results here")
     parser.add_argument("--plot", help="write a PNG of the ratios here")
-    parser.add_argument("--chunk-bytes", type=_parse_size, default=4 * MIB)
+    parser.add_argument("--chunk-bytes", type=_parse_size, default=RedisConfig.model_fields["chunk_bytes"].default)
     parser.add_argument("--read-window", type=int, default=2)
     parser.add_argument(
         "--floor", action="store_true", help="from 16 MiB, also time a minimal parted writer (raw socket, parts deleted at once)"
