@@ -11,6 +11,10 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
 - ``shm_views``: the same with ``get_views`` (zero-copy views, dropped before the ack).
 - ``pipe_pingpong`` / ``shm_pingpong`` (small sizes): a round trip -- payload there and back -- over a
   pipe (raw bytes) vs. ``put``/``get`` both ways.
+- ``shm_pingpong_slots`` / ``shm_pingpong_files``: ``shm_pingpong`` with the namespace's slot table
+  forced on (``slot_count`` = ``SLOTS``: small payloads handed off by compare-and-swap in C, no file
+  syscalls) / off (every payload a file; the path ``shm_pingpong_inotify`` and the floors describe).
+  ``shm_pingpong`` itself runs the config defaults.
 - ``shm_pingpong_inotify``: ``shm_pingpong`` with ``futex_wait: false``: blocked gets wait on
   inotify (the path without the C extension) instead of a futex word in the wake file.
 - ``shm_pingpong_polling``: ``shm_pingpong`` with futex waits off and inotify disabled in both
@@ -80,8 +84,17 @@ FLOOR_PROTOCOL = {
 
 
 def _shm_config(kind: str, ns: str) -> dict[str, Any]:
-    """Connector config of a mode: the inotify and polling modes turn futex waits off."""
-    return {"namespace": ns, "futex_wait": kind not in ("shm_pingpong_inotify", "shm_pingpong_polling")}
+    """Connector config of a mode: the inotify and polling modes turn futex waits off; ``_slots`` / ``_files`` force the slot table on / off."""
+    config: dict[str, Any] = {"namespace": ns, "futex_wait": kind not in ("shm_pingpong_inotify", "shm_pingpong_polling")}
+    if kind == "shm_pingpong_slots":
+        config["slot_count"] = SLOTS
+    elif kind in ("shm_pingpong_files", "shm_pingpong_inotify", "shm_pingpong_polling"):
+        config["slot_count"] = 0
+    return config
+
+
+#: slot_count of the ``shm_pingpong_slots`` mode
+SLOTS = 256
 
 
 def _iters(size: int, quick: bool) -> tuple[int, int]:
@@ -467,7 +480,7 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
         if size <= PINGPONG_MAX:
             kinds += ["pipe_pingpong", "pipe_wire_pingpong", "floor_inotify_pingpong", "shm_pingpong_inotify", "shm_pingpong_polling"]
             if _has_native():  # the C extension's protocol (else shm_pingpong is the inotify path again)
-                kinds += ["floor_pingpong", "floor_cas_pingpong"]
+                kinds += ["floor_pingpong", "floor_cas_pingpong", "shm_pingpong_slots", "shm_pingpong_files"]
             kinds += ["shm_pingpong"]
         plan += [(size, r, k) for r in range(rounds) for k in kinds]
     samples: dict[tuple[int, str], list[float]] = {}
@@ -510,6 +523,9 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
             floor = entry.get("floor_pingpong", entry["floor_inotify_pingpong"])
             entry["roundtrip_floor_vs_pipe"] = floor["median_s"] / entry["pipe_pingpong"]["median_s"]
             entry["roundtrip_floor_inotify_vs_pipe"] = entry["floor_inotify_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
+            for mode in ("slots", "files"):
+                if f"shm_pingpong_{mode}" in entry:
+                    entry[f"roundtrip_{mode}_vs_pipe"] = entry[f"shm_pingpong_{mode}"]["median_s"] / entry["pipe_pingpong"]["median_s"]
             if "floor_cas_pingpong" in entry:
                 entry["roundtrip_floor_cas_vs_pipe"] = entry["floor_cas_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
                 # the same lower bound plus the codec measured in-process (2 hops per round trip): what a
@@ -534,6 +550,9 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
     small = results["sizes"].get(str(4 * KIB))
     if small:
         out["roundtrip_4KiB_vs_pipe"] = _entry(small["roundtrip_ratio_vs_pipe"], "<= 1.5")
+        for mode, what in (("slots", "slot table on"), ("files", "slot table off: every payload a file")):
+            if f"roundtrip_{mode}_vs_pipe" in small:
+                out[f"roundtrip_4KiB_{mode}_vs_pipe"] = _entry(small[f"roundtrip_{mode}_vs_pipe"], f"<= 1.5 ({what})")
         out["roundtrip_4KiB_vs_pipe_with_wire_codec"] = _entry(small["roundtrip_ratio_vs_pipe_wire"], "(context)")
         out["roundtrip_4KiB_polling_vs_inotify"] = _entry(small["roundtrip_polling_vs_inotify"], "(context)")
         out["roundtrip_4KiB_futex_vs_inotify"] = _entry(small["roundtrip_futex_vs_inotify"], "(context: C extension's wake)")

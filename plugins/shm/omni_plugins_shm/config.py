@@ -56,4 +56,18 @@ class ShmConfig(ConnectorSettings):
         description="a blocked get sleeps on a futex word in the namespace's wake file (C extension) instead of inotify; "
         "ignored (inotify) when the extension is not built",
     )
+    slot_count: int = Field(
+        default=0,
+        ge=0,
+        le=1 << 20,
+        description="slots in the namespace's slot table (small payloads handed off by compare-and-swap, no file syscalls; "
+        "needs the C extension and futex_wait); 0 = off (every payload takes the file path). The first instance "
+        "of a namespace sets the table's geometry",
+    )
+    slot_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        le=16 * MIB,
+        description="largest encoded payload a slot holds; larger ones take the file path",
+    )
     reclaim_on_start: bool = Field(default=True, description="free segments of dead producers in this namespace when an instance starts")

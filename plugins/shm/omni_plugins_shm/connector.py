@@ -30,9 +30,10 @@ from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
 from omni_plugins_shm import gc, pubdir, wakeslots
+from omni_plugins_shm.slots import SlotTable
 from omni_plugins_shm.config import ShmConfig
 from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
-from omni_plugins_shm.naming import HASHED, PUBLISHED, KeyNames, Names, parse_name
+from omni_plugins_shm.naming import HASHED, PUBLISHED, WAKE_ANY_SLOT, KeyNames, Names, parse_name
 from omni_plugins_shm.notify import Notifier
 from omni_plugins_shm.proc import Owner
 from omni_plugins_shm.segments.files import unlink_quiet
@@ -85,6 +86,17 @@ class ShmConnector(Connector):
             pubdir.remove_if_empty(self._pubdir)
             raise
         self._ring = self._wake.ring
+        self._slots: SlotTable | None = None
+        if self.config.slot_count > 0 and self._wake.futex_waits:
+            try:
+                self._slots = SlotTable.open(
+                    self._pubdir, self._names.slots(), self._owner, self.config.slot_count, self.config.slot_bytes, pubdir.ensure
+                )
+            except BaseException:
+                self._wake.close()
+                unlink_quiet(self._marker)
+                pubdir.remove_if_empty(self._pubdir)
+                raise
         self._pool = ProducerPool(
             self._dir, self._names, self._token, pool_bytes=self.config.pool_bytes, max_segment=self.config.pool_max_segment_bytes
         )
@@ -113,11 +125,16 @@ class ShmConnector(Connector):
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
         self._check_process()
         enc = wire.encode(data)
-        names = self._key(key)
-        published = names.published_path
         expiry = self._expiry
         if expiry is not None and expiry.due():
-            expiry.expire()  # before acquiring: the put can reuse a segment it reclaims
+            self._expire(expiry)
+        slots = self._slots
+        if slots is not None and enc.nbytes <= slots.slot_bytes:
+            # the slot table: one C call (replace, CAS, copy, publish, ring); < 0: too big or full -> file path
+            if slots.put(key, enc.buffers(), enc.nbytes, self._wake.mm) >= 0:
+                return PutResult(True, enc.nbytes, None)
+        names = self._key(key)
+        published = names.published_path
         for _ in range(_PUT_RETRIES):
             try:
                 seg = self._pool.acquire(enc.nbytes)
@@ -145,6 +162,12 @@ class ShmConnector(Connector):
             except FileExistsError:
                 self._discard(published)  # a newer put replaces an unconsumed older one
         raise ConnectorError(f"shm put of key {key!r}: the key is being republished concurrently; gave up")
+
+    def _expire(self, expiry: Expiry) -> None:
+        """ttl: free our payloads older than ``ttl_seconds`` (files before acquiring: the put can reuse them)."""
+        expiry.expire()
+        if self._slots is not None:
+            expiry.expired += self._slots.free_mine(older_than=time.time() - expiry.ttl)
 
     def _reclaim_expired(self, rec: Publication) -> bool:
         """Free the publication ``rec`` if it is still published (ttl_seconds ran out)."""
@@ -175,6 +198,8 @@ class ShmConnector(Connector):
 
     def _get_impl(self, key: str, timeout: float | None, zero_copy: bool) -> GetResult | None:
         self._check_process()
+        if self._slots is not None:
+            return self._get_slots(self._slots, key, timeout, zero_copy)
         names = self._key(key)
         if timeout is not None and timeout > 0:
             if self._wake.futex_waits:
@@ -189,6 +214,52 @@ class ShmConnector(Connector):
         if self._notifier.tracking:
             self._notifier.forget(names.published_bytes)
         return self._consume(claim, key, names.digest, zero_copy)
+
+    def _get_slots(self, slots: SlotTable, key: str, timeout: float | None, zero_copy: bool) -> GetResult | None:
+        """``get`` with the slot table: the table first, then the file path, then sleep on the key's wake slot.
+
+        ``take`` reads the wake slot's seq before it looks, and both paths' puts ring that slot after
+        publishing, so a payload published after the look changes seq and the sleep returns at once.
+        """
+        wake = self._wake
+        names: KeyNames | None = None  # the file path's names: only needed when the table has nothing
+        deadline = None if timeout is None or timeout <= 0 else time.monotonic() + timeout
+        while True:
+            try:
+                got = slots.take(key, wake.mm)
+            except ValueError as exc:
+                if self._closed:
+                    return None  # another thread closed the connector (and its mappings) meanwhile
+                raise ConnectorError(
+                    f"shm slot for key {key!r} in {self._pubdir} (namespace {self.config.namespace!r}) is invalid: {exc}"
+                ) from exc
+            if type(got) is bytearray:
+                return self._decode_owned(memoryview(got), key)
+            if names is None:
+                names = self._key(key)
+            if got is None:  # a key the table cannot hold
+                try:
+                    got = wake.seq(names.wake_slot)
+                except ValueError:
+                    return None
+            claim = self._claim(names.published_path)
+            if claim is not None:
+                if self._notifier.tracking:
+                    self._notifier.forget(names.published_bytes)
+                return self._consume(claim, key, names.digest, zero_copy)
+            if deadline is None:
+                return None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._closed:
+                return None
+            wake.sleep(names.wake_slot, int(got), remaining)
+
+    def _decode_owned(self, buf: memoryview, key: str) -> GetResult:
+        try:
+            data = wire.decode(buf, copy=False)
+        except WireFormatError as exc:
+            raise WireFormatError(f"shm payload for key {key!r} (namespace {self.config.namespace!r}): {exc}") from exc
+        return GetResult(data, buf.nbytes)
 
     def _wait_claim(self, names: KeyNames, timeout: float) -> str | None:
         """Claim ``names``' payload, sleeping on its futex wake slot (up to ``timeout`` seconds) until it is there.
@@ -216,7 +287,31 @@ class ShmConnector(Connector):
     # -- wait_any -------------------------------------------------------------------------
     def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
         self._check_process()
+        if self._slots is not None:
+            return self._wait_any_slots(self._slots, list(keys), timeout)
         return self._notifier.wait_any(self._wanted(keys), self._published_prefixes, timeout)
+
+    def _wait_any_slots(self, slots: SlotTable, keys: list[str], timeout: float) -> list[str]:
+        """``wait_any`` with the slot table: look in the table and the publish directory, sleep on the namespace-wide wake slot.
+
+        Every publication (either path) bumps that slot after publishing, and its value is read
+        before looking, so an arrival after the look ends the sleep.
+        """
+        wake = self._wake
+        wanted = self._wanted(keys)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                seen = wake.seq(WAKE_ANY_SLOT)
+                hits = slots.present(keys)
+            except ValueError:
+                return []  # closed by another thread meanwhile
+            found = [keys[i] for i in hits]
+            found += [k for k in self._notifier.wait_any(wanted, self._published_prefixes, 0) if k not in found]
+            remaining = deadline - time.monotonic()
+            if found or remaining <= 0 or self._closed:
+                return found
+            wake.sleep(WAKE_ANY_SLOT, seen, remaining)
 
     def _wanted(self, keys: Sequence[str]) -> dict[bytes, str]:
         """Published name -> key for ``keys``; the last set is remembered (the runtime waits on the same set again and again).
@@ -356,7 +451,14 @@ class ShmConnector(Connector):
     # -- cleanup / close --------------------------------------------------------------------
     def _cleanup(self, key: str) -> bool:
         self._check_process()
-        return self._discard(self._key(key).published_path)
+        names = self._key(key)
+        found = False
+        if self._slots is not None:
+            try:
+                found = type(self._slots.take(key, None)) is bytearray
+            except ValueError:
+                found = True  # a corrupt slot of the key: take freed it
+        return self._discard(names.published_path) or found
 
     def _discard(self, published_path: str) -> bool:
         """Claim and free whatever is published at ``published_path``; True if something was there."""
@@ -374,6 +476,9 @@ class ShmConnector(Connector):
         unlink_quiet(self._marker)
         self._notifier.close()
         self._free_unconsumed()
+        if self._slots is not None:
+            self._slots.free_mine()
+            self._slots.close()  # removes the table if no other live instance holds it
         self._pool.close()
         self._maps.clear()
         self._private.clear()

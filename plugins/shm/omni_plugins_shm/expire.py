@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from omni_plugins_shm import slots
 from omni_plugins_shm.gc import DEFAULT_SHM_DIR, GcReport, read_header
 from omni_plugins_shm.naming import HASHED, PREFIX, PUBLISH_DIR, PUBLISHED, Names, namespace_prefix, parse_name, publish_dir_name
 from omni_plugins_shm.proc import Owner
@@ -176,6 +177,8 @@ def collect_expired(namespace: str | None, ttl: float, *, shm_dir: str = DEFAULT
             continue
         names = Names(ns)
         pub = os.path.join(shm_dir, d)
+        freed = slots.expire(os.path.join(pub, names.slots()), ttl, time.time(), dry_run)
+        report.removed += [f"{names.slots()}[slot]"] * freed
         try:
             with os.scandir(pub) as it:
                 found = [e.name for e in it if e.name.startswith(names.prefix)]

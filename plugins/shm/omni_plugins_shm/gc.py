@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_plugins_shm import pubdir, wakeslots
+from omni_plugins_shm import pubdir, slots, wakeslots
 from omni_plugins_shm.naming import (
     CLAIMED,
     FREE,
@@ -117,6 +117,12 @@ def _is_wake(name: str) -> bool:
     return parsed is not None and parsed.kind == WAKE
 
 
+def _is_slot_table(name: str) -> bool:
+    """The slot table or a creator's temporary of it (held under a shared lock while it is written)."""
+    parsed = parse_name(name)
+    return parsed is not None and parsed.kind == WAKE and name.split(".", 3)[3].startswith("slots")
+
+
 def _is_publish_dir(name: str) -> bool:
     parts = name.split(".")
     return len(parts) == 3 and parts[0] == PREFIX and parts[2] == PUBLISH_DIR and bool(parts[1])
@@ -157,6 +163,12 @@ def collect(namespace: str | None = None, *, shm_dir: str = DEFAULT_SHM_DIR, for
     for directory, name in entries:
         path = os.path.join(directory, name)
         try:
+            if not force and _is_slot_table(name):
+                # removed like the wake file when no live instance holds it; else its slots of dead
+                # processes are freed (WRITING / CLAIMED: the owner died mid-put / mid-get; READY: a dead producer)
+                freed, _ = slots.reclaim(path, dry_run)
+                report.removed += [f"{name}[slot]"] * freed
+                continue
             if not force and _is_wake(name):
                 # namespace infrastructure like the publish directory (not listed in the report); removed
                 # only under its exclusive lock: no live instance holds it (dead ones hold nothing)

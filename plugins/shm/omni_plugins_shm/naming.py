@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 PREFIX = "omnishm"
@@ -37,6 +38,38 @@ IN_PUBLISH_DIR = frozenset({MARKER, PUBLISHED, HASHED, WAKE})
 #: wake slots in the namespace's wake file (see :mod:`omni_plugins_shm.wakeslots`)
 WAKE_SLOTS = 256
 WAKE_FIRST_SLOT = 64
+#: the namespace-wide wake slot (bumped by every publication; ``wait_any`` on the slot table sleeps on it)
+WAKE_ANY_SLOT = 56
+
+
+_FNV_OFFSET, _FNV_PRIME, _U64 = 1469598103934665603, 1099511628211, (1 << 64) - 1
+
+
+def _wake_slot_py(key: str) -> int:
+    h = _FNV_OFFSET
+    for byte in key.encode("utf-8", "surrogatepass"):
+        h = ((h ^ byte) * _FNV_PRIME) & _U64
+    return WAKE_FIRST_SLOT + 8 * (h % WAKE_SLOTS)
+
+
+def _wake_slot_function() -> Callable[[str], int]:
+    try:
+        from omni_plugins_shm._native import wake_slot as native
+    except ImportError:  # pragma: no cover - the pure-Python install
+        return _wake_slot_py
+
+    def wake_slot(key: str) -> int:
+        try:
+            return int(native(key))
+        except UnicodeEncodeError:  # lone surrogates: hashed with surrogatepass like the file names
+            return _wake_slot_py(key)
+
+    return wake_slot
+
+
+#: ``wake_slot(key)``: offset of the key's wake slot in the wake file: FNV-1a 64 of the key's UTF-8 bytes,
+#: so the C slot table (which hashes keys the same way) rings the slot a file-path waiter sleeps on
+wake_slot = _wake_slot_function()
 
 
 def key_digest(key: str) -> bytes:
@@ -108,6 +141,10 @@ class Names:
     def wake(self) -> str:
         return f"{self.prefix}{WAKE}.wake"
 
+    def slots(self) -> str:
+        """The namespace's slot table (small payloads without file syscalls, :mod:`omni_plugins_shm.slots`)."""
+        return f"{self.prefix}{WAKE}.slots"
+
     def claimed(self, owner: str, n: int) -> str:
         return f"{self.prefix}{CLAIMED}.{owner}.{n}"
 
@@ -137,8 +174,8 @@ class KeyNames:
         else:
             self.published = f"{names.prefix}{HASHED}.{digest.hex()}"
         self.published_path = f"{publish_dir}/{self.published}"
-        #: offset of this key's futex slot in the wake file
-        self.wake_slot = WAKE_FIRST_SLOT + 8 * (digest[0] % WAKE_SLOTS)
+        #: offset of this key's futex slot in the wake file (the C slot table derives the same from the key)
+        self.wake_slot = wake_slot(key)
         self._bytes: bytes | None = None
 
     @property

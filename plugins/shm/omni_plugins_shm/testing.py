@@ -28,15 +28,16 @@ def namespace_segments(namespace: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[s
         return []
     pubdir = publish_dir_name(namespace)
     wake = Names(namespace).wake()
+    table = Names(namespace).slots()
     out = [name for name in top if name != pubdir]
     if pubdir in top:
         try:
             inner = [name for name in os.listdir(os.path.join(shm_dir, pubdir)) if name.startswith(prefix)]
         except (FileNotFoundError, NotADirectoryError):
             inner = []
-        out += [name for name in inner if name != wake]
+        out += [name for name in inner if name not in (wake, table)]
         if not out:
-            out = [wake] if wake in inner else [pubdir]
+            out = [n for n in (wake, table) if n in inner] or [pubdir]
     return sorted(out)
 
 
@@ -206,3 +207,32 @@ def killed_after_publish_worker(config: dict[str, object], key: str, seed: int, 
     pool.ProducerPool.publish = publish_then_die  # type: ignore[method-assign]
     conn = create_connector("shm", config)
     conn.put(0, 1, key, make_payload(seed, nbytes))
+
+
+def slot_crash_worker(config: dict[str, object], key: str, stage: str, ready: object) -> None:
+    """Die by SIGKILL holding a slot of the namespace's slot table (``config`` must enable it).
+
+    ``stage="writing"``: a FREE slot taken (CAS FREE -> WRITING(me)) as a ``put`` does before it copies;
+    ``stage="claimed"``: ``key`` put, then its slot claimed (CAS READY -> CLAIMED(me)) as a ``get`` does
+    before it copies out. Unit-level fault injection on the real table: the crash lands exactly between
+    the CAS and the release. Reports the slot index to ``ready`` (the sending end of a ``Pipe``: written
+    synchronously, unlike a queue's feeder thread that the SIGKILL would stop) first.
+    """
+    import signal
+
+    from omni_plugins_shm import slots as slot_table
+
+    from omni_plugins import create_connector
+
+    conn = create_connector("shm", config)
+    table = conn._slots  # type: ignore[attr-defined]
+    native = table._native
+    if stage == "claimed":
+        conn.put(0, 1, key, make_payload(1, 1024))
+        info = next(i for i in table.scan() if i.key == key.encode())
+        assert native.slot_cas(table.mm, info.index, info.word, table.claimer)
+    else:
+        index = next(i for i in range(table.nslots) if native.slot_cas(table.mm, i, slot_table.FREE, table.writing))
+        info = slot_table.SlotInfo(index, table.writing, 0, 0.0, b"")
+    ready.send(info.index)  # type: ignore[attr-defined]
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -42,7 +42,7 @@ import stat
 from types import ModuleType
 
 from omni_plugins.errors import ConnectorError
-from omni_plugins_shm.naming import WAKE_FIRST_SLOT, WAKE_SLOTS
+from omni_plugins_shm.naming import WAKE_ANY_SLOT, WAKE_FIRST_SLOT, WAKE_SLOTS
 
 
 def _load_native() -> ModuleType | None:
@@ -127,10 +127,16 @@ class WakeFile:
         fx = self._futex
         if fx is not None:
             fx.bump(self.mm, offset)
+            fx.bump(self.mm, WAKE_ANY_SLOT)
             return
         words = self._words
         if words is None:  # pragma: no cover - closed
             return
+        for off in (offset, WAKE_ANY_SLOT):
+            self._ring_ctypes(words, off)
+
+    @staticmethod
+    def _ring_ctypes(words: ctypes.Array[ctypes.c_uint32], offset: int) -> None:
         i = offset // 4
         words[i] = (words[i] + 1) & 0xFFFFFFFF  # not atomic: only a change signal (see the module doc)
         if _CTYPES_RING:

@@ -14,6 +14,8 @@
  * 2. rename_noreplace(src, dst): renameat2(RENAME_NOREPLACE) (the publishing rename); ctypes
  *    plus two fsencode calls cost ~10 us more per call on this VM than a plain C call.
  *
+ * 3. The slot table (slot_*): payloads up to a slot size handed off by compare-and-swap (below).
+ *
  * Only Linux. The pure-Python path (inotify, ctypes) is the fallback when this does not build.
  */
 #define PY_SSIZE_T_CLEAN
@@ -26,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 #include <fcntl.h>
+#include <string.h>
 
 #ifndef RENAME_NOREPLACE
 #define RENAME_NOREPLACE 1
@@ -185,12 +188,442 @@ native_rename_noreplace(PyObject *self, PyObject *args)
     return result;
 }
 
+/* 3. The slot table: small payloads handed off without file syscalls (see slots.py, docs/shm.md).
+ *
+ * Table file layout (all little-endian, native atomics; the file is a MAP_SHARED tmpfs mapping):
+ *   header (TBL_HDR bytes): magic "OMNISLT1", u32 version, u32 nslots, u64 slot_bytes, u64 stride
+ *   slot i at TBL_HDR + i * stride:
+ *     0  u64 state   = pid << 32 | (start & 0xFFFFFF) << 8 | kind   (kind: FREE 0, WRITING 1, READY 2, CLAIMED 3)
+ *     8  u64 key hash (FNV-1a 64 of the UTF-8 key)
+ *    16  u32 key length       20 u32 payload length
+ *    24  f64 publish time (CLOCK_REALTIME seconds)
+ *    32  u32 producer instance tag   36 u32 reserved
+ *    40  u64 producer start time (full)
+ *    64  key bytes (<= SLOT_KEY_MAX)
+ *   SLOT_HDR: payload bytes (<= slot_bytes)
+ * A slot changes hands only by compare-and-swap of its state word, so one claimer wins; the
+ * owner (pid + start time) in the word lets gc reclaim WRITING/CLAIMED slots of dead processes
+ * race-free (it CASes exactly the word it judged).
+ */
+#define TBL_HDR 4096
+#define SLOT_HDR 256
+#define SLOT_KEY_OFF 64
+#define SLOT_KEY_MAX (SLOT_HDR - SLOT_KEY_OFF)
+#define S_FREE 0
+#define S_WRITING 1
+#define S_READY 2
+#define S_CLAIMED 3
+#define PROBES 16
+
+typedef struct {
+    Py_buffer view;
+    char *base;
+    uint32_t nslots;
+    uint64_t slot_bytes, stride;
+} table_t;
+
+static int
+table_open(PyObject *obj, table_t *t)
+{
+    if (PyObject_GetBuffer(obj, &t->view, PyBUF_WRITABLE) < 0)
+        return -1;
+    t->base = (char *)t->view.buf;
+    if (t->view.len < TBL_HDR || memcmp(t->base, "OMNISLT1", 8) != 0 || ((uintptr_t)t->base & 7))
+        goto bad;
+    memcpy(&t->nslots, t->base + 12, 4);
+    memcpy(&t->slot_bytes, t->base + 16, 8);
+    memcpy(&t->stride, t->base + 24, 8);
+    if (t->nslots == 0 || t->stride < SLOT_HDR + t->slot_bytes || (t->stride & 63) || t->stride > ((uint64_t)1 << 40) ||
+        (uint64_t)TBL_HDR + (uint64_t)t->nslots * t->stride > (uint64_t)t->view.len)
+        goto bad;
+    return 0;
+bad:
+    PyBuffer_Release(&t->view);
+    PyErr_SetString(PyExc_ValueError, "slot table header is invalid");
+    return -1;
+}
+
+static inline char *
+slot_at(table_t *t, uint64_t i)
+{
+    return t->base + TBL_HDR + (i % t->nslots) * t->stride;
+}
+
+static inline uint64_t *
+slot_state(char *s)
+{
+    return (uint64_t *)s;
+}
+
+static uint64_t
+fnv1a(const char *p, Py_ssize_t n)
+{
+    uint64_t h = 1469598103934665603ULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        h ^= (unsigned char)p[i];
+        h *= 1099511628211ULL;
+    }
+    return h;
+}
+
+/* READY slot s holds key (h, k, n)? (reads the key bytes of a slot someone may be rewriting: callers re-check after CAS) */
+static int
+slot_has_key(char *s, uint64_t h, const char *k, Py_ssize_t n)
+{
+    uint64_t sh;
+    uint32_t sn;
+    memcpy(&sh, s + 8, 8);
+    memcpy(&sn, s + 16, 4);
+    return sh == h && (Py_ssize_t)sn == n && memcmp(s + SLOT_KEY_OFF, k, (size_t)n) == 0;
+}
+
+/* the key's wake slot in the wake file (naming.WAKE_FIRST_SLOT + 8 * (hash % naming.WAKE_SLOTS)) */
+#define WAKE_FIRST 64
+#define WAKE_COUNT 256
+#define WAKE_ANY 56
+
+static inline Py_ssize_t
+wake_offset(uint64_t h)
+{
+    return WAKE_FIRST + 8 * (Py_ssize_t)(h % WAKE_COUNT);
+}
+
+PyDoc_STRVAR(wake_slot_doc, "wake_slot(key) -> int\n\nOffset of key's wake slot in the wake file (FNV-1a 64 of its UTF-8 bytes).");
+
+static PyObject *
+native_wake_slot(PyObject *self, PyObject *args)
+{
+    const char *k;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "s#:wake_slot", &k, &n))
+        return NULL;
+    return PyLong_FromSsize_t(wake_offset(fnv1a(k, n)));
+}
+
+static void
+ring(PyObject *wake, Py_ssize_t off, Py_ssize_t any_off)
+{
+    /* callers validated both offsets through slot() */
+    Py_buffer view;
+    uint32_t *seq;
+    if (wake == Py_None)
+        return;
+    Py_ssize_t offs[2] = {off, any_off};
+    for (int i = 0; i < 2; i++) {
+        if (offs[i] < 0)
+            continue;
+        if (slot(wake, offs[i], &view, &seq) < 0) {
+            PyErr_Clear();
+            continue;
+        }
+        __atomic_add_fetch(seq, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(seq + 1, __ATOMIC_SEQ_CST) != 0)
+            syscall(SYS_futex, seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+        PyBuffer_Release(&view);
+    }
+}
+
+static double
+now_realtime(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* take the READY slot s (word w) for `me`; re-verify the key after the CAS (the slot may have been reused) */
+static int
+claim_ready(char *s, uint64_t w, uint64_t me, uint64_t h, const char *k, Py_ssize_t n)
+{
+    uint64_t want = w;
+    if (!__atomic_compare_exchange_n(slot_state(s), &want, me, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+        return 0;
+    if (slot_has_key(s, h, k, n))
+        return 1;
+    /* a different payload landed there between our read and the CAS: put it back */
+    __atomic_store_n(slot_state(s), w, __ATOMIC_RELEASE);
+    return 0;
+}
+
+PyDoc_STRVAR(slot_put_doc,
+             "slot_put(table, key, writing, ready, claimer, tag, start, buffers, nbytes, wake) -> int\n\n"
+             "Publish the concatenation of buffers (nbytes) under key: replace a READY slot of the same key,\n"
+             "take a FREE slot among the key's PROBES buckets (CAS FREE->writing), copy, store ready (release),\n"
+             "ring the wake slots. Returns the slot index, -1 if the key or payload does not fit, -2 if no slot is free.");
+
+static PyObject *
+native_slot_put(PyObject *self, PyObject *args)
+{
+    PyObject *obj, *bufs, *wake;
+    const char *k;
+    Py_ssize_t n, nbytes;
+    unsigned long long writing, ready, claimer, start;
+    unsigned long tag;
+    table_t t;
+    if (!PyArg_ParseTuple(args, "Os#KKKkKOnO:slot_put", &obj, &k, &n, &writing, &ready, &claimer, &tag, &start, &bufs, &nbytes,
+                          &wake))
+        return NULL;
+    if (!PyList_Check(bufs)) {
+        PyErr_SetString(PyExc_TypeError, "buffers must be a list");
+        return NULL;
+    }
+    if (table_open(obj, &t) < 0)
+        return NULL;
+    if (n > SLOT_KEY_MAX || nbytes < 0 || (uint64_t)nbytes > t.slot_bytes) {
+        PyBuffer_Release(&t.view);
+        return PyLong_FromLong(-1);
+    }
+    uint64_t h = fnv1a(k, n);
+    /* a put replaces an unconsumed payload of the same key (as the file path does) */
+    for (int p = 0; p < PROBES && p < (int)t.nslots; p++) {
+        char *s = slot_at(&t, h + (uint64_t)p);
+        uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
+        if ((w & 0xFF) == S_READY && slot_has_key(s, h, k, n) && claim_ready(s, w, claimer, h, k, n))
+            __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
+    }
+    long found = -2;
+    char *s = NULL;
+    for (int p = 0; p < PROBES && p < (int)t.nslots; p++) {
+        s = slot_at(&t, h + (uint64_t)p);
+        uint64_t want = S_FREE;
+        if (__atomic_load_n(slot_state(s), __ATOMIC_RELAXED) == S_FREE &&
+            __atomic_compare_exchange_n(slot_state(s), &want, writing, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+            found = (long)((h + (uint64_t)p) % t.nslots);
+            break;
+        }
+    }
+    if (found < 0) {
+        PyBuffer_Release(&t.view);
+        return PyLong_FromLong(found);
+    }
+    char *data = s + SLOT_HDR;
+    Py_ssize_t at = 0, nb = PyList_GET_SIZE(bufs);
+    for (Py_ssize_t i = 0; i < nb; i++) {
+        Py_buffer b;
+        if (PyObject_GetBuffer(PyList_GET_ITEM(bufs, i), &b, PyBUF_SIMPLE) < 0)
+            goto fail;
+        if (b.len > nbytes - at) {
+            PyBuffer_Release(&b);
+            PyErr_SetString(PyExc_ValueError, "buffers are longer than nbytes");
+            goto fail;
+        }
+        memcpy(data + at, b.buf, (size_t)b.len);
+        at += b.len;
+        PyBuffer_Release(&b);
+    }
+    if (at != nbytes) {
+        PyErr_SetString(PyExc_ValueError, "buffers are shorter than nbytes");
+        goto fail;
+    }
+    uint32_t n32 = (uint32_t)n, len32 = (uint32_t)nbytes, tag32 = (uint32_t)tag;
+    uint64_t st64 = (uint64_t)start;
+    double now = now_realtime();
+    memcpy(s + 8, &h, 8);
+    memcpy(s + 16, &n32, 4);
+    memcpy(s + 20, &len32, 4);
+    memcpy(s + 24, &now, 8);
+    memcpy(s + 32, &tag32, 4);
+    memcpy(s + 40, &st64, 8);
+    memcpy(s + SLOT_KEY_OFF, k, (size_t)n);
+    __atomic_store_n(slot_state(s), (uint64_t)ready, __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&t.view);
+    ring(wake, wake_offset(h), WAKE_ANY);
+    return PyLong_FromLong(found);
+fail:
+    __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
+    PyBuffer_Release(&t.view);
+    return NULL;
+}
+
+PyDoc_STRVAR(slot_take_doc,
+             "slot_take(table, key, claimer, wake) -> bytearray | int\n\n"
+             "Load the wake slot's seq, then look for a READY payload of key among its PROBES buckets; claim it\n"
+             "(CAS READY->claimer), copy it into a new bytearray and free the slot. Returns the bytearray, or the\n"
+             "seq read before looking (sleep on it with wait()). ValueError if the claimed slot is corrupt (freed).");
+
+static PyObject *
+native_slot_take(PyObject *self, PyObject *args)
+{
+    PyObject *obj, *wake;
+    const char *k;
+    Py_ssize_t n;
+    unsigned long long claimer;
+    table_t t;
+    if (!PyArg_ParseTuple(args, "Os#KO:slot_take", &obj, &k, &n, &claimer, &wake))
+        return NULL;
+    uint32_t seen = 0;
+    if (wake != Py_None) {
+        Py_buffer wv;
+        uint32_t *seq;
+        if (slot(wake, wake_offset(fnv1a(k, n)), &wv, &seq) < 0)
+            return NULL;
+        seen = __atomic_load_n(seq, __ATOMIC_SEQ_CST);
+        PyBuffer_Release(&wv);
+    }
+    if (table_open(obj, &t) < 0)
+        return NULL;
+    if (n <= SLOT_KEY_MAX) {
+        uint64_t h = fnv1a(k, n);
+        for (int p = 0; p < PROBES && p < (int)t.nslots; p++) {
+            char *s = slot_at(&t, h + (uint64_t)p);
+            uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
+            if ((w & 0xFF) != S_READY || !slot_has_key(s, h, k, n) || !claim_ready(s, w, claimer, h, k, n))
+                continue;
+            uint32_t len;
+            memcpy(&len, s + 20, 4);
+            if ((uint64_t)len > t.slot_bytes) {
+                __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
+                PyBuffer_Release(&t.view);
+                PyErr_Format(PyExc_ValueError, "slot %ld is corrupt: payload length %u > slot size %llu; freed it",
+                             (long)((h + (uint64_t)p) % t.nslots), len, (unsigned long long)t.slot_bytes);
+                return NULL;
+            }
+            PyObject *out = PyByteArray_FromStringAndSize(s + SLOT_HDR, (Py_ssize_t)len);
+            __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
+            PyBuffer_Release(&t.view);
+            return out; /* NULL on MemoryError: the payload is lost like any failed get's */
+        }
+    }
+    PyBuffer_Release(&t.view);
+    return PyLong_FromUnsignedLong(seen);
+}
+
+PyDoc_STRVAR(slot_present_doc,
+             "slot_present(table, keys) -> list[int]\n\nIndexes into keys (a list of str) of the keys with a READY slot.");
+
+static PyObject *
+native_slot_present(PyObject *self, PyObject *args)
+{
+    PyObject *obj, *keys;
+    table_t t;
+    if (!PyArg_ParseTuple(args, "OO!:slot_present", &obj, &PyList_Type, &keys))
+        return NULL;
+    if (table_open(obj, &t) < 0)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(keys); i++) {
+        Py_ssize_t n;
+        const char *k = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(keys, i), &n);
+        if (k == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        if (n > SLOT_KEY_MAX)
+            continue;
+        uint64_t h = fnv1a(k, n);
+        for (int p = 0; p < PROBES && p < (int)t.nslots; p++) {
+            char *s = slot_at(&t, h + (uint64_t)p);
+            uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
+            if ((w & 0xFF) == S_READY && slot_has_key(s, h, k, n)) {
+                PyObject *idx = PyLong_FromSsize_t(i);
+                if (idx == NULL || PyList_Append(out, idx) < 0)
+                    Py_CLEAR(out);
+                Py_XDECREF(idx);
+                break;
+            }
+        }
+    }
+    PyBuffer_Release(&t.view);
+    return out;
+}
+
+PyDoc_STRVAR(slot_scan_doc,
+             "slot_scan(table) -> list[tuple[int, int, int, float, bytes]]\n\n"
+             "(index, state word, producer tag, publish time, key bytes) of every slot that is not FREE (a snapshot).");
+
+static PyObject *
+native_slot_scan(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    table_t t;
+    if (!PyArg_ParseTuple(args, "O:slot_scan", &obj))
+        return NULL;
+    if (table_open(obj, &t) < 0)
+        return NULL;
+    PyObject *out = PyList_New(0);
+    for (uint32_t i = 0; out && i < t.nslots; i++) {
+        char *s = slot_at(&t, i);
+        uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
+        if (w == S_FREE)
+            continue;
+        uint32_t tag, kn;
+        double when;
+        memcpy(&tag, s + 32, 4);
+        memcpy(&when, s + 24, 8);
+        memcpy(&kn, s + 16, 4);
+        if (kn > SLOT_KEY_MAX)
+            kn = 0;
+        PyObject *item = Py_BuildValue("(IKkdy#)", i, (unsigned long long)w, (unsigned long)tag, when, s + SLOT_KEY_OFF, (Py_ssize_t)kn);
+        if (item == NULL || PyList_Append(out, item) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(item);
+    }
+    PyBuffer_Release(&t.view);
+    return out;
+}
+
+PyDoc_STRVAR(slot_cas_doc,
+             "slot_cas(table, index, expected, new) -> bool\n\nCompare-and-swap slot index's state word (gc, ttl, close).");
+
+static PyObject *
+native_slot_cas(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    unsigned long long expected, desired;
+    Py_ssize_t i;
+    table_t t;
+    if (!PyArg_ParseTuple(args, "OnKK:slot_cas", &obj, &i, &expected, &desired))
+        return NULL;
+    if (table_open(obj, &t) < 0)
+        return NULL;
+    if (i < 0 || (uint64_t)i >= t.nslots) {
+        PyBuffer_Release(&t.view);
+        PyErr_SetString(PyExc_IndexError, "slot index out of range");
+        return NULL;
+    }
+    uint64_t want = expected;
+    int ok = __atomic_compare_exchange_n(slot_state(slot_at(&t, (uint64_t)i)), &want, (uint64_t)desired, 0, __ATOMIC_ACQ_REL,
+                                         __ATOMIC_ACQUIRE);
+    PyBuffer_Release(&t.view);
+    return PyBool_FromLong(ok);
+}
+
+PyDoc_STRVAR(slot_tag_doc, "slot_tag(table, index) -> int\n\nThe producer tag of slot index (read after claiming it).");
+
+static PyObject *
+native_slot_tag(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t i;
+    table_t t;
+    if (!PyArg_ParseTuple(args, "On:slot_tag", &obj, &i))
+        return NULL;
+    if (table_open(obj, &t) < 0)
+        return NULL;
+    if (i < 0 || (uint64_t)i >= t.nslots) {
+        PyBuffer_Release(&t.view);
+        PyErr_SetString(PyExc_IndexError, "slot index out of range");
+        return NULL;
+    }
+    uint32_t tag;
+    memcpy(&tag, slot_at(&t, (uint64_t)i) + 32, 4);
+    PyBuffer_Release(&t.view);
+    return PyLong_FromUnsignedLong(tag);
+}
+
 static PyMethodDef methods[] = {
     {"rename_noreplace", native_rename_noreplace, METH_VARARGS, rename_doc},
     {"bump", futex_bump, METH_VARARGS, bump_doc},
     {"cas", futex_cas, METH_VARARGS, cas_doc},
     {"load", futex_load, METH_VARARGS, load_doc},
     {"wait", futex_wait, METH_VARARGS, wait_doc},
+    {"wake_slot", native_wake_slot, METH_VARARGS, wake_slot_doc},
+    {"slot_put", native_slot_put, METH_VARARGS, slot_put_doc},
+    {"slot_take", native_slot_take, METH_VARARGS, slot_take_doc},
+    {"slot_present", native_slot_present, METH_VARARGS, slot_present_doc},
+    {"slot_scan", native_slot_scan, METH_VARARGS, slot_scan_doc},
+    {"slot_cas", native_slot_cas, METH_VARARGS, slot_cas_doc},
+    {"slot_tag", native_slot_tag, METH_VARARGS, slot_tag_doc},
     {NULL, NULL, 0, NULL},
 };
 

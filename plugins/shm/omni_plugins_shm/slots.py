@@ -1,0 +1,315 @@
+"""The namespace's slot table: small payloads handed off by compare-and-swap, no file syscall per hop.
+
+``<shm_dir>/omnishm.<namespace>.d/omnishm.<namespace>.x.slots`` (mode 0600) is one shared mapping per
+namespace: a 4 KiB header (magic, slot count, slot size) and a fixed table of slots. Each slot has a
+64-bit state word ``pid << 32 | (start & 0xFFFFFF) << 8 | kind`` (FREE / WRITING / READY / CLAIMED, with
+the owning process), the key's hash and bytes (the full key is compared), the producer's instance tag,
+the publish time and the payload. A key probes :data:`PROBES` buckets from its hash. All of it runs in
+the C extension (:mod:`omni_plugins_shm._native`): a ``put`` is one call (replace a READY slot of the
+key, CAS FREE -> WRITING, copy the encoded buffers, store READY, ring the key's wake slot), a ``get`` one
+call (CAS READY -> CLAIMED, copy out, FREE). Payloads larger than the slot size, keys longer than
+:data:`KEY_MAX` bytes and a full neighbourhood go the file path (``connector.py``) transparently.
+
+Creation is race-free: the first instance writes the header into a private temporary file and
+``link``\\ s it to the final name (an existing one wins; its geometry rules). Lifecycle as the wake
+file's (:mod:`omni_plugins_shm.wakeslots`): every live instance holds a shared ``flock``; the last one
+to close (or gc) removes it under an exclusive one.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import stat
+from typing import NamedTuple
+
+from omni_plugins.errors import ConnectorError
+from omni_plugins_shm import wakeslots
+from omni_plugins_shm.proc import Owner
+
+MAGIC = b"OMNISLT1"
+VERSION = 1
+HEADER = 4096
+SLOT_HEADER = 256
+KEY_MAX = SLOT_HEADER - 64
+PROBES = 16
+FREE, WRITING, READY, CLAIMED = 0, 1, 2, 3
+_ATTEMPTS = 16
+
+
+def state_word(pid: int, start: int, kind: int) -> int:
+    """The state word of a slot in state ``kind`` owned by process ``(pid, start)``."""
+    return (pid << 32) | ((start & 0xFFFFFF) << 8) | kind
+
+
+def word_kind(word: int) -> int:
+    return word & 0xFF
+
+
+def word_owner_alive(word: int) -> bool:
+    """Whether the process named in a state word still runs (pid plus the low 24 bits of its start time)."""
+    pid, start24 = word >> 32, (word >> 8) & 0xFFFFFF
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read()
+    except OSError:
+        return False
+    tail = raw[raw.rfind(b")") + 2 :].split()
+    try:
+        return tail[0] != b"Z" and int(tail[19]) & 0xFFFFFF == start24
+    except (IndexError, ValueError):
+        return False
+
+
+class SlotInfo(NamedTuple):
+    """A snapshot of one slot that is not FREE (:meth:`SlotTable.scan`)."""
+
+    index: int
+    word: int
+    tag: int
+    published: float
+    key: bytes
+
+
+class SlotTable:
+    """One instance's handle on its namespace's slot table (shared ``flock`` held until :meth:`close`)."""
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, owner: Owner) -> None:
+        native = wakeslots._futex
+        assert native is not None
+        self._native = native
+        self.path = path
+        self._fd = fd
+        self.mm = mm
+        self.slot_bytes = int.from_bytes(mm[16:24], "little")
+        self.nslots = int.from_bytes(mm[12:16], "little")
+        self.tag = owner.tag
+        self.start = owner.start
+        self.writing = state_word(owner.pid, owner.start, WRITING)
+        self.ready = state_word(owner.pid, owner.start, READY)
+        self.claimer = state_word(owner.pid, owner.start, CLAIMED)
+
+    @classmethod
+    def open(cls, directory: str, name: str, owner: Owner, nslots: int, slot_bytes: int, ensure_dir: object) -> SlotTable:
+        """Open (creating if needed) the table ``directory/name`` with ``nslots`` x ``slot_bytes`` (if it is new)."""
+        path = f"{directory}/{name}"
+        for _ in range(_ATTEMPTS):
+            ensure_dir(directory)  # type: ignore[operator]
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                _create(path, owner, nslots, slot_bytes)
+                continue
+            except OSError as exc:
+                raise ConnectorError(f"shm slot table {path}: cannot open: {exc}") from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                st = os.fstat(fd)
+                if st.st_nlink == 0:
+                    os.close(fd)
+                    continue  # removed by the last other instance between our open and lock
+                mm = _map(path, fd, st)
+            except BaseException:
+                os.close(fd)
+                raise
+            return cls(path, fd, mm, owner)
+        raise ConnectorError(f"shm slot table {path} keeps disappearing (is gc --all running?)")
+
+    # -- hot path (one C call each) ------------------------------------------------------
+    def put(self, key: str, buffers: list[memoryview], nbytes: int, wake: mmap.mmap | None) -> int:
+        """Publish and ring the key's wake slot; the slot index, or < 0 when the payload must take the file path
+        (too big, key longer than :data:`KEY_MAX` bytes or not UTF-8 encodable, no free slot among the key's buckets)."""
+        try:
+            return int(self._native.slot_put(self.mm, key, self.writing, self.ready, self.claimer, self.tag, self.start, buffers, nbytes, wake))
+        except UnicodeEncodeError:
+            return -1
+
+    def take(self, key: str, wake: mmap.mmap | None) -> bytearray | int | None:
+        """The payload of ``key`` (claimed and freed), or the key's wake slot seq read before looking
+        (None for a key the table cannot hold: lone surrogates). ``ValueError``: a corrupt slot (freed) or a closed mapping."""
+        try:
+            return self._native.slot_take(self.mm, key, self.claimer, wake)  # type: ignore[no-any-return]
+        except UnicodeEncodeError:
+            return None
+
+    def present(self, keys: list[str]) -> list[int]:
+        """Indexes of ``keys`` with a READY slot."""
+        return self._native.slot_present(self.mm, keys)  # type: ignore[no-any-return]
+
+    # -- bookkeeping (close, ttl, gc) ------------------------------------------------------
+    def scan(self) -> list[SlotInfo]:
+        return [SlotInfo(*item) for item in self._native.slot_scan(self.mm)]
+
+    def free_mine(self, older_than: float | None = None) -> int:
+        """Free this instance's READY slots (published before ``older_than``, if given); how many."""
+        freed = 0
+        for info in self.scan():
+            if info.word != self.ready or info.tag != self.tag or (older_than is not None and info.published >= older_than):
+                continue
+            if not self._native.slot_cas(self.mm, info.index, info.word, self.claimer):
+                continue  # consumed meanwhile
+            if self._native.slot_tag(self.mm, info.index) == self.tag:
+                self._native.slot_cas(self.mm, info.index, self.claimer, FREE)
+                freed += 1
+            else:  # another instance of this process republished it in between: put it back
+                self._native.slot_cas(self.mm, info.index, self.claimer, info.word)
+        return freed
+
+    def close(self) -> bool:
+        """Drop our lock; remove the file if no other live instance holds it. True if removed."""
+        if self._fd < 0:
+            return False
+        removed = _close_locked(self.path, self._fd)
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # pragma: no cover - a view is still exported; the mapping goes with it
+        self._fd = -1
+        return removed
+
+
+def _close_locked(path: str, fd: int) -> bool:
+    removed = False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+    else:
+        removed = wakeslots._unlink_if_same(path, fd)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    return removed
+
+
+def _create(path: str, owner: Owner, nslots: int, slot_bytes: int) -> None:
+    """Write a new table to a temporary name and link it to ``path`` (an existing table wins)."""
+    tmp = f"{path}.{owner.token}"
+    stride = (SLOT_HEADER + slot_bytes + 63) & ~63
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # gc leaves a locked temporary alone
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, HEADER + nslots * stride)  # sparse: slots cost memory once used
+        head = MAGIC + VERSION.to_bytes(4, "little") + nslots.to_bytes(4, "little")
+        head += slot_bytes.to_bytes(8, "little") + stride.to_bytes(8, "little")
+        os.pwrite(fd, head, 0)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            pass  # the directory or the temporary went away (gc): the caller tries again
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _map(path: str, fd: int, st: os.stat_result) -> mmap.mmap:
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise ConnectorError(f"shm slot table {path} is not a regular file of this user; remove it")
+    if stat.S_IMODE(st.st_mode) != 0o600:
+        os.fchmod(fd, 0o600)
+    head = os.pread(fd, 32, 0)
+    nslots = int.from_bytes(head[12:16], "little")
+    slot_bytes = int.from_bytes(head[16:24], "little")
+    stride = int.from_bytes(head[24:32], "little")
+    if (
+        head[:8] != MAGIC
+        or nslots <= 0
+        or stride < SLOT_HEADER + slot_bytes
+        or stride % 64
+        or HEADER + nslots * stride != st.st_size
+    ):
+        raise ConnectorError(f"shm slot table {path} has an invalid header; remove it (omni-plugins shm gc --all)")
+    return mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def reclaim(path: str, dry_run: bool = False) -> tuple[int, bool]:
+    """gc of one table: free WRITING/CLAIMED slots of dead processes and READY slots of dead producers.
+
+    Returns ``(slots freed, table removed)``; the table is removed when no live instance holds it.
+    Each slot is freed by a compare-and-swap of exactly the word judged dead, so a slot that changed
+    hands meanwhile is left alone.
+    """
+    native = wakeslots._futex
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return 0, False
+    freed = 0
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+        else:  # nobody holds it: remove it (its payloads' producers are all gone)
+            if dry_run:
+                return 0, True
+            return 0, wakeslots._unlink_if_same(path, fd)
+        if native is None:
+            return 0, False
+        try:
+            mm = _map(path, fd, os.fstat(fd))
+        except ConnectorError:
+            return 0, False
+        try:
+            for item in native.slot_scan(mm):
+                info = SlotInfo(*item)
+                if word_owner_alive(info.word):
+                    continue
+                if not dry_run and native.slot_cas(mm, info.index, info.word, FREE):
+                    freed += 1
+                elif dry_run:
+                    freed += 1
+        finally:
+            mm.close()
+        return freed, False
+    finally:
+        os.close(fd)
+
+
+def expire(path: str, seconds: float, now: float, dry_run: bool = False) -> int:
+    """gc --ttl: free READY slots published more than ``seconds`` before ``now`` (any producer)."""
+    native = wakeslots._futex
+    if native is None:
+        return 0
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return 0
+    freed = 0
+    me = Owner.new()
+    claimer = state_word(me.pid, me.start, CLAIMED)
+    try:
+        mm = _map(path, fd, os.fstat(fd))
+        try:
+            for item in native.slot_scan(mm):
+                info = SlotInfo(*item)
+                if word_kind(info.word) != READY or now - info.published <= seconds:
+                    continue
+                if dry_run:
+                    freed += 1
+                elif native.slot_cas(mm, info.index, info.word, claimer):
+                    # claimed: re-read its age (the producer may have republished the slot in between)
+                    again = [SlotInfo(*x) for x in native.slot_scan(mm) if x[0] == info.index]
+                    if again and now - again[0].published > seconds:
+                        native.slot_cas(mm, info.index, claimer, FREE)
+                        freed += 1
+                    else:
+                        native.slot_cas(mm, info.index, claimer, info.word)
+        finally:
+            mm.close()
+    except ConnectorError:
+        return 0
+    finally:
+        os.close(fd)
+    return freed
+
+

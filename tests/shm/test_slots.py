@@ -1,0 +1,265 @@
+"""The slot table (``slot_count > 0``): small payloads by compare-and-swap, the file path for the rest.
+
+Real processes (spawn) share one namespace; crashes are real SIGKILLs of processes holding a slot.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from omni_plugins_shm import gc, slots, wakeslots
+from omni_plugins_shm.expire import collect_expired
+from omni_plugins_shm.naming import Names
+from omni_plugins_shm.testing import (
+    consumer_worker,
+    make_payload,
+    payload_matches,
+    pipeline_consumer_worker,
+    producer_worker,
+    slot_crash_worker,
+)
+
+from omni_plugins import create_connector
+from omni_plugins.errors import ConnectorError, WireFormatError
+from omni_plugins.testing import ConnectorContract
+
+pytestmark = pytest.mark.skipif(not wakeslots.available(), reason="the slot table needs the C extension")
+
+KIB = 1 << 10
+JOIN = 120
+
+
+def _config(namespace: str, **more: Any) -> dict[str, Any]:
+    return {"namespace": namespace, "slot_count": 64, "slot_bytes": 16 * KIB, **more}
+
+
+def _published_files(namespace: str) -> list[str]:
+    names = Names(namespace)
+    return [n for n in os.listdir(f"/dev/shm/{names.publish_dir}") if n.startswith(f"{names.prefix}k.") or n.startswith(f"{names.prefix}h.")]
+
+
+def _busy(conn: Any) -> list[slots.SlotInfo]:
+    return conn._slots.scan()  # type: ignore[no-any-return]
+
+
+class TestShmContractSlots(ConnectorContract):
+    """The core contract with the slot table on (its payloads are small: they go through the slots)."""
+
+    cross_process = True
+    bad_config = {"slot_count": -1}
+
+    @pytest.fixture
+    def connector_spec(self, namespace: str) -> tuple[str, dict[str, Any]]:
+        return "shm", _config(namespace)
+
+
+def test_small_payloads_use_slots_big_ones_files(namespace: str) -> None:
+    with create_connector("shm", _config(namespace)) as a, create_connector("shm", _config(namespace)) as b:
+        assert a.put(0, 1, "small", make_payload(1, 4 * KIB)).ok
+        assert _published_files(namespace) == [] and len(_busy(a)) == 1
+        assert a.put(0, 1, "big", make_payload(2, 64 * KIB)).ok  # > slot_bytes: a file
+        assert len(_published_files(namespace)) == 1
+        small = b.get(0, 1, "small", timeout=5)
+        big = b.get(0, 1, "big", timeout=5)
+        assert small is not None and payload_matches(small.data, 1, 4 * KIB)
+        assert big is not None and payload_matches(big.data, 2, 64 * KIB)
+        assert b.get(0, 1, "small") is None and b.get(0, 1, "big") is None  # consumed once
+        assert _busy(a) == [] and _published_files(namespace) == []
+        # owned results: writable, no tie to the slot (get_views also copies slot payloads)
+        a.put(0, 1, "v", {"t": torch.arange(10)})
+        views = b.get_views(0, 1, "v", timeout=5)
+        assert views is not None and _busy(a) == []
+        views.data["t"] += 1
+        assert views.data["t"].tolist() == list(range(1, 11))
+
+
+def test_full_table_falls_back_to_files(namespace: str) -> None:
+    config = _config(namespace, slot_count=4)
+    with create_connector("shm", config) as a, create_connector("shm", config) as b:
+        for i in range(12):
+            assert a.put(0, 1, f"k{i}", make_payload(i, 2 * KIB)).ok
+        assert len(_busy(a)) == 4 and len(_published_files(namespace)) == 8
+        for i in reversed(range(12)):
+            res = b.get(0, 1, f"k{i}", timeout=5)
+            assert res is not None and payload_matches(res.data, i, 2 * KIB)
+        assert _busy(a) == [] and _published_files(namespace) == []
+
+
+def test_put_replaces_an_unconsumed_payload_and_cleanup(namespace: str) -> None:
+    with create_connector("shm", _config(namespace)) as a, create_connector("shm", _config(namespace)) as b:
+        a.put(0, 1, "k", make_payload(1, KIB))
+        a.put(0, 1, "k", make_payload(2, KIB))
+        assert len(_busy(a)) == 1
+        res = b.get(0, 1, "k", timeout=5)
+        assert res is not None and payload_matches(res.data, 2, KIB)
+        a.put(0, 1, "c", make_payload(3, KIB))
+        a.put(0, 1, "c-file", make_payload(3, 32 * KIB))
+        assert a.cleanup("c") and a.cleanup("c-file")
+        assert not a.cleanup("c")
+        assert b.get(0, 1, "c") is None and b.get(0, 1, "c-file") is None
+        # keys the table cannot hold go to files: too long, lone surrogates
+        for key in ("x" * 300, "bad-\udcff"):
+            a.put(0, 1, key, make_payload(4, KIB))
+            assert _published_files(namespace) and _busy(a) == []
+            res = b.get(0, 1, key, timeout=5)
+            assert res is not None and payload_matches(res.data, 4, KIB)
+
+
+def test_close_frees_unconsumed_slots_and_last_instance_removes_the_table(namespace: str) -> None:
+    a = create_connector("shm", _config(namespace))
+    b = create_connector("shm", _config(namespace))
+    a.put(0, 1, "mine", make_payload(1, KIB))
+    b.put(0, 1, "theirs", make_payload(2, KIB))
+    a.close()
+    assert [i.key for i in _busy(b)] == [b"theirs"]  # only what the closing instance published
+    table = b._slots.path  # type: ignore[attr-defined]
+    assert os.path.exists(table)
+    b.close()
+    assert not os.path.exists(table)
+
+
+def test_corrupt_slot_gives_clear_errors(namespace: str) -> None:
+    with create_connector("shm", _config(namespace)) as a, create_connector("shm", _config(namespace)) as b:
+        a.put(0, 1, "len", make_payload(1, KIB))
+        a.put(0, 1, "bytes", make_payload(2, KIB))
+        mm = a._slots.mm  # type: ignore[attr-defined]
+        infos = {i.key: i for i in _busy(a)}
+        stride = int.from_bytes(mm[24:32], "little")
+
+        def at(key: bytes) -> int:
+            return slots.HEADER + infos[key].index * stride
+
+        mm[at(b"len") + 20 : at(b"len") + 24] = (1 << 31).to_bytes(4, "little")  # payload length > slot size
+        mm[at(b"bytes") + slots.SLOT_HEADER : at(b"bytes") + slots.SLOT_HEADER + 64] = b"\xff" * 64  # garbage encoding
+        with pytest.raises(ConnectorError, match="'len'.*corrupt"):
+            b.get(0, 1, "len", timeout=1)
+        with pytest.raises(WireFormatError, match="'bytes'"):
+            b.get(0, 1, "bytes", timeout=1)
+        assert _busy(a) == []  # both slots freed, nothing lost but the corrupt payloads
+
+
+def test_ttl_expires_slot_payloads_and_gc_ttl(namespace: str) -> None:
+    with create_connector("shm", _config(namespace, ttl_seconds=0.2)) as a, create_connector("shm", _config(namespace)) as b:
+        a.put(0, 1, "old", make_payload(1, KIB))
+        time.sleep(0.5)
+        a.put(0, 1, "fresh", make_payload(2, KIB))  # this put reclaims the expired one
+        assert b.get(0, 1, "old") is None
+        assert a.health()["expired"] == 1
+        assert b.get(0, 1, "fresh") is not None
+        b.put(0, 1, "other", make_payload(3, KIB))  # b has no ttl: gc --ttl frees it from outside
+        time.sleep(0.3)
+        report = collect_expired(namespace, 0.2)
+        assert len(report.removed) == 1 and _busy(a) == []
+
+
+def test_wait_any_sees_slot_and_file_arrivals(namespace: str, spawn: Any) -> None:
+    config = _config(namespace)
+    with create_connector("shm", config) as conn:
+        assert conn.wait_any(["a", "b"], 0.05) == []
+        found: list[list[str]] = []
+        waiter = threading.Thread(target=lambda: found.append(conn.wait_any(["w1", "w2"], 60)))
+        waiter.start()
+        time.sleep(0.2)
+        ready, hold = spawn.Queue(), spawn.Event()  # the producer stays open (close frees what it published)
+        proc = spawn.Process(target=producer_worker, args=(config, [("w2", 7, KIB)], ready, hold))
+        proc.start()
+        try:
+            assert ready.get(timeout=120) == 1
+            waiter.join(60)
+            assert found == [["w2"]]
+            res = conn.get(0, 1, "w2", timeout=5)
+            assert res is not None and payload_matches(res.data, 7, KIB)
+        finally:
+            hold.set()
+            proc.join(JOIN)
+        conn.put(0, 1, "f", make_payload(1, 32 * KIB))  # a file-path arrival
+        conn.put(0, 1, "s", make_payload(1, KIB))
+        assert sorted(conn.wait_any(["f", "s", "none"], 5)) == ["f", "s"]
+        assert conn.cleanup("f") and conn.cleanup("s")
+
+
+def test_concurrent_producers_and_consumers_exactly_once(namespace: str, spawn: Any) -> None:
+    """Two producer processes + this one, two consumer processes racing for keys: nothing lost or duplicated.
+
+    Sizes mix slots (1-4 KiB) and files (32 KiB); the table is small (16 slots) so puts also overflow to files.
+    """
+    config = _config(namespace, slot_count=16)
+    sizes = [KIB, 4 * KIB, 32 * KIB, 2 * KIB]
+    race_keys = [f"race-{i}" for i in range(40)]
+    items = {c: [(f"c{c}-{j}", 100 * c + j, sizes[j % 4]) for j in range(30)] for c in range(2)}
+    with create_connector("shm", config) as parent:
+        for i, key in enumerate(race_keys):
+            assert parent.put(0, 1, key, {"i": torch.tensor(i)}).ok
+        out, ready = spawn.Queue(), spawn.Queue()
+        consumers = [spawn.Process(target=pipeline_consumer_worker, args=(config, race_keys, items[c], out)) for c in range(2)]
+        # each consumer's items come from a producer process (first half) and from this process (second half)
+        producers = [spawn.Process(target=producer_worker, args=(config, items[c][:15], ready)) for c in range(2)]
+        procs = [*consumers, *producers]
+        for proc in procs:
+            proc.start()
+        try:
+            for c in range(2):
+                for key, seed, nbytes in items[c][15:]:
+                    assert parent.put(0, 1, key, make_payload(seed, nbytes)).ok
+            reports = [out.get(timeout=240) for _ in consumers]
+        finally:
+            for proc in procs:
+                proc.join(JOIN)
+                if proc.is_alive():
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.join(JOIN)
+        assert [p.exitcode for p in procs] == [0] * 4
+        assert _busy(parent) == []
+    won = [k for r in reports for k in r["won"]]
+    assert sorted(won) == sorted(race_keys), "each raced key must be taken by exactly one consumer"
+    assert [s for r in reports for _, s in r["items"]] == ["ok"] * 60
+
+
+@pytest.mark.parametrize("stage", ["writing", "claimed"])
+def test_sigkilled_mid_write_or_claim_is_reclaimed_by_gc(namespace: str, spawn: Any, stage: str) -> None:
+    config = _config(namespace)
+    with create_connector("shm", config) as conn:
+        ready, sender = spawn.Pipe(duplex=False)
+        proc = spawn.Process(target=slot_crash_worker, args=(config, "held", stage, sender))
+        proc.start()
+        assert ready.poll(120)
+        index = ready.recv()
+        proc.join(JOIN)
+        assert proc.exitcode == -signal.SIGKILL
+        busy = _busy(conn)
+        assert [i.index for i in busy] == [index]
+        assert slots.word_kind(busy[0].word) == (slots.WRITING if stage == "writing" else slots.CLAIMED)
+        # the slot is taken by the dead process: the table keeps working around it
+        conn.put(0, 1, "held", make_payload(5, KIB))
+        res = conn.get(0, 1, "held", timeout=5)
+        assert res is not None and payload_matches(res.data, 5, KIB)
+        report = gc.collect(namespace)
+        assert f"{Names(namespace).slots()}[slot]" in report.removed
+        assert _busy(conn) == []
+
+
+def test_sigkilled_producer_ready_slots_are_reclaimed(namespace: str, spawn: Any) -> None:
+    """READY slots of a dead producer are freed by gc (like its published files); a live one's are kept."""
+    config = _config(namespace)
+    with create_connector("shm", config) as conn:
+        conn.put(0, 1, "live", make_payload(1, KIB))
+        ready, hold = spawn.Queue(), spawn.Event()  # never set: the producer hangs until killed
+        proc = spawn.Process(target=producer_worker, args=(config, [("dead-0", 2, KIB), ("dead-1", 3, KIB)], ready, hold))
+        proc.start()
+        assert ready.get(timeout=120) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(JOIN)
+        assert len(_busy(conn)) == 3
+        gc.collect(namespace)
+        assert [i.key for i in _busy(conn)] == [b"live"]
+        out = spawn.Queue()
+        consumer = spawn.Process(target=consumer_worker, args=(config, [("live", 1, KIB)], out))
+        consumer.start()
+        assert out.get(timeout=120) == [("live", "ok")]
+        consumer.join(JOIN)
