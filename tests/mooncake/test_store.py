@@ -112,3 +112,46 @@ def test_master_killed_mid_run_errors_then_recovers(own_master: MooncakeMaster) 
         assert conn.get(0, 1, "before") is None  # a restarted master has forgotten old objects
     finally:
         conn.close()
+
+
+def _large(seed: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randint(0, 256, (5 << 20,), dtype=torch.uint8, generator=g), "y": torch.arange(3), "s": "text", "z": torch.ones(7)}
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in ("x", "y", "z")) and a["s"] == b["s"]
+
+
+def test_large_new_key_skips_the_staging_copy_and_keeps_copy_semantics(master: MooncakeMaster) -> None:
+    key = f"direct-{uuid.uuid4().hex}"
+    with create_connector("mooncake-store", store_config(master)) as conn:
+        payload = _large(1)
+        expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in payload.items()}
+        assert conn.put(0, 1, key, payload).ok
+        payload["x"].fill_(0)  # the caller may reuse its memory once put returns
+        assert conn.health()["direct_puts"] == 1
+        assert len(conn._direct.registrations) == 0  # type: ignore[attr-defined]
+        got = conn.get(0, 1, key)
+        assert got is not None and _same(got.data, expected)
+
+
+def test_large_reput_of_an_existing_key_replaces_it(master: MooncakeMaster) -> None:
+    """The direct path is a plain put (it would keep the old value), so an existing key goes through upsert."""
+    key = f"direct-ow-{uuid.uuid4().hex}"
+    with create_connector("mooncake-store", store_config(master)) as conn:
+        assert conn.put(0, 1, key, _large(1)).ok
+        assert conn.put(0, 1, key, _large(2)).ok
+        assert conn.health()["direct_puts"] == 1
+        got = conn.get(0, 1, key)
+        assert got is not None and _same(got.data, _large(2))
+
+
+def test_memory_that_cannot_be_registered_falls_back_to_the_slab(master: MooncakeMaster, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = f"direct-fb-{uuid.uuid4().hex}"
+    with create_connector("mooncake-store", store_config(master)) as conn:
+        monkeypatch.setattr(conn._direct.registrations, "acquire", lambda ranges: False)  # type: ignore[attr-defined]
+        assert conn.put(0, 1, key, _large(3)).ok
+        assert conn.health()["direct_puts"] == 0
+        got = conn.get(0, 1, key)
+        assert got is not None and _same(got.data, _large(3))

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from omni_plugins_mooncake._direct import Registrations
 from omni_plugins_mooncake._import import explain_import_failure
 from omni_plugins_mooncake._remover import Remover
 from omni_plugins_mooncake.config import MooncakeStoreConfig, MooncakeTEConfig
@@ -393,3 +394,26 @@ def test_reader_sleeps_through_half_of_a_long_read_and_only_yields_for_a_short_o
     reader = Reader(_FakeEngine([0, 0, 1]), initial_rate=1e9)
     assert reader.read("peer:1", 100, 200, 1 << 20, time.monotonic() + 10) == DONE  # ~1 ms expected
     assert sleeps == []
+
+
+def test_registrations_are_counted_and_a_failure_undoes_the_batch() -> None:
+    calls: list[tuple[str, int]] = []
+
+    def register(addr: int, size: int) -> int:
+        calls.append(("reg", addr))
+        return -1 if addr == 99 else 0
+
+    def unregister(addr: int) -> int:
+        calls.append(("unreg", addr))
+        return 0
+
+    regs = Registrations(register, unregister)
+    assert regs.acquire([(1, 10), (2, 10)])
+    assert regs.acquire([(1, 10)])  # shared with a second put: counted, not registered twice
+    assert calls == [("reg", 1), ("reg", 2)]
+    assert not regs.acquire([(3, 10), (99, 10)])  # the failure undoes the batch's earlier registration
+    assert calls[-2:] == [("reg", 99), ("unreg", 3)]
+    regs.release([(1, 10), (2, 10)])
+    assert len(regs) == 1 and calls[-1] == ("unreg", 2)
+    regs.release([(1, 10)])
+    assert len(regs) == 0 and calls[-1] == ("unreg", 1)

@@ -23,6 +23,7 @@ from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorError
 from omni_plugins_mooncake._backoff import poll
+from omni_plugins_mooncake._direct import DIRECT_MIN, DirectPut
 from omni_plugins_mooncake._env import prepare_environment
 from omni_plugins_mooncake._import import import_mooncake
 from omni_plugins_mooncake._remover import Remover
@@ -82,9 +83,10 @@ class MooncakeStoreConnector(Connector):
             name=f"mooncake-store client of {cfg.master_address}",
             max_idle_bytes=int(cfg.max_idle_buffer_bytes),
         )
+        self._direct = DirectPut(store, self._replicate)
         self._size_hint = 1  # bytes of the last payload read (racy by design: only a hint)
         self._stats_lock = threading.Lock()
-        self._stats = {"puts": 0, "gets": 0, "bytes_put": 0, "bytes_got": 0, "remove_failures": 0}
+        self._stats = {"puts": 0, "gets": 0, "bytes_put": 0, "bytes_got": 0, "remove_failures": 0, "direct_puts": 0}
         self._remover = Remover(
             lambda key: int(store.remove(key, True)),
             lambda keys: [int(c) for c in store.batch_remove(keys, True)],
@@ -97,12 +99,16 @@ class MooncakeStoreConnector(Connector):
         encoded = wire.encode(data)
         n = encoded.nbytes
         self._remover.settle(key)  # a late removal of the key's consumed predecessor must not delete this one
-        slab = self._pool.acquire(n)
-        try:
-            encoded.write_into(slab.view(n))
-            rc = self._store.upsert_from(key, slab.address, n, self._replicate)
-        finally:
-            self._pool.release(slab)
+        rc = self._direct.put(key, encoded) if n >= DIRECT_MIN else None  # large and new: no staging copy
+        if rc is None:
+            slab = self._pool.acquire(n)
+            try:
+                encoded.write_into(slab.view(n))
+                rc = self._store.upsert_from(key, slab.address, n, self._replicate)
+            finally:
+                self._pool.release(slab)
+        else:
+            self._count(direct_puts=1)
         if rc != 0:
             raise ConnectorError(
                 f"mooncake store (master {self.config.master_address}): put of key {key!r} ({n} bytes) failed: {describe(rc)}"
