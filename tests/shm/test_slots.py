@@ -133,11 +133,11 @@ def test_corrupt_slot_gives_clear_errors(namespace: str) -> None:
         stride = int.from_bytes(mm[24:32], "little")
 
         def at(key: bytes) -> int:
-            return slots.HEADER + infos[key].index * stride
+            return slots.HEADER + infos[key].slot * stride
 
         mm[at(b"len") + 20 : at(b"len") + 24] = (1 << 31).to_bytes(4, "little")  # payload length > slot size
         mm[at(b"bytes") + slots.SLOT_HEADER : at(b"bytes") + slots.SLOT_HEADER + 64] = b"\xff" * 64  # garbage encoding
-        with pytest.raises(ConnectorError, match="'len'.*corrupt"):
+        with pytest.raises(ConnectorError, match=r"'len'.*corrupt"):
             b.get(0, 1, "len", timeout=1)
         with pytest.raises(WireFormatError, match="'bytes'"):
             b.get(0, 1, "bytes", timeout=1)
@@ -196,10 +196,10 @@ def test_concurrent_producers_and_consumers_exactly_once(namespace: str, spawn: 
     with create_connector("shm", config) as parent:
         for i, key in enumerate(race_keys):
             assert parent.put(0, 1, key, {"i": torch.tensor(i)}).ok
-        out, ready = spawn.Queue(), spawn.Queue()
+        out, ready, hold = spawn.Queue(), spawn.Queue(), spawn.Event()  # producers stay open until the consumers are done
         consumers = [spawn.Process(target=pipeline_consumer_worker, args=(config, race_keys, items[c], out)) for c in range(2)]
         # each consumer's items come from a producer process (first half) and from this process (second half)
-        producers = [spawn.Process(target=producer_worker, args=(config, items[c][:15], ready)) for c in range(2)]
+        producers = [spawn.Process(target=producer_worker, args=(config, items[c][:15], ready, hold)) for c in range(2)]
         procs = [*consumers, *producers]
         for proc in procs:
             proc.start()
@@ -209,6 +209,7 @@ def test_concurrent_producers_and_consumers_exactly_once(namespace: str, spawn: 
                     assert parent.put(0, 1, key, make_payload(seed, nbytes)).ok
             reports = [out.get(timeout=240) for _ in consumers]
         finally:
+            hold.set()
             for proc in procs:
                 proc.join(JOIN)
                 if proc.is_alive():
@@ -233,7 +234,7 @@ def test_sigkilled_mid_write_or_claim_is_reclaimed_by_gc(namespace: str, spawn: 
         proc.join(JOIN)
         assert proc.exitcode == -signal.SIGKILL
         busy = _busy(conn)
-        assert [i.index for i in busy] == [index]
+        assert [i.slot for i in busy] == [index]
         assert slots.word_kind(busy[0].word) == (slots.WRITING if stage == "writing" else slots.CLAIMED)
         # the slot is taken by the dead process: the table keeps working around it
         conn.put(0, 1, "held", make_payload(5, KIB))

@@ -30,7 +30,6 @@ from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
 from omni_plugins_shm import gc, pubdir, wakeslots
-from omni_plugins_shm.slots import SlotTable
 from omni_plugins_shm.config import ShmConfig
 from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
 from omni_plugins_shm.naming import HASHED, PUBLISHED, WAKE_ANY_SLOT, KeyNames, Names, parse_name
@@ -41,6 +40,7 @@ from omni_plugins_shm.segments.header import CLOSED_OFFSET, HEADER_SIZE, PAYLOAD
 from omni_plugins_shm.segments.mapcache import MapCache, Mapping
 from omni_plugins_shm.segments.pool import ProducerPool, Segment
 from omni_plugins_shm.segments.private import PrivateBuffers
+from omni_plugins_shm.slots import SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +129,9 @@ class ShmConnector(Connector):
         if expiry is not None and expiry.due():
             self._expire(expiry)
         slots = self._slots
-        if slots is not None and enc.nbytes <= slots.slot_bytes:
-            # the slot table: one C call (replace, CAS, copy, publish, ring); < 0: too big or full -> file path
-            if slots.put(key, enc.buffers(), enc.nbytes, self._wake.mm) >= 0:
-                return PutResult(True, enc.nbytes, None)
+        # the slot table: one C call (replace, CAS, copy, publish, ring); < 0: too big or full -> file path
+        if slots is not None and enc.nbytes <= slots.slot_bytes and slots.put(key, enc.buffers(), enc.nbytes, self._wake.mm) >= 0:
+            return PutResult(True, enc.nbytes, None)
         names = self._key(key)
         published = names.published_path
         for _ in range(_PUT_RETRIES):

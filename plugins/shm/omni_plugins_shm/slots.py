@@ -66,7 +66,7 @@ def word_owner_alive(word: int) -> bool:
 class SlotInfo(NamedTuple):
     """A snapshot of one slot that is not FREE (:meth:`SlotTable.scan`)."""
 
-    index: int
+    slot: int
     word: int
     tag: int
     published: float
@@ -148,13 +148,13 @@ class SlotTable:
         for info in self.scan():
             if info.word != self.ready or info.tag != self.tag or (older_than is not None and info.published >= older_than):
                 continue
-            if not self._native.slot_cas(self.mm, info.index, info.word, self.claimer):
+            if not self._native.slot_cas(self.mm, info.slot, info.word, self.claimer):
                 continue  # consumed meanwhile
-            if self._native.slot_tag(self.mm, info.index) == self.tag:
-                self._native.slot_cas(self.mm, info.index, self.claimer, FREE)
+            if self._native.slot_tag(self.mm, info.slot) == self.tag:
+                self._native.slot_cas(self.mm, info.slot, self.claimer, FREE)
                 freed += 1
             else:  # another instance of this process republished it in between: put it back
-                self._native.slot_cas(self.mm, info.index, self.claimer, info.word)
+                self._native.slot_cas(self.mm, info.slot, self.claimer, info.word)
         return freed
 
     def close(self) -> bool:
@@ -264,9 +264,7 @@ def reclaim(path: str, dry_run: bool = False) -> tuple[int, bool]:
                 info = SlotInfo(*item)
                 if word_owner_alive(info.word):
                     continue
-                if not dry_run and native.slot_cas(mm, info.index, info.word, FREE):
-                    freed += 1
-                elif dry_run:
+                if (not dry_run and native.slot_cas(mm, info.slot, info.word, FREE)) or dry_run:
                     freed += 1
         finally:
             mm.close()
@@ -296,14 +294,14 @@ def expire(path: str, seconds: float, now: float, dry_run: bool = False) -> int:
                     continue
                 if dry_run:
                     freed += 1
-                elif native.slot_cas(mm, info.index, info.word, claimer):
+                elif native.slot_cas(mm, info.slot, info.word, claimer):
                     # claimed: re-read its age (the producer may have republished the slot in between)
-                    again = [SlotInfo(*x) for x in native.slot_scan(mm) if x[0] == info.index]
+                    again = [SlotInfo(*x) for x in native.slot_scan(mm) if x[0] == info.slot]
                     if again and now - again[0].published > seconds:
-                        native.slot_cas(mm, info.index, claimer, FREE)
+                        native.slot_cas(mm, info.slot, claimer, FREE)
                         freed += 1
                     else:
-                        native.slot_cas(mm, info.index, claimer, info.word)
+                        native.slot_cas(mm, info.slot, claimer, info.word)
         finally:
             mm.close()
     except ConnectorError:

@@ -220,9 +220,8 @@ def slot_crash_worker(config: dict[str, object], key: str, stage: str, ready: ob
     """
     import signal
 
-    from omni_plugins_shm import slots as slot_table
-
     from omni_plugins import create_connector
+    from omni_plugins_shm import slots as slot_table
 
     conn = create_connector("shm", config)
     table = conn._slots  # type: ignore[attr-defined]
@@ -230,9 +229,9 @@ def slot_crash_worker(config: dict[str, object], key: str, stage: str, ready: ob
     if stage == "claimed":
         conn.put(0, 1, key, make_payload(1, 1024))
         info = next(i for i in table.scan() if i.key == key.encode())
-        assert native.slot_cas(table.mm, info.index, info.word, table.claimer)
+        assert native.slot_cas(table.mm, info.slot, info.word, table.claimer)
     else:
         index = next(i for i in range(table.nslots) if native.slot_cas(table.mm, i, slot_table.FREE, table.writing))
         info = slot_table.SlotInfo(index, table.writing, 0, 0.0, b"")
-    ready.send(info.index)  # type: ignore[attr-defined]
+    ready.send(info.slot)  # type: ignore[attr-defined]
     os.kill(os.getpid(), signal.SIGKILL)
