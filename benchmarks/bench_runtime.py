@@ -107,9 +107,16 @@ def tuning_for(mode: str) -> RuntimeTuning:
 SHM_DIR = "/dev/shm/omni-bench-runtime"  # private dir: the connector's wait wakes on every event in its dir
 
 
+#: ``--shm-slot-count``, passed to the spawned producer through the environment (every mode uses it)
+_SLOTS_ENV = "OMNI_BENCH_RT_SHM_SLOT_COUNT"
+
+
 def connector_config(backend: str, namespace: str) -> dict[str, Any]:
     if backend == "shm":
-        return {"name": "shm", "extra": {"namespace": namespace, "pool_bytes": 64 << 20, "shm_dir": SHM_DIR}}
+        extra: dict[str, Any] = {"namespace": namespace, "pool_bytes": 64 << 20, "shm_dir": SHM_DIR}
+        if os.environ.get(_SLOTS_ENV):
+            extra["slot_count"] = int(os.environ[_SLOTS_ENV])
+        return {"name": "shm", "extra": extra}
     return {"name": "memory", "extra": {"namespace": namespace}}
 
 
@@ -304,13 +311,14 @@ class PreparedConnector(Connector):
     """
 
     capabilities = Capabilities(
-        blocking_get=True, cross_process=False, cross_host=False, zero_copy_get=False, consume_on_get=True, wait_any=True
+        blocking_get=True, cross_process=False, cross_host=False, zero_copy_get=False, consume_on_get=True, wait_any=True, interrupt_wait=True
     )
 
     def __init__(self) -> None:
         super().__init__()
         self._items: dict[str, Any] = {}
         self._cond = threading.Condition()
+        self._interrupted = False
 
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
         with self._cond:
@@ -328,8 +336,14 @@ class PreparedConnector(Connector):
     def _wait_any(self, keys: Any, timeout: float) -> list[str]:
         with self._cond:
             found: list[str] = []
-            self._cond.wait_for(lambda: self.closed or bool(found.extend(k for k in keys if k in self._items) or found), timeout)
+            self._cond.wait_for(lambda: self.closed or self._interrupted or bool(found.extend(k for k in keys if k in self._items) or found), timeout)
+            self._interrupted = False
             return found
+
+    def _interrupt_wait(self) -> None:
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify_all()
 
     def _cleanup(self, key: str) -> bool:
         with self._cond:
@@ -625,6 +639,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 round of 4 chunks per stream")
     ap.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval in both processes (GIL hand-off, default 5 ms)")
     ap.add_argument("--overhead-reps", type=int, default=3, help="best-of repetitions of the runtime-only CPU measurement (0: skip)")
+    ap.add_argument(
+        "--shm-slot-count", type=int, default=None, help="shm connector's slot_count (its slot table) in every mode; default: the connector's default"
+    )
     ap.add_argument("--json", help="write results to this file")
     ap.add_argument("--plot", help="write a latency CDF plot (PNG)")
     args = ap.parse_args()
@@ -633,6 +650,8 @@ def main() -> None:
         args.overhead_reps = min(args.overhead_reps, 2)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
+    if args.shm_slot_count is not None:
+        os.environ[_SLOTS_ENV] = str(args.shm_slot_count)
     backend = args.backend
     if backend is None:
         try:
@@ -735,7 +754,7 @@ def main() -> None:
         "benchmark": "bench_runtime",
         "backend": backend,
         "cross_process": backend == "shm",
-        "config": {k: getattr(args, k) for k in ("streams", "chunks", "period", "pattern", "rounds", "step_ms", "chunk_floats", "switch_interval")},
+        "config": {k: getattr(args, k) for k in ("streams", "chunks", "period", "pattern", "rounds", "step_ms", "chunk_floats", "switch_interval", "shm_slot_count")},
         "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()},
         "modes": {},
     }

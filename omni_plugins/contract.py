@@ -49,6 +49,12 @@ class Capabilities:
             without polling (one waiter can watch every pending key). Without
             it the base class's fallback polls (or merely sleeps), so a runtime
             should keep its own strategy.
+        interrupt_wait: :meth:`Connector.interrupt_wait` makes a ``wait_any`` of
+            this instance return early (at once if it is blocked, else the next
+            one returns at once), so a waiter can wait with a long bound and
+            still react to news of its own (a new key to wait for) at once.
+            Without it ``interrupt_wait`` does nothing and a wait ends at its
+            bound: a runtime should then keep its bound short.
     """
 
     blocking_get: bool = False
@@ -57,6 +63,7 @@ class Capabilities:
     zero_copy_get: bool = False
     consume_on_get: bool = True
     wait_any: bool = False
+    interrupt_wait: bool = False
 
 
 #: fallback ``wait_any`` without an existence check sleeps at most this long per call
@@ -107,6 +114,20 @@ class Connector(abc.ABC):
         if not keys:
             return []
         return self._wait_any(keys, max(0.0, float(timeout)))
+
+    def interrupt_wait(self) -> None:
+        """Make the ``wait_any`` blocked in this instance return early (thread-safe).
+
+        With ``capabilities.interrupt_wait`` the blocked wait returns at once
+        (the keys found so far, often ``[]``); if no wait is blocked, the next
+        ``wait_any`` of this instance returns at once instead (one pending
+        interrupt, not counted: several calls before a wait end one wait), so an
+        interrupt made just before a wait starts is not lost. Without the
+        capability this does nothing: a wait ends at its bound. Never raises,
+        also not on a closed connector (a closed connector's waits end anyway).
+        """
+        if not self._closed:
+            self._interrupt_wait()
 
     def cleanup(self, key: str) -> bool:
         """Free the payload under ``key`` (if any). Returns True when something was freed."""
@@ -176,6 +197,10 @@ class Connector(abc.ABC):
 
         None (the default) means the connector has no such check.
         """
+        return None
+
+    def _interrupt_wait(self) -> None:
+        """Primitive of :meth:`interrupt_wait` for connectors with ``capabilities.interrupt_wait``."""
         return None
 
     def _health(self) -> dict[str, Any]:

@@ -39,7 +39,7 @@ class _Store:
 class MemoryConnector(Connector):
     """In-process connector: the reference implementation of the contract."""
 
-    capabilities = Capabilities(blocking_get=True, cross_process=False, wait_any=True)
+    capabilities = Capabilities(blocking_get=True, cross_process=False, wait_any=True, interrupt_wait=True)
     config_model = MemoryConfig
     _stores: ClassVar[dict[str, _Store]] = {}
     _stores_lock: ClassVar[threading.Lock] = threading.Lock()
@@ -50,6 +50,7 @@ class MemoryConnector(Connector):
         with self._stores_lock:
             self._store = self._stores.setdefault(self.config.namespace, _Store())
         self._owned: set[str] = set()
+        self._interrupted = False  # interrupt_wait() pending: the (next) wait_any of this instance returns
 
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
         blob = wire.encode(data).to_bytes()
@@ -85,9 +86,15 @@ class MemoryConnector(Connector):
                 items = self._store.items
                 found = [k for k in keys if k in items]
                 remaining = deadline - time.monotonic()
-                if found or remaining <= 0 or self.closed:
+                if found or remaining <= 0 or self.closed or self._interrupted:
+                    self._interrupted = False
                     return found
                 self._store.cond.wait(min(remaining, 0.5))
+
+    def _interrupt_wait(self) -> None:
+        with self._store.cond:
+            self._interrupted = True
+            self._store.cond.notify_all()
 
     def _cleanup(self, key: str) -> bool:
         with self._store.cond:

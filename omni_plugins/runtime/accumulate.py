@@ -18,6 +18,10 @@ from omni_plugins.runtime.spans import get_span, merge_spans
 
 #: (section, tensor, start, end) groups merged as token spans, not concatenated.
 SPAN_GROUPS: tuple[tuple[str, str, str, str], ...] = (("embed", "decode", "decode_token_start", "decode_token_end"),)
+#: :data:`SPAN_GROUPS` by section: (tensor, start, end) triples
+_SPANS_BY_SECTION: dict[str, tuple[tuple[str, str, str], ...]] = {
+    sec: tuple((t, st, e) for s2, t, st, e in SPAN_GROUPS if s2 == sec) for sec, *_ in SPAN_GROUPS
+}
 
 
 def _is_token_tensor(v: Any) -> bool:
@@ -97,6 +101,8 @@ def override_keys_of(chunk: Mapping[str, Any]) -> set[Any]:
 
 def merge_value(old: Any, new: Any) -> Any:
     """Default merge of two values: tensors concatenate on dim 0, lists extend, dicts merge per key."""
+    if type(old) is list and type(new) is list:
+        return old + new
     if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
         if old.dim() >= 1 and new.dim() >= 1 and old.shape[1:] == new.shape[1:]:
             return torch.cat([old, new if new.device == old.device else new.to(old.device)], dim=0)
@@ -113,9 +119,9 @@ def merge_value(old: Any, new: Any) -> Any:
 
 def _merge_section(name: str, old: dict[str, Any], new: Mapping[str, Any], overrides: set[Any]) -> dict[str, Any]:
     merged = dict(old)
-    handled: set[str] = set()
-    for section, tkey, skey, ekey in SPAN_GROUPS:
-        if section != name or tkey not in new or (name, tkey) in overrides:
+    handled: tuple[str, ...] | set[str] = ()
+    for tkey, skey, ekey in _SPANS_BY_SECTION.get(name, ()):
+        if tkey not in new or (name, tkey) in overrides:
             continue
         new_span = get_span(new, tkey, skey, ekey)
         if new_span is None:
@@ -123,11 +129,12 @@ def _merge_section(name: str, old: dict[str, Any], new: Mapping[str, Any], overr
         span = merge_spans(get_span(old, tkey, skey, ekey), new_span)
         assert span is not None
         merged[tkey], merged[skey], merged[ekey] = span.tensor, span.start, span.end
-        handled |= {tkey, skey, ekey}
+        handled = {*handled, tkey, skey, ekey}
+    is_meta = name == "meta"
     for field_name, value in new.items():
-        if field_name in handled:
+        if handled and field_name in handled:
             continue
-        if (name == "meta" and field_name in ("finished", "override_keys")) or (name, field_name) in overrides:
+        if (is_meta and field_name in ("finished", "override_keys")) or (overrides and (name, field_name) in overrides):
             merged[field_name] = value
         elif field_name in merged:
             merged[field_name] = merge_value(merged[field_name], value)

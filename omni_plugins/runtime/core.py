@@ -312,8 +312,10 @@ class StageTransferRuntime:
             logger.warning("stage %s: send_chunk without a payload builder (custom_process_next_stage_input_func)", self.stage_id)
             return False
         rid = _request_id(request)
-        with self._lock:
-            state = self._registry.ensure(rid, _external_id(request, rid))
+        state = self._registry.lookup(rid)  # a known request needs no lock round (one dict read)
+        if state is None:
+            with self._lock:
+                state = self._registry.ensure(rid, _external_id(request, rid))
         ok, payload = self._build(rid, request, pooling_output, _request_finished(request, False))
         if not ok or payload is None:
             return False
@@ -491,8 +493,8 @@ class StageTransferRuntime:
             outbox.timed_out.clear()
             if not self._registry.settle() and not len(outbox):
                 self._delivery.ready.clear()
-        if self._receiver is not None and self.worker_type == "generation":
-            self._receiver.notify()  # a generation request may take its next chunk now
+        if self._receiver is not None and self.worker_type == "generation" and (packet["woken"] or packet["metadata"]):
+            self._receiver.notify()  # a request whose flags were drained may take its next chunk now
         return signals
 
     get_omni_connector_output = collect_signals
@@ -617,6 +619,7 @@ class StageTransferRuntime:
         snap["receiver"] = dict(self._receiver.stats, cpu_s=self._receiver.cpu_seconds()) if self._receiver else None
         snap["arrival_mode"] = self.arrival_mode
         snap["arrival_waits_any"] = self._receiver.waits_any if self._receiver else None
+        snap["arrival_wait_interruptible"] = self._receiver.interrupts if self._receiver else None
         return snap
 
     # ------------------------------------------------------------------ KV

@@ -11,7 +11,9 @@ between sweeps is spent:
   ``RuntimeTuning.wait_any`` is off) does not sweep on a schedule: it waits
   in one ``connector.wait_any`` on the next key of every pollable request
   (bounded by ``_WAIT_ANY_MAX_S``, so deadlines, registrations and shutdown
-  are seen) and takes the keys it reports with non-blocking ``get``s, in any
+  are seen; by ``_WAIT_ANY_INTERRUPTIBLE_S`` when the connector has
+  ``capabilities.interrupt_wait``: then :meth:`Receiver.notify` cuts the wait
+  short) and takes the keys it reports with non-blocking ``get``s, in any
   order. A sweep every ``_SAFETY_SWEEP_S`` over the requests quiet for
   ``_QUIET_S`` is the safety net against a missed notification; reported
   keys that turn out absent back the waits off (``poll_min_s`` doubling to
@@ -50,6 +52,9 @@ _EXPIRY_EVERY_S = 0.1
 _STALL_S = 0.05
 #: longest single wait_any: a new registration joins the waited set within this
 _WAIT_ANY_MAX_S = 0.01
+#: ... with a connector whose waits :meth:`notify` can interrupt (a registration joins at once);
+#: deadlines are checked every ``_EXPIRY_EVERY_S`` anyway
+_WAIT_ANY_INTERRUPTIBLE_S = 0.1
 #: wait-any mode: sweep this often, in case a connector's notification was missed ...
 _SAFETY_SWEEP_S = 1.0
 #: ... over the requests that received nothing (nor registered) for this long
@@ -104,6 +109,9 @@ class Receiver:
         #: block mode waits on every pending key at once (connector's wait_any)
         self.waits_any = mode == "block" and tuning.wait_any and connector.capabilities.wait_any
         self._consume = connector.capabilities.consume_on_get
+        #: wait-any mode over a connector whose waits notify() can cut short: long waits, no idle wake-ups
+        self.interrupts = self.waits_any and connector.capabilities.interrupt_wait
+        self._wait_bound = _WAIT_ANY_INTERRUPTIBLE_S if self.interrupts else _WAIT_ANY_MAX_S
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_error_log = 0.0
@@ -117,14 +125,23 @@ class Receiver:
             "waits": 0,
             "wait_hits": 0,
             "wait_spurious": 0,
+            "wait_empty": 0,
             "errors": 0,
         }
         self._thread = threading.Thread(target=self._run_wait_any if self.waits_any else self._run, name=name, daemon=True)
         self._thread.start()
 
     def notify(self) -> None:
-        """Something was registered: look now."""
+        """Something was registered: look now (cuts a running ``wait_any`` short where the connector can)."""
         self._wake.set()
+        if self.interrupts:
+            self._interrupt()
+
+    def _interrupt(self) -> None:
+        try:
+            self._connector.interrupt_wait()
+        except Exception:  # the contract says it never raises; a wait still ends at its bound
+            logger.debug("interrupt_wait failed", exc_info=True)
 
     def cpu_seconds(self) -> float | None:
         """CPU time the receive thread has used so far (None once it ended, or where the OS cannot tell)."""
@@ -132,7 +149,7 @@ class Receiver:
 
     def stop(self, timeout: float) -> None:
         self._stop.set()
-        self._wake.set()
+        self.notify()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("receive thread did not stop within %.1fs", timeout)
@@ -287,7 +304,7 @@ class Receiver:
                             continue
                 self.stats["waits"] += 1
                 try:
-                    ready = self._connector.wait_any(list(pending), min(_WAIT_ANY_MAX_S, max(next_sweep - now, 0.0)))
+                    ready = self._connector.wait_any(list(pending), min(self._wait_bound, max(next_sweep - now, 0.0)))
                 except Exception:  # a backend failure: keep going (deadlines still fire), log at most once a second
                     self.stats["errors"] += 1
                     if now - self._last_error_log > 1.0:
@@ -296,6 +313,7 @@ class Receiver:
                     self._stop.wait(t.poll_max_s)
                     continue
                 if not ready:
+                    self.stats["wait_empty"] += 1
                     continue
                 if self._take_reported(ready, pending):
                     self.stats["wait_hits"] += 1

@@ -50,6 +50,7 @@ class Sender:
         self._cond = threading.Condition(registry.lock)
         self._ring: deque[RequestState] = deque()
         self._stop = False
+        self._idle = False  # the send thread waits for work (lock held to read/write): enqueue wakes it only then
         #: ``rounds``: lock rounds that took tasks; ``sleeps``: waits for work (each ends in a thread wake-up)
         self.stats = {"puts": 0, "put_failures": 0, "dropped": 0, "rounds": 0, "sleeps": 0}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -67,7 +68,9 @@ class Sender:
         if not state.in_send_ring:
             state.in_send_ring = True
             self._ring.append(state)
-        self._cond.notify()
+        if self._idle:  # busy: it takes this task in its next round without a wake-up
+            self._idle = False
+            self._cond.notify()
 
     def keys_put(self, state: RequestState) -> list[str]:
         """Every key this stage has put (or is putting) for ``state``."""
@@ -150,7 +153,9 @@ class Sender:
                     if picked:
                         break
                     self.stats["sleeps"] += 1
+                    self._idle = True
                     self._cond.wait(self._backoff if self._ring else 0.1)
+                    self._idle = False
                 if self._stop:
                     return
             self.stats["rounds"] += 1

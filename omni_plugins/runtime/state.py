@@ -170,6 +170,10 @@ class RequestRegistry:
             state = self._states.get(internal) if internal is not None else None
         return state
 
+    def lookup(self, request_id: str) -> RequestState | None:
+        """The state for an internal id, or None; one atomic dict read, safe without the lock."""
+        return self._states.get(request_id)
+
     def ensure(self, request_id: str, external_id: str | None = None) -> RequestState:
         """The state for ``request_id``, created when missing."""
         state = self._states.get(request_id)

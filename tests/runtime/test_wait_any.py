@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from rt_helpers import FAST, Req, make_runtime
+from rt_helpers import FAST, Req, collect_until, make_runtime, wait_until
 
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorClosedError
@@ -355,3 +355,80 @@ def test_chunks_gather_while_the_model_thread_has_unread_ones(runtimes: list, na
     for rid in ("a", "b", "c"):
         c.cleanup_finished_request(rid)
     assert c.active_request_count() == 0 and conn.keys() == []
+
+
+class StretchedWaitConnector(MemoryConnector):
+    """Blocks every ``wait_any`` 300x its bound (unless interrupted or a waited key lands); records bounds and interrupts."""
+
+    def __init__(self, namespace: str, *, interruptible: bool) -> None:
+        super().__init__(MemoryConfig(namespace=namespace))
+        if not interruptible:
+            self.capabilities = Capabilities(blocking_get=True, wait_any=True)
+        self.bounds: list[float] = []
+        self.interrupts = 0
+        self.waiting: list[str] = []
+
+    def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        self.bounds.append(timeout)
+        self.waiting = list(keys)
+        return super()._wait_any(keys, timeout * 300)
+
+    def _interrupt_wait(self) -> None:
+        self.interrupts += 1
+        super()._interrupt_wait()
+
+
+def test_registration_interrupts_a_long_wait(runtimes: list, namespace: str) -> None:
+    """With ``capabilities.interrupt_wait`` the receive thread waits with the long bound, and a
+    registration cuts the wait short: a request registered while the thread waits (30 s here) on
+    another key alone is received at once."""
+    conn = StretchedWaitConnector(namespace, interruptible=True)
+    p = make_runtime(0, namespace, **STREAM)
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    runtimes += [p, c]
+    assert c.debug_state()["arrival_wait_interruptible"] is True
+    c.register_chunk_recv(Req("a"))
+    wait_until(lambda: conn.waiting == ["a_0_0"])
+    assert max(conn.bounds) > 0.05  # the long bound
+    before = conn.interrupts
+    c.register_chunk_recv(Req("b"))
+    assert conn.interrupts > before
+    b = Req("b")
+    b.done = True
+    p.send_chunk(b, {"ids": {"prompt": [7]}})
+    sigs = collect_until(c, lambda s: "b" in s.chunk_finished, timeout=10)  # << the 30 s the wait would block
+    assert any("b" in s.chunk_ready for s in sigs)
+    assert c.get_local_stage_payload("b")["ids"]["prompt"] == [7]
+    for rid in ("a", "b"):
+        c.cleanup_finished_request(rid)
+        p.cleanup_finished_request(rid)
+    assert c.active_request_count() == 0 and conn.keys() == []
+
+
+def test_without_interrupt_the_wait_bound_stays_short(runtimes: list, namespace: str) -> None:
+    conn = StretchedWaitConnector(namespace, interruptible=False)
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    runtimes.append(c)
+    assert c.debug_state()["arrival_wait_interruptible"] is False
+    c.register_chunk_recv(Req("a"))
+    wait_until(lambda: conn.bounds)
+    c.register_chunk_recv(Req("b"))
+    wait_until(lambda: sorted(conn.waiting) == ["a_0_0", "b_0_0"], timeout=10)
+    assert max(conn.bounds) <= 0.01 and conn.interrupts == 0
+    for rid in ("a", "b"):
+        c.cleanup_finished_request(rid)
+
+
+def test_generation_worker_interrupts_only_when_a_request_may_be_pollable_again(runtimes: list, namespace: str) -> None:
+    """``collect_signals`` on a generation worker interrupts the wait only when it drained a wake-up
+    or metadata (a request that may take its next chunk now), not on every call."""
+    conn = StretchedWaitConnector(namespace, interruptible=True)
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True, worker_type="generation")
+    runtimes.append(c)
+    c.register_chunk_recv(Req("g"))
+    wait_until(lambda: conn.waiting == ["g_0_0"])
+    before = conn.interrupts
+    for _ in range(5):
+        assert not c.collect_signals()
+    assert conn.interrupts == before
+    c.cleanup_finished_request("g")
