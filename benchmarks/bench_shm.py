@@ -15,6 +15,9 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
   forced on (``slot_count`` = ``SLOTS``: small payloads handed off by compare-and-swap in C, no file
   syscalls) / off (every payload a file; the path ``shm_pingpong_inotify`` and the floors describe).
   ``shm_pingpong`` itself runs the config defaults.
+- ``floor_slots_pingpong`` / ``floor_slots_wire_pingpong``: the slot table's hand-off alone (its C
+  calls and futex waits, no connector layers) with raw bytes / with the wire codec on each hop (encode +
+  ``buffers()`` before the put, decode after the take): the floors of ``shm_pingpong_slots``.
 - ``shm_pingpong_inotify``: ``shm_pingpong`` with ``futex_wait: false``: blocked gets wait on
   inotify (the path without the C extension) instead of a futex word in the wake file.
 - ``shm_pingpong_polling``: ``shm_pingpong`` with futex waits off and inotify disabled in both
@@ -67,6 +70,8 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+
+from omni_plugins import wire
 
 KIB, MIB = 1 << 10, 1 << 20
 SIZES = [4 * KIB, 1 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
@@ -148,6 +153,12 @@ def _child(ctl: Connection, data: Connection) -> None:
                 data.send_bytes(b"k")
             del src
             shm.close()
+        elif kind in SLOT_FLOORS:
+            with create_connector("shm", {"namespace": ns, "slot_count": SLOTS}) as conn:
+                codec = kind == "floor_slots_wire_pingpong"
+                for i in range(n):
+                    _slot_hop_put(conn, f"r{i}", _slot_hop_get(conn, f"k{i}", codec), codec)
+                assert ctl.recv() == "release"
         elif kind in FLOOR_PROTOCOL:
             _floor_side(ns, "b", size, n, ctl, kind)
         elif kind == "pipe_pingpong":
@@ -397,6 +408,56 @@ def _run_pipe_wire(size: int, n: int, ctl: Connection, data: Connection, payload
     return times
 
 
+#: the slot table's own hand-off (its C calls and the futex wait, no connector layers): raw bytes / with the wire codec
+SLOT_FLOORS = {
+    "floor_slots_pingpong": "per hop: slot_put (CAS, copy, READY, ring) | slot_take (CAS, copy out, FREE; FUTEX_WAIT while absent)",
+    "floor_slots_wire_pingpong": "floor_slots_pingpong + wire.encode/buffers() before each put and wire.decode after each take",
+}
+
+
+def _slot_hop_put(conn: Any, key: str, obj: Any, codec: bool) -> None:
+    if codec:
+        enc = wire.encode(obj)
+        ok = conn._slots.put(key, enc.buffers(), enc.nbytes, conn._wake.mm)
+    else:
+        ok = conn._slots.put(key, [obj], len(obj), conn._wake.mm)
+    if ok < 0:
+        raise SystemExit(f"slot floor: no slot for {key}")
+
+
+def _slot_hop_get(conn: Any, key: str, codec: bool) -> Any:
+    slots, wake, deadline = conn._slots, conn._wake, time.monotonic() + TIMEOUT
+    while True:
+        got = slots.take(key, wake.mm)
+        if type(got) is bytearray:
+            return wire.decode(memoryview(got)) if codec else got
+        if time.monotonic() > deadline:
+            raise SystemExit(f"slot floor: {key} did not arrive")
+        wake.sleep(conn._key(key).wake_slot, got, TIMEOUT)
+
+
+def _run_slot_floor(kind: str, size: int, n: int, ctl: Connection, payload: torch.Tensor) -> list[float]:
+    from omni_plugins_shm.testing import assert_namespace_empty, unique_namespace
+
+    from omni_plugins import create_connector
+
+    ns = unique_namespace("bench")
+    codec = kind == "floor_slots_wire_pingpong"
+    obj: Any = {"x": payload} if codec else wire.encode({"x": payload}).to_bytes()
+    with create_connector("shm", {"namespace": ns, "slot_count": SLOTS}) as conn:
+        ctl.send((kind, size, n, ns))
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            _slot_hop_put(conn, f"k{i}", obj, codec)
+            _slot_hop_get(conn, f"r{i}", codec)
+            times.append(time.perf_counter() - t0)
+        ctl.send("release")
+        assert ctl.recv() == "done"
+    assert_namespace_empty(ns)
+    return times
+
+
 def _run_shm(kind: str, size: int, n: int, ctl: Connection, data: Connection, payload: torch.Tensor) -> list[float]:
     from omni_plugins_shm.testing import assert_namespace_empty, unique_namespace
 
@@ -462,6 +523,8 @@ def _batch(kind: str, size: int, n: int, ctl: Connection, data: Connection, payl
         return _run_pipe(size, n, ctl, data)
     if kind in FLOOR_PROTOCOL:
         return _run_floor(kind, size, n, ctl)
+    if kind in SLOT_FLOORS:
+        return _run_slot_floor(kind, size, n, ctl, payload)
     if kind == "pipe_wire_pingpong":
         return _run_pipe_wire(size, n, ctl, data, payload)
     return _run_shm(kind, size, n, ctl, data, payload)
@@ -480,7 +543,7 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
         if size <= PINGPONG_MAX:
             kinds += ["pipe_pingpong", "pipe_wire_pingpong", "floor_inotify_pingpong", "shm_pingpong_inotify", "shm_pingpong_polling"]
             if _has_native():  # the C extension's protocol (else shm_pingpong is the inotify path again)
-                kinds += ["floor_pingpong", "floor_cas_pingpong", "shm_pingpong_slots", "shm_pingpong_files"]
+                kinds += ["floor_pingpong", "floor_cas_pingpong", *SLOT_FLOORS, "shm_pingpong_slots", "shm_pingpong_files"]
             kinds += ["shm_pingpong"]
         plan += [(size, r, k) for r in range(rounds) for k in kinds]
     samples: dict[tuple[int, str], list[float]] = {}
@@ -523,9 +586,11 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
             floor = entry.get("floor_pingpong", entry["floor_inotify_pingpong"])
             entry["roundtrip_floor_vs_pipe"] = floor["median_s"] / entry["pipe_pingpong"]["median_s"]
             entry["roundtrip_floor_inotify_vs_pipe"] = entry["floor_inotify_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
-            for mode in ("slots", "files"):
+            for mode in ("slots", "files", "floor_slots", "floor_slots_wire"):
                 if f"shm_pingpong_{mode}" in entry:
                     entry[f"roundtrip_{mode}_vs_pipe"] = entry[f"shm_pingpong_{mode}"]["median_s"] / entry["pipe_pingpong"]["median_s"]
+                elif f"{mode}_pingpong" in entry:
+                    entry[f"roundtrip_{mode}_vs_pipe"] = entry[f"{mode}_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
             if "floor_cas_pingpong" in entry:
                 entry["roundtrip_floor_cas_vs_pipe"] = entry["floor_cas_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
                 # the same lower bound plus the codec measured in-process (2 hops per round trip): what a
@@ -550,9 +615,14 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
     small = results["sizes"].get(str(4 * KIB))
     if small:
         out["roundtrip_4KiB_vs_pipe"] = _entry(small["roundtrip_ratio_vs_pipe"], "<= 1.5")
-        for mode, what in (("slots", "slot table on"), ("files", "slot table off: every payload a file")):
+        for mode, what in (
+            ("slots", "<= 1.5 (slot table on)"),
+            ("files", "<= 1.5 (slot table off: every payload a file)"),
+            ("floor_slots", "(context: the slot table's hand-off, raw bytes, no connector)"),
+            ("floor_slots_wire", "(context: that + the wire codec each hop: the floor of shm_pingpong_slots)"),
+        ):
             if f"roundtrip_{mode}_vs_pipe" in small:
-                out[f"roundtrip_4KiB_{mode}_vs_pipe"] = _entry(small[f"roundtrip_{mode}_vs_pipe"], f"<= 1.5 ({what})")
+                out[f"roundtrip_4KiB_{mode}_vs_pipe"] = _entry(small[f"roundtrip_{mode}_vs_pipe"], what)
         out["roundtrip_4KiB_vs_pipe_with_wire_codec"] = _entry(small["roundtrip_ratio_vs_pipe_wire"], "(context)")
         out["roundtrip_4KiB_polling_vs_inotify"] = _entry(small["roundtrip_polling_vs_inotify"], "(context)")
         out["roundtrip_4KiB_futex_vs_inotify"] = _entry(small["roundtrip_futex_vs_inotify"], "(context: C extension's wake)")

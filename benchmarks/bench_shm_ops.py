@@ -78,7 +78,7 @@ def run(quick: bool, outstanding: int) -> dict[str, Any]:
     keys64 = [f"w{i}" for i in range(64)]
     results: dict[str, float] = {}
     probes: dict[str, float] = {}
-    bar = tqdm(total=6, desc="bench_shm_ops", unit="mode")
+    bar = tqdm(total=7, desc="bench_shm_ops", unit="mode")
     with create_connector("shm", {"namespace": ns}) as conn:
         base = f"/dev/shm/bops-floor-{ns}"
         open(base, "wb").close()
@@ -103,6 +103,27 @@ def run(quick: bool, outstanding: int) -> dict[str, Any]:
         with _ProbeCounter() as pc:
             results["put_get"] = _best(put_get, reps)
         probes["put_get"] = pc.calls / (n * reps)
+        bar.update()
+
+        if "slot_count" in ShmConfig.model_fields:  # the slot table (small payloads without file syscalls)
+            with create_connector("shm", {"namespace": ns, "slot_count": 256}) as slot_conn:
+
+                def slot_put_get() -> int:
+                    for i in range(n):
+                        slot_conn.put(0, 1, f"s{i}", payload)
+                        slot_conn.get(0, 1, f"s{i}")
+                    return n
+
+                def slot_wait_any() -> int:
+                    for _ in range(n):
+                        slot_conn.wait_any(keys64, 0.0)
+                    return n
+
+                slot_put_get()
+                results["put_get_slots"] = _best(slot_put_get, reps)
+                slot_conn.put(0, 1, keys64[17], payload)
+                results["wait_any_64_slots"] = _best(slot_wait_any, reps)
+                slot_conn.cleanup(keys64[17])
         bar.update()
 
         if "ttl_seconds" in ShmConfig.model_fields:  # absent in older versions (before/after runs)

@@ -41,7 +41,9 @@ def _config(namespace: str, **more: Any) -> dict[str, Any]:
 
 def _published_files(namespace: str) -> list[str]:
     names = Names(namespace)
-    return [n for n in os.listdir(f"/dev/shm/{names.publish_dir}") if n.startswith(f"{names.prefix}k.") or n.startswith(f"{names.prefix}h.")]
+    return [
+        n for n in os.listdir(f"/dev/shm/{names.publish_dir}") if n.startswith(f"{names.prefix}k.") or n.startswith(f"{names.prefix}h.")
+    ]
 
 
 def _busy(conn: Any) -> list[slots.SlotInfo]:

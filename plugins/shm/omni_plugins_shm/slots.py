@@ -122,7 +122,9 @@ class SlotTable:
         """Publish and ring the key's wake slot; the slot index, or < 0 when the payload must take the file path
         (too big, key longer than :data:`KEY_MAX` bytes or not UTF-8 encodable, no free slot among the key's buckets)."""
         try:
-            return int(self._native.slot_put(self.mm, key, self.writing, self.ready, self.claimer, self.tag, self.start, buffers, nbytes, wake))
+            return int(
+                self._native.slot_put(self.mm, key, self.writing, self.ready, self.claimer, self.tag, self.start, buffers, nbytes, wake)
+            )
         except UnicodeEncodeError:
             return -1
 
@@ -219,13 +221,7 @@ def _map(path: str, fd: int, st: os.stat_result) -> mmap.mmap:
     nslots = int.from_bytes(head[12:16], "little")
     slot_bytes = int.from_bytes(head[16:24], "little")
     stride = int.from_bytes(head[24:32], "little")
-    if (
-        head[:8] != MAGIC
-        or nslots <= 0
-        or stride < SLOT_HEADER + slot_bytes
-        or stride % 64
-        or HEADER + nslots * stride != st.st_size
-    ):
+    if head[:8] != MAGIC or nslots <= 0 or stride < SLOT_HEADER + slot_bytes or stride % 64 or HEADER + nslots * stride != st.st_size:
         raise ConnectorError(f"shm slot table {path} has an invalid header; remove it (omni-plugins shm gc --all)")
     return mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
@@ -309,5 +305,3 @@ def expire(path: str, seconds: float, now: float, dry_run: bool = False) -> int:
     finally:
         os.close(fd)
     return freed
-
-
