@@ -15,6 +15,7 @@ no object outlives the connector that consumed it.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -37,24 +38,26 @@ class Remover:
         self._on_failure = on_failure
         self._keys: dict[str, int] = {}  # key -> _QUEUED | _REMOVING
         self._queued = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._removed = threading.Condition(self._lock)  # notified when keys leave _keys
+        # Wake-ups for the thread: a C-level queue, because ``submit`` runs right after a
+        # read, when caches are cold, and Condition.notify's Python code cost tens of us there.
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, key: str) -> None:
         """Remove ``key`` soon (it was consumed)."""
-        with self._cond:
-            if self._stopping:
-                stopped = True
-            else:
-                stopped = False
-                if key not in self._keys:
-                    self._keys[key] = _QUEUED
-                    self._queued += 1
-                    self._cond.notify_all()
+        with self._lock:
+            stopped = self._stopping
+            if not stopped and key not in self._keys:
+                self._keys[key] = _QUEUED
+                self._queued += 1
         if stopped:  # closing: nobody will drain the queue any more
             self._remove_now(key)
+        else:
+            self._wake.put(None)
 
     def pending(self, key: str) -> bool:
         """True while ``key``'s removal has not finished."""
@@ -65,61 +68,67 @@ class Remover:
 
     def settle(self, key: str, timeout: float = 30.0) -> bool:
         """Finish ``key``'s removal before returning (now, in this thread, if still queued); True when it was pending."""
-        with self._cond:
+        with self._lock:
             state = self._keys.get(key)
             if state is None:
                 return False
             if state == _REMOVING:
-                self._cond.wait_for(lambda: key not in self._keys, timeout)
+                self._removed.wait_for(lambda: key not in self._keys, timeout)
                 return True
             self._keys[key] = _REMOVING  # still pending for other threads until it is gone
             self._queued -= 1
         try:
             self._remove_now(key)
         finally:
-            with self._cond:
+            with self._lock:
                 self._keys.pop(key, None)
-                self._cond.notify_all()
+                self._removed.notify_all()
         return True
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until every handed-over key is removed; False on timeout."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._keys, timeout)
+        with self._lock:
+            return self._removed.wait_for(lambda: not self._keys, timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Remove what is pending, then stop the thread."""
         deadline = time.monotonic() + timeout
         if not self.flush(timeout):
             logger.warning("%s: %d consumed object(s) still being removed at close", self._thread.name, len(self._keys))
-        with self._cond:
+        with self._lock:
             self._stopping = True
-            self._cond.notify_all()
+        self._wake.put(None)
         self._thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- internals --------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queued or self._stopping)
-                if not self._queued:
-                    return  # stopping and nothing left
-                batch = [k for k, state in self._keys.items() if state == _QUEUED]
-                for key in batch:
-                    self._keys[key] = _REMOVING
-                self._queued = 0
-            try:
-                codes = [self._remove_one(batch[0])] if len(batch) == 1 else list(self._remove_many(batch))
-            except Exception:
-                logger.exception("%s: removing %d consumed object(s) failed", self._thread.name, len(batch))
-                codes = [-1] * len(batch)
-            with self._cond:
-                for key in batch:
-                    self._keys.pop(key, None)
-                self._cond.notify_all()
-            for key, code in zip(batch, codes, strict=False):
-                if code != 0:
-                    self._on_failure(key, int(code))
+            self._wake.get()
+            while True:  # drain: one wake-up may stand for several submits
+                with self._lock:
+                    if not self._queued:
+                        if self._stopping:
+                            return  # stopping and nothing left
+                        break
+                    batch = [k for k, state in self._keys.items() if state == _QUEUED]
+                    for key in batch:
+                        self._keys[key] = _REMOVING
+                    self._queued = 0
+                self._remove_batch(batch)
+
+    def _remove_batch(self, batch: list[str]) -> None:
+        try:
+            codes = [self._remove_one(batch[0])] if len(batch) == 1 else list(self._remove_many(batch))
+        except Exception:
+            logger.exception("%s: removing %d consumed object(s) failed", self._thread.name, len(batch))
+            codes = [-1] * len(batch)
+        with self._lock:
+            for key in batch:
+                self._keys.pop(key, None)
+            self._removed.notify_all()
+        for key, code in zip(batch, codes, strict=False):
+            if code != 0:
+                self._on_failure(key, int(code))
 
     def _remove_now(self, key: str) -> None:
         try:

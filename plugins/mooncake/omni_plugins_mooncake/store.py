@@ -100,6 +100,7 @@ class MooncakeStoreConnector(Connector):
         n = encoded.nbytes
         self._remover.settle(key)  # a late removal of the key's consumed predecessor must not delete this one
         rc = self._direct.put(key, encoded) if n >= DIRECT_MIN else None  # large and new: no staging copy
+        direct = rc is not None
         if rc is None:
             slab = self._pool.acquire(n)
             try:
@@ -107,13 +108,15 @@ class MooncakeStoreConnector(Connector):
                 rc = self._store.upsert_from(key, slab.address, n, self._replicate)
             finally:
                 self._pool.release(slab)
-        else:
-            self._count(direct_puts=1)
         if rc != 0:
             raise ConnectorError(
                 f"mooncake store (master {self.config.master_address}): put of key {key!r} ({n} bytes) failed: {describe(rc)}"
             )
-        self._count(puts=1, bytes_put=n)
+        with self._stats_lock:  # spelled out: no **kwargs dict on the hot path
+            stats = self._stats
+            stats["puts"] += 1
+            stats["bytes_put"] += n
+            stats["direct_puts"] += direct
         return PutResult(True, n, None)
 
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
@@ -151,7 +154,10 @@ class MooncakeStoreConnector(Connector):
             data = wire.decode(view)
         finally:
             del view
-        self._count(gets=1, bytes_got=got)
+        with self._stats_lock:
+            stats = self._stats
+            stats["gets"] += 1
+            stats["bytes_got"] += got
         return GetResult(data, got)
 
     def _read_into(self, key: str, address: int, capacity: int) -> int:
