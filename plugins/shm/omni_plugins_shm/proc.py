@@ -27,20 +27,25 @@ def process_start_time(pid: int) -> int | None:
         return None
 
 
-def is_process_alive(pid: int, start: int) -> bool:
-    """True if the process ``pid`` that started at ``start`` still runs (zombies count as dead)."""
+def running_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` if it runs (None if there is no such process or it is a zombie)."""
     if pid <= 0:
-        return False
+        return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             raw = fh.read()
     except OSError:
-        return False
+        return None
     tail = raw[raw.rfind(b")") + 2 :].split()
     try:
-        return tail[0] != b"Z" and int(tail[19]) == start
+        return None if tail[0] == b"Z" else int(tail[19])
     except (IndexError, ValueError):
-        return False
+        return None
+
+
+def is_process_alive(pid: int, start: int) -> bool:
+    """True if the process ``pid`` that started at ``start`` still runs (zombies count as dead)."""
+    return running_start_time(pid) == start
 
 
 class Owner(NamedTuple):

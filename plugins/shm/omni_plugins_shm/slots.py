@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from omni_plugins.errors import ConnectorError
 from omni_plugins_shm import wakeslots
-from omni_plugins_shm.proc import Owner
+from omni_plugins_shm.proc import Owner, running_start_time
 
 MAGIC = b"OMNISLT1"
 VERSION = 1
@@ -36,7 +36,6 @@ SLOT_HEADER = 256
 KEY_MAX = SLOT_HEADER - 64
 PROBES = 16
 FREE, WRITING, READY, CLAIMED = 0, 1, 2, 3
-_ATTEMPTS = 16
 
 
 def state_word(pid: int, start: int, kind: int) -> int:
@@ -50,17 +49,8 @@ def word_kind(word: int) -> int:
 
 def word_owner_alive(word: int) -> bool:
     """Whether the process named in a state word still runs (pid plus the low 24 bits of its start time)."""
-    pid, start24 = word >> 32, (word >> 8) & 0xFFFFFF
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            raw = fh.read()
-    except OSError:
-        return False
-    tail = raw[raw.rfind(b")") + 2 :].split()
-    try:
-        return tail[0] != b"Z" and int(tail[19]) & 0xFFFFFF == start24
-    except (IndexError, ValueError):
-        return False
+    start = running_start_time(word >> 32)
+    return start is not None and start & 0xFFFFFF == (word >> 8) & 0xFFFFFF
 
 
 class SlotInfo(NamedTuple):
@@ -94,28 +84,16 @@ class SlotTable:
     @classmethod
     def open(cls, directory: str, name: str, owner: Owner, nslots: int, slot_bytes: int, ensure_dir: object) -> SlotTable:
         """Open (creating if needed) the table ``directory/name`` with ``nslots`` x ``slot_bytes`` (if it is new)."""
-        path = f"{directory}/{name}"
-        for _ in range(_ATTEMPTS):
-            ensure_dir(directory)  # type: ignore[operator]
+
+        def create(path: str) -> int:
             try:
-                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+                return os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
             except FileNotFoundError:
                 _create(path, owner, nslots, slot_bytes)
-                continue
-            except OSError as exc:
-                raise ConnectorError(f"shm slot table {path}: cannot open: {exc}") from exc
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                st = os.fstat(fd)
-                if st.st_nlink == 0:
-                    os.close(fd)
-                    continue  # removed by the last other instance between our open and lock
-                mm = _map(path, fd, st)
-            except BaseException:
-                os.close(fd)
-                raise
-            return cls(path, fd, mm, owner)
-        raise ConnectorError(f"shm slot table {path} keeps disappearing (is gc --all running?)")
+                raise  # open_locked tries again (the new table, or one a racing instance linked first)
+
+        path, fd, mm = wakeslots.open_locked(directory, name, ensure_dir, create, _map, "slot table")
+        return cls(path, fd, mm, owner)
 
     # -- hot path (one C call each) ------------------------------------------------------
     def put(self, key: str, buffers: list[memoryview], nbytes: int, wake: mmap.mmap | None) -> int:

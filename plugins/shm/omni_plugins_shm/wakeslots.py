@@ -39,6 +39,7 @@ import fcntl
 import mmap
 import os
 import stat
+from collections.abc import Callable
 from types import ModuleType
 
 from omni_plugins.errors import ConnectorError
@@ -99,27 +100,12 @@ class WakeFile:
         ``ensure_dir``: a callable creating the publish directory (it may vanish while the last
         other instance closes; then we create it again).
         """
-        path = f"{directory}/{name}"
-        for _ in range(_ATTEMPTS):
-            ensure_dir(directory)  # type: ignore[operator]
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            except FileNotFoundError:
-                continue  # the directory went away with its last other instance
-            except OSError as exc:
-                raise ConnectorError(f"shm wake file {path}: cannot open: {exc}") from exc
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                st = os.fstat(fd)
-                if st.st_nlink == 0:
-                    os.close(fd)
-                    continue  # removed by the last other instance between our open and lock
-                mm = _map(path, fd, st)
-            except BaseException:
-                os.close(fd)
-                raise
-            return cls(path, fd, mm, use_futex and _futex is not None)
-        raise ConnectorError(f"shm wake file {path} keeps disappearing (is gc --all running?)")
+
+        def create(path: str) -> int:
+            return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+
+        path, fd, mm = open_locked(directory, name, ensure_dir, create, _map, "wake file")
+        return cls(path, fd, mm, use_futex and _futex is not None)
 
     # -- producer ---------------------------------------------------------------------
     def ring(self, offset: int) -> None:
@@ -186,6 +172,43 @@ class WakeFile:
         os.close(self._fd)
         self._fd = -1
         return removed
+
+
+def open_locked(
+    directory: str,
+    name: str,
+    ensure_dir: object,
+    create: Callable[[str], int],
+    mapper: Callable[[str, int, os.stat_result], mmap.mmap],
+    what: str,
+) -> tuple[str, int, mmap.mmap]:
+    """Open a namespace-wide file ``directory/name`` (``create(path)`` -> fd; ``FileNotFoundError`` = try again),
+    take the shared ``flock`` every live instance holds, check it is still linked, map it with ``mapper``.
+
+    ``ensure_dir``: a callable creating the publish directory (it may vanish while the last other
+    instance closes; then we create it again). Returns ``(path, fd, mapping)``.
+    """
+    path = f"{directory}/{name}"
+    for _ in range(_ATTEMPTS):
+        ensure_dir(directory)  # type: ignore[operator]
+        try:
+            fd = create(path)
+        except FileNotFoundError:
+            continue  # the directory went away with its last other instance (or the file was just created)
+        except OSError as exc:
+            raise ConnectorError(f"shm {what} {path}: cannot open: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            st = os.fstat(fd)
+            if st.st_nlink == 0:
+                os.close(fd)
+                continue  # removed by the last other instance between our open and lock
+            mm = mapper(path, fd, st)
+        except BaseException:
+            os.close(fd)
+            raise
+        return path, fd, mm
+    raise ConnectorError(f"shm {what} {path} keeps disappearing (is gc --all running?)")
 
 
 def remove_if_unused(path: str, dry_run: bool = False) -> bool:

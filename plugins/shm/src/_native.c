@@ -48,6 +48,17 @@ slot(PyObject *obj, Py_ssize_t off, Py_buffer *view, uint32_t **seq)
     return 0;
 }
 
+/* seq += 1; FUTEX_WAKE all only when a waiter is registered. 1 if a wake was issued. */
+static int
+bump_word(uint32_t *seq)
+{
+    __atomic_add_fetch(seq, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(seq + 1, __ATOMIC_SEQ_CST) == 0)
+        return 0;
+    syscall(SYS_futex, seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    return 1;
+}
+
 PyDoc_STRVAR(bump_doc, "bump(buffer, offset) -> bool\n\nAdd one to the slot's seq; wake every waiter if any. True if a wake was issued.");
 
 static PyObject *
@@ -59,12 +70,7 @@ futex_bump(PyObject *self, PyObject *args)
     uint32_t *seq;
     if (!PyArg_ParseTuple(args, "On:bump", &obj, &off) || slot(obj, off, &view, &seq) < 0)
         return NULL;
-    __atomic_add_fetch(seq, 1, __ATOMIC_SEQ_CST);
-    int woke = 0;
-    if (__atomic_load_n(seq + 1, __ATOMIC_SEQ_CST) != 0) {
-        syscall(SYS_futex, seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
-        woke = 1;
-    }
+    int woke = bump_word(seq);
     PyBuffer_Release(&view);
     return PyBool_FromLong(woke);
 }
@@ -243,6 +249,20 @@ bad:
     return -1;
 }
 
+/* table_open + check that slot index i exists (IndexError otherwise; the view is released on error) */
+static int
+table_open_at(PyObject *obj, Py_ssize_t i, table_t *t)
+{
+    if (table_open(obj, t) < 0)
+        return -1;
+    if (i < 0 || (uint64_t)i >= t->nslots) {
+        PyBuffer_Release(&t->view);
+        PyErr_SetString(PyExc_IndexError, "slot index out of range");
+        return -1;
+    }
+    return 0;
+}
+
 static inline char *
 slot_at(table_t *t, uint64_t i)
 {
@@ -316,9 +336,7 @@ ring(PyObject *wake, Py_ssize_t off, Py_ssize_t any_off)
             PyErr_Clear();
             continue;
         }
-        __atomic_add_fetch(seq, 1, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(seq + 1, __ATOMIC_SEQ_CST) != 0)
-            syscall(SYS_futex, seq, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+        bump_word(seq);
         PyBuffer_Release(&view);
     }
 }
@@ -574,13 +592,8 @@ native_slot_cas(PyObject *self, PyObject *args)
     table_t t;
     if (!PyArg_ParseTuple(args, "OnKK:slot_cas", &obj, &i, &expected, &desired))
         return NULL;
-    if (table_open(obj, &t) < 0)
+    if (table_open_at(obj, i, &t) < 0)
         return NULL;
-    if (i < 0 || (uint64_t)i >= t.nslots) {
-        PyBuffer_Release(&t.view);
-        PyErr_SetString(PyExc_IndexError, "slot index out of range");
-        return NULL;
-    }
     uint64_t want = expected;
     int ok = __atomic_compare_exchange_n(slot_state(slot_at(&t, (uint64_t)i)), &want, (uint64_t)desired, 0, __ATOMIC_ACQ_REL,
                                          __ATOMIC_ACQUIRE);
@@ -598,13 +611,8 @@ native_slot_tag(PyObject *self, PyObject *args)
     table_t t;
     if (!PyArg_ParseTuple(args, "On:slot_tag", &obj, &i))
         return NULL;
-    if (table_open(obj, &t) < 0)
+    if (table_open_at(obj, i, &t) < 0)
         return NULL;
-    if (i < 0 || (uint64_t)i >= t.nslots) {
-        PyBuffer_Release(&t.view);
-        PyErr_SetString(PyExc_IndexError, "slot index out of range");
-        return NULL;
-    }
     uint32_t tag;
     memcpy(&tag, slot_at(&t, (uint64_t)i) + 32, 4);
     PyBuffer_Release(&t.view);
