@@ -127,6 +127,23 @@ def test_leased_slab_returns_when_decoded_tensors_die() -> None:
     assert pool.stats()["in_use_bytes"] == 1 << 20  # only the second acquire is out now
 
 
+def test_many_leases_all_return_their_slabs() -> None:
+    """Each lease hands its slab back exactly once when its exporter dies, however many are out."""
+    pool, registered = _pool(max_idle_bytes=64 << 20)
+    views = [pool.lease(pool.acquire(1 << 20), 100) for _ in range(8)]
+    assert pool.stats()["in_use_bytes"] == 8 << 20
+    slabs_before = len(registered)
+    del views
+    gc.collect()
+    assert pool.stats()["in_use_bytes"] == 0
+    for _ in range(200):  # reused, never registered again
+        view = pool.lease(pool.acquire(1 << 20), 100)
+        del view
+    assert pool.stats()["in_use_bytes"] == 0 and len(registered) == slabs_before
+    pool.close()
+    assert registered == []
+
+
 def test_pool_cap_is_a_clear_error() -> None:
     pool, _ = _pool(max_idle_bytes=0, max_total_bytes=2 << 20)
     pool.acquire(1 << 20)

@@ -120,6 +120,8 @@ class MooncakeStoreConnector(Connector):
         return PutResult(True, n, None)
 
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        if not timeout or timeout <= 0:  # one attempt: no closure, no poll frame (this path runs cold)
+            return self._try_get(key)
         return poll(lambda: self._try_get(key), timeout, self.config.poll_interval)
 
     def _try_get(self, key: str) -> GetResult | None:
@@ -130,7 +132,9 @@ class MooncakeStoreConnector(Connector):
         # get_size + get_into. Only a larger payload pays a size lookup and a second read.
         slab = self._pool.acquire(self._size_hint)
         try:
-            got = self._read_into(key, slab.address, slab.size)
+            got = int(self._store.get_into(key, slab.address, slab.size))
+            if got == LEASE_EXPIRED:
+                got = self._read_into(key, slab.address, slab.size)
             if got == BUFFER_TOO_SMALL:
                 size = self._store.get_size(key)
                 if size < 0:
