@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from rel_pipeline import Plan, Req, StageProcess, chunk_output, make_runtime
 
 STREAMS = 4
@@ -95,14 +96,16 @@ def test_redis_undelivered_payloads_expire(redis_server: Any) -> None:
     assert redis_server.keys(prefix + "*") == []
 
 
-def test_shm_undelivered_payloads_freed_with_their_producer(shm_namespace: str) -> None:
+@pytest.mark.parametrize("slot_count", [0, 256], ids=["files", "slots"])
+def test_shm_undelivered_payloads_freed_with_their_producer(shm_namespace: str, slot_count: int) -> None:
     from omni_plugins_shm import gc
-    from omni_plugins_shm.testing import namespace_segments
+    from omni_plugins_shm.testing import namespace_segments, slot_payloads
 
-    conn = {"name": "shm", "extra": {"namespace": shm_namespace, "pool_bytes": 16 << 20}}
+    conn = {"name": "shm", "extra": {"namespace": shm_namespace, "pool_bytes": 16 << 20, "slot_count": slot_count}}
 
-    def undelivered() -> int:
-        return sum(1 for n in namespace_segments(shm_namespace) if n.split(".")[2] in ("k", "h"))
+    def undelivered() -> int:  # payloads in files (k./h.) and in the slot table
+        files = sum(1 for n in namespace_segments(shm_namespace) if n.split(".")[2] in ("k", "h"))
+        return files + slot_payloads(shm_namespace)
 
     rt, dead_pid = _stream_into_dead_consumer(conn, undelivered)
     try:

@@ -50,6 +50,16 @@ def pair(namespace: str) -> Iterator[tuple[Any, Any]]:
 
 
 @pytest.fixture
+def file_pair(namespace: str) -> Iterator[tuple[Any, Any]]:
+    """Like ``pair`` with the slot table off (``slot_count=0``): for tests of the file path's segments."""
+    producer = create_connector("shm", {"namespace": namespace, "slot_count": 0})
+    consumer = create_connector("shm", {"namespace": namespace, "slot_count": 0})
+    yield producer, consumer
+    producer.close()
+    consumer.close()
+
+
+@pytest.fixture
 def spawn():  # type: ignore[no-untyped-def]
     import multiprocessing as mp
 

@@ -59,8 +59,8 @@ def test_config_is_validated_by_the_core(namespace: str) -> None:
 
 
 # -- security / cleanup -----------------------------------------------------------------------
-def test_segments_and_markers_are_mode_0600(pair: Any, namespace: str) -> None:
-    producer, consumer = pair
+def test_segments_and_markers_are_mode_0600(file_pair: Any, namespace: str) -> None:
+    producer, consumer = file_pair
     producer.put(0, 1, "k", make_payload(1, 4 * KIB))
     producer.put(0, 1, "big", make_payload(2, MIB))
     consumer.get(0, 1, "k")
@@ -73,7 +73,7 @@ def test_segments_and_markers_are_mode_0600(pair: Any, namespace: str) -> None:
 
 
 def test_close_frees_unconsumed_payloads_and_pool(namespace: str) -> None:
-    producer = create_connector("shm", {"namespace": namespace, "pool_max_segment_bytes": MIB})
+    producer = create_connector("shm", {"namespace": namespace, "slot_count": 0, "pool_max_segment_bytes": MIB})
     for i in range(3):
         producer.put(0, 1, f"k{i}", make_payload(i, 64 * KIB))
     producer.put(0, 1, "dedicated", make_payload(9, 2 * MIB))
@@ -82,8 +82,8 @@ def test_close_frees_unconsumed_payloads_and_pool(namespace: str) -> None:
     assert namespace_segments(namespace) == []
 
 
-def test_get_consumes_and_returns_segment_to_pool(pair: Any, namespace: str) -> None:
-    producer, consumer = pair
+def test_get_consumes_and_returns_segment_to_pool(file_pair: Any, namespace: str) -> None:
+    producer, consumer = file_pair
     for i in range(5):
         producer.put(0, 1, "k", make_payload(i, 100 * KIB))
         got = consumer.get(0, 1, "k")
@@ -92,8 +92,8 @@ def test_get_consumes_and_returns_segment_to_pool(pair: Any, namespace: str) -> 
     assert len(_only(namespace, "f")) == 1 and _only(namespace, "k") == []
 
 
-def test_put_replaces_an_unconsumed_payload(pair: Any, namespace: str) -> None:
-    producer, consumer = pair
+def test_put_replaces_an_unconsumed_payload(file_pair: Any, namespace: str) -> None:
+    producer, consumer = file_pair
     producer.put(0, 1, "k", {"v": 1})
     producer.put(0, 1, "k", {"v": 2})
     got = consumer.get(0, 1, "k")
@@ -101,8 +101,8 @@ def test_put_replaces_an_unconsumed_payload(pair: Any, namespace: str) -> None:
     assert consumer.get(0, 1, "k") is None
 
 
-def test_cleanup_frees_and_returns_the_segment(pair: Any, namespace: str) -> None:
-    producer, consumer = pair
+def test_cleanup_frees_and_returns_the_segment(file_pair: Any, namespace: str) -> None:
+    producer, consumer = file_pair
     producer.put(0, 1, "k", make_payload(1, 32 * KIB))
     assert consumer.cleanup("k") is True
     assert consumer.cleanup("k") is False
@@ -110,8 +110,8 @@ def test_cleanup_frees_and_returns_the_segment(pair: Any, namespace: str) -> Non
 
 
 def test_large_payload_gets_its_own_segment_which_the_get_unlinks(namespace: str) -> None:
-    producer = create_connector("shm", {"namespace": namespace, "pool_max_segment_bytes": MIB})
-    consumer = create_connector("shm", {"namespace": namespace})
+    producer = create_connector("shm", {"namespace": namespace, "slot_count": 0, "pool_max_segment_bytes": MIB})
+    consumer = create_connector("shm", {"namespace": namespace, "slot_count": 0})
     try:
         producer.put(0, 1, "big", make_payload(3, 3 * MIB))
         assert producer.health()["pooled_segments"] == 0
@@ -147,7 +147,7 @@ def test_zero_copy_views_pin_the_segment_until_the_last_view_dies(pair: Any, nam
 
 def test_zero_copy_config_makes_get_return_views(namespace: str) -> None:
     with (
-        create_connector("shm", {"namespace": namespace}) as producer,
+        create_connector("shm", {"namespace": namespace, "slot_count": 0}) as producer,
         create_connector("shm", {"namespace": namespace, "zero_copy": True}) as consumer,
     ):
         producer.put(0, 1, "k", make_payload(1, 64 * KIB))
@@ -160,8 +160,8 @@ def test_zero_copy_config_makes_get_return_views(namespace: str) -> None:
 
 
 def test_views_outlive_close_of_both_connectors(namespace: str) -> None:
-    producer = create_connector("shm", {"namespace": namespace})
-    consumer = create_connector("shm", {"namespace": namespace})
+    producer = create_connector("shm", {"namespace": namespace, "slot_count": 0})
+    consumer = create_connector("shm", {"namespace": namespace, "slot_count": 0})
     producer.put(0, 1, "k", make_payload(5, 128 * KIB))
     res = consumer.get_views(0, 1, "k")
     producer.close()
@@ -192,8 +192,8 @@ def test_garbage_at_a_key_is_a_connector_error_and_removed(pair: Any, namespace:
     assert consumer.get(0, 1, "bad") is None
 
 
-def test_segment_for_another_key_is_rejected(pair: Any, namespace: str) -> None:
-    producer, consumer = pair
+def test_segment_for_another_key_is_rejected(file_pair: Any, namespace: str) -> None:
+    producer, consumer = file_pair
     producer.put(0, 1, "one", {"v": 1})
     os.rename(segment_path(Names(namespace).published("one")), segment_path(Names(namespace).published("two")))
     with pytest.raises(ConnectorError, match="different key"):
@@ -201,8 +201,8 @@ def test_segment_for_another_key_is_rejected(pair: Any, namespace: str) -> None:
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])
-def test_corrupt_payload_bytes_raise_wire_format_error(pair: Any, namespace: str, zero_copy: bool) -> None:
-    producer, consumer = pair
+def test_corrupt_payload_bytes_raise_wire_format_error(file_pair: Any, namespace: str, zero_copy: bool) -> None:
+    producer, consumer = file_pair
     producer.put(0, 1, "k", make_payload(1, 8 * KIB))
     path = segment_path(Names(namespace).published("k"))
     with open(path, "r+b") as fh:  # valid segment header, destroyed wire message
@@ -229,7 +229,7 @@ def test_header_round_trip_and_crc() -> None:
 
 
 # -- waiting ------------------------------------------------------------------------------------
-def test_blocking_get_without_inotify_falls_back(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_blocking_get_without_inotify_falls_back(file_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Fault injection: inotify unavailable (e.g. max_user_instances reached)."""
     import threading
 
@@ -237,7 +237,7 @@ def test_blocking_get_without_inotify_falls_back(pair: Any, monkeypatch: pytest.
         raise OSError(24, "Too many open files")
 
     monkeypatch.setattr(notify, "_Watch", broken)
-    producer, _ = pair
+    producer, _ = file_pair
     consumer = ShmConnector(producer.config.model_copy(update={"futex_wait": False}))  # the path without the C extension
     try:
         timer = threading.Timer(0.1, lambda: producer.put(0, 1, "late", {"v": 3}))
@@ -250,10 +250,10 @@ def test_blocking_get_without_inotify_falls_back(pair: Any, monkeypatch: pytest.
         consumer.close()
 
 
-def test_waiter_ignores_other_keys(pair: Any) -> None:
+def test_waiter_ignores_other_keys(file_pair: Any) -> None:
     import threading
 
-    producer, consumer = pair
+    producer, consumer = file_pair
     timer = threading.Timer(0.05, lambda: [producer.put(0, 1, f"other-{i}", {"i": i}) for i in range(5)])
     timer.start()
     assert consumer.get(0, 1, "mine", timeout=0.3) is None
@@ -264,7 +264,7 @@ def test_waiter_ignores_other_keys(pair: Any) -> None:
 
 # -- gc ------------------------------------------------------------------------------------------
 def test_gc_keeps_live_instances_and_reclaims_closed_ones(namespace: str) -> None:
-    producer = create_connector("shm", {"namespace": namespace})
+    producer = create_connector("shm", {"namespace": namespace, "slot_count": 0})
     producer.put(0, 1, "k", {"v": 1})
     report = gc.collect(namespace)
     assert report.removed == [] and len(report.kept) == 2
@@ -278,7 +278,7 @@ def test_gc_keeps_live_instances_and_reclaims_closed_ones(namespace: str) -> Non
 
 
 def test_gc_cli_all_removes_everything_of_the_namespace(namespace: str) -> None:
-    producer = create_connector("shm", {"namespace": namespace})
+    producer = create_connector("shm", {"namespace": namespace, "slot_count": 0})
     producer.put(0, 1, "k", {"v": 1})
     out = subprocess.run(
         [sys.executable, "-m", "omni_plugins_shm", "gc", "--namespace", namespace, "--all"], capture_output=True, text=True, check=True
@@ -341,18 +341,21 @@ def test_foreign_file_at_the_publish_directory_is_refused(namespace: str) -> Non
         os.unlink(pubdir)
 
 
-def test_waiter_survives_its_directory_being_removed_by_gc_all(namespace: str) -> None:
-    """``gc --all`` next to a waiting get: the watch dies; the waiter falls back to sleeping and still gets the key."""
+@pytest.mark.parametrize("slot_count", [0, 256])
+def test_waiter_survives_its_directory_being_removed_by_gc_all(namespace: str, slot_count: int) -> None:
+    """``gc --all`` next to a waiting get: the watch dies; the waiter falls back to sleeping and still gets the key.
+
+    With the slot table, the new producer publishes into a new table: the waiter must find and open it."""
     import threading
 
-    consumer = create_connector("shm", {"namespace": namespace})
+    consumer = create_connector("shm", {"namespace": namespace, "slot_count": slot_count})
     result: list[Any] = []
     waiter = threading.Thread(target=lambda: result.append(consumer.get(0, 1, "late", timeout=20)))
     waiter.start()
     time.sleep(0.2)
     gc.collect(namespace, force=True)
     assert not os.path.exists(f"/dev/shm/{Names(namespace).publish_dir}")
-    with create_connector("shm", {"namespace": namespace}) as producer:
+    with create_connector("shm", {"namespace": namespace, "slot_count": slot_count}) as producer:
         producer.put(0, 1, "late", {"v": 5})
         waiter.join(20)
     assert not waiter.is_alive() and result and result[0] is not None and result[0].data == {"v": 5}

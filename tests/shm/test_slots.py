@@ -266,3 +266,46 @@ def test_sigkilled_producer_ready_slots_are_reclaimed(namespace: str, spawn: Any
         consumer.start()
         assert out.get(timeout=120) == [("live", "ok")]
         consumer.join(JOIN)
+
+
+# -- what the file path's tests check for its segments, for the table ------------------------------
+def test_slot_table_is_mode_0600(namespace: str) -> None:
+    import stat
+
+    with create_connector("shm", _config(namespace)) as a:
+        a.put(0, 1, "k", make_payload(1, KIB))
+        assert [i.key for i in _busy(a)] == [b"k"]
+        assert stat.S_IMODE(os.stat(a._slots.path).st_mode) == 0o600  # type: ignore[attr-defined]
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{Names(namespace).publish_dir}").st_mode) == 0o700
+
+
+def test_corrupt_slot_bytes_raise_wire_format_error_from_get_views(namespace: str) -> None:
+    with create_connector("shm", _config(namespace)) as a, create_connector("shm", _config(namespace)) as b:
+        a.put(0, 1, "k", make_payload(1, KIB))
+        mm, info = a._slots.mm, _busy(a)[0]  # type: ignore[attr-defined]
+        at = slots.HEADER + info.slot * int.from_bytes(mm[24:32], "little") + slots.SLOT_HEADER
+        mm[at : at + 64] = b"\xff" * 64
+        with pytest.raises(WireFormatError, match="'k'"):
+            b.get_views(0, 1, "k")
+        assert _busy(a) == []
+
+
+def test_gc_keeps_live_slot_payloads(namespace: str) -> None:
+    with create_connector("shm", _config(namespace)) as a, create_connector("shm", _config(namespace)) as b:
+        a.put(0, 1, "k", make_payload(1, KIB))
+        report = gc.collect(namespace)
+        assert report.removed == [] and report.errors == []
+        got = b.get(0, 1, "k")
+        assert got is not None and payload_matches(got.data, 1, KIB)
+
+
+def test_gc_all_removes_the_table_of_live_instances_and_they_close_cleanly(namespace: str) -> None:
+    from omni_plugins_shm.testing import namespace_segments
+
+    a = create_connector("shm", _config(namespace))
+    a.put(0, 1, "k", make_payload(1, KIB))
+    table = a._slots.path  # type: ignore[attr-defined]
+    report = gc.collect(namespace, force=True)
+    assert os.path.basename(table) in report.removed and namespace_segments(namespace) == []
+    a.close()  # closing after a forced gc must not fail (nor recreate anything)
+    assert namespace_segments(namespace) == []

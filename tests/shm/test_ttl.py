@@ -35,7 +35,7 @@ def _stop(proc: Any) -> None:
 
 def test_producer_frees_its_unclaimed_payloads_after_the_ttl(namespace: str, spawn: Any) -> None:
     # one pooled and one dedicated payload (pool_max_segment_bytes below its size); the consumer never comes
-    config = {"namespace": namespace, "ttl_seconds": 0.3, "pool_max_segment_bytes": 64 * KIB}
+    config = {"namespace": namespace, "slot_count": 0, "ttl_seconds": 0.3, "pool_max_segment_bytes": 64 * KIB}
     items = [("orphan-pooled", 1, 4 * KIB), ("orphan-dedicated", 2, 256 * KIB)]
     ready, go, hold = spawn.Queue(), spawn.Event(), spawn.Event()
     proc = spawn.Process(target=ttl_producer_worker, args=(config, items, ready, go, hold))
@@ -49,7 +49,7 @@ def test_producer_frees_its_unclaimed_payloads_after_the_ttl(namespace: str, spa
         assert ready.get(timeout=JOIN) == 2  # the put after the TTL reclaimed both
         left = set(namespace_segments(namespace))
         assert not (published & left)
-        with create_connector("shm", {"namespace": namespace}) as consumer:
+        with create_connector("shm", {"namespace": namespace, "slot_count": 0}) as consumer:
             assert consumer.get(0, 1, "orphan-pooled") is None  # a late get finds nothing
             assert consumer.get(0, 1, "orphan-dedicated", timeout=0.05) is None
             fresh = consumer.get(0, 1, "fresh")  # younger than the TTL: untouched
@@ -65,8 +65,8 @@ def test_producer_frees_its_unclaimed_payloads_after_the_ttl(namespace: str, spa
 
 def test_payloads_consumed_in_time_are_never_touched(namespace: str) -> None:
     with (
-        create_connector("shm", {"namespace": namespace, "ttl_seconds": 0.05}) as producer,
-        create_connector("shm", {"namespace": namespace}) as consumer,
+        create_connector("shm", {"namespace": namespace, "slot_count": 0, "ttl_seconds": 0.05}) as producer,
+        create_connector("shm", {"namespace": namespace, "slot_count": 0}) as consumer,
     ):
         producer.put(0, 1, "a", make_payload(1, 2 * KIB))
         assert consumer.get(0, 1, "a") is not None
@@ -88,7 +88,7 @@ def _gc(namespace: str, *extra: str) -> dict[str, Any]:
 
 
 def test_gc_ttl_frees_a_live_producers_stale_payloads(namespace: str, spawn: Any) -> None:
-    config = {"namespace": namespace}  # the producer has no TTL of its own
+    config = {"namespace": namespace, "slot_count": 0}  # the producer has no TTL of its own
     items = [("stale", 1, 4 * KIB)]
     ready, hold = spawn.Queue(), spawn.Event()
     proc = spawn.Process(target=producer_worker, args=(config, items, ready, hold))
@@ -118,8 +118,8 @@ def test_expiry_records_stay_bounded(namespace: str, monkeypatch: Any, caplog: A
 
     monkeypatch.setattr(expire, "MAX_RECORDS", 8)
     with (
-        create_connector("shm", {"namespace": namespace, "ttl_seconds": 3600}) as producer,
-        create_connector("shm", {"namespace": namespace}) as consumer,
+        create_connector("shm", {"namespace": namespace, "slot_count": 0, "ttl_seconds": 3600}) as producer,
+        create_connector("shm", {"namespace": namespace, "slot_count": 0}) as consumer,
     ):
         records = lambda: len(producer._expiry._records)  # noqa: E731
         for i in range(40):  # consumed payloads: their records are compacted away

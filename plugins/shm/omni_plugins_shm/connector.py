@@ -18,6 +18,7 @@ import itertools
 import logging
 import os
 import stat
+import threading
 import time
 import weakref
 from collections.abc import Sequence
@@ -87,6 +88,8 @@ class ShmConnector(Connector):
             raise
         self._ring = self._wake.ring
         self._slots: SlotTable | None = None
+        self._retired: list[SlotTable] = []  # tables gc --all removed under us (see _current_slots)
+        self._reopen_lock = threading.Lock()
         if self.config.slot_count > 0 and self._wake.futex_waits:
             try:
                 self._slots = SlotTable.open(
@@ -252,6 +255,25 @@ class ShmConnector(Connector):
             if remaining <= 0 or self._closed:
                 return None
             wake.sleep(names.wake_slot, int(got), remaining)
+            slots = self._current_slots(slots)
+
+    def _current_slots(self, slots: SlotTable) -> SlotTable:
+        """``slots``, or a freshly opened table if ``gc --all`` removed it while we waited (checked after each sleep).
+
+        Instances started after the removal publish into a new table; without this a waiter
+        would never see their payloads. The old table stays mapped until close (other threads
+        may still be using it).
+        """
+        if not slots.unlinked():
+            return slots
+        with self._reopen_lock:
+            if self._slots is slots and not self._closed:
+                self._retired.append(slots)
+                self._slots = SlotTable.open(
+                    self._pubdir, self._names.slots(), self._owner, self.config.slot_count, self.config.slot_bytes, pubdir.ensure
+                )
+                log.warning("shm namespace %r: slot table was removed (gc --all?); opened a new one", self.config.namespace)
+            return self._slots if self._slots is not None else slots
 
     def _decode_owned(self, buf: memoryview, key: str) -> GetResult:
         try:
@@ -311,6 +333,7 @@ class ShmConnector(Connector):
             if found or remaining <= 0 or self._closed:
                 return found
             wake.sleep(WAKE_ANY_SLOT, seen, remaining)
+            slots = self._current_slots(slots)
 
     def _wanted(self, keys: Sequence[str]) -> dict[bytes, str]:
         """Published name -> key for ``keys``; the last set is remembered (the runtime waits on the same set again and again).
@@ -475,9 +498,9 @@ class ShmConnector(Connector):
         unlink_quiet(self._marker)
         self._notifier.close()
         self._free_unconsumed()
-        if self._slots is not None:
-            self._slots.free_mine()
-            self._slots.close()  # removes the table if no other live instance holds it
+        for table in [*self._retired, *([self._slots] if self._slots is not None else [])]:
+            table.free_mine()
+            table.close()  # removes the table if no other live instance holds it
         self._pool.close()
         self._maps.clear()
         self._private.clear()

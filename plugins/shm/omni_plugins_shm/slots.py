@@ -118,6 +118,13 @@ class SlotTable:
         """Indexes of ``keys`` with a READY slot."""
         return self._native.slot_present(self.mm, keys)  # type: ignore[no-any-return]
 
+    def unlinked(self) -> bool:
+        """Whether the table was removed under us (``gc --all``): peers that start now use a new one."""
+        try:
+            return self._fd >= 0 and os.fstat(self._fd).st_nlink == 0
+        except OSError:
+            return False
+
     # -- bookkeeping (close, ttl, gc) ------------------------------------------------------
     def scan(self) -> list[SlotInfo]:
         return [SlotInfo(*item) for item in self._native.slot_scan(self.mm)]

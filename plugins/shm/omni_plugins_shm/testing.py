@@ -41,6 +41,35 @@ def namespace_segments(namespace: str, shm_dir: str = DEFAULT_SHM_DIR) -> list[s
     return sorted(out)
 
 
+def slot_payloads(namespace: str, shm_dir: str = DEFAULT_SHM_DIR) -> int:
+    """How many payloads wait in ``namespace``'s slot table (READY slots; 0 without a table or the C extension).
+
+    With :func:`namespace_segments` (which lists the file path's ``k.``/``h.`` payloads) this counts
+    every unconsumed payload of the namespace.
+    """
+    import mmap
+
+    from omni_plugins_shm import slots, wakeslots
+
+    native = wakeslots._futex
+    path = os.path.join(shm_dir, publish_dir_name(namespace), Names(namespace).slots())
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return 0
+    try:
+        if native is None:
+            return 0
+        # slot_scan takes a writable buffer (it only reads here)
+        mm = mmap.mmap(fd, os.fstat(fd).st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            return sum(1 for item in native.slot_scan(mm) if slots.word_kind(item[1]) == slots.READY)
+        finally:
+            mm.close()
+    finally:
+        os.close(fd)
+
+
 def segment_path(name: str, shm_dir: str = DEFAULT_SHM_DIR) -> str:
     """Full path of a segment or marker named ``name`` (as listed by :func:`namespace_segments`)."""
     return os.path.join(shm_dir, relative_path(name))
