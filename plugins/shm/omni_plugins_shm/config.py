@@ -57,7 +57,7 @@ class ShmConfig(ConnectorSettings):
         "ignored (inotify) when the extension is not built",
     )
     slot_count: int = Field(
-        default=0,
+        default=256,
         ge=0,
         le=1 << 20,
         description="slots in the namespace's slot table (small payloads handed off by compare-and-swap, no file syscalls; "
