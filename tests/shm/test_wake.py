@@ -165,11 +165,14 @@ def test_instances_opening_and_closing_concurrently_always_share_one_wake_file(n
     errors: list[str] = []
 
     def churn() -> None:
-        for _ in range(12):
-            with create_connector("shm", {"namespace": namespace, "reclaim_on_start": False}) as conn:
-                mine = os.fstat(conn._wake._fd)  # type: ignore[attr-defined]
-                if not os.path.samestat(mine, os.stat(path)):
-                    errors.append("an open instance's wake file is not the one at the path")
+        try:
+            for _ in range(12):
+                with create_connector("shm", {"namespace": namespace, "reclaim_on_start": False}) as conn:
+                    mine = os.fstat(conn._wake._fd)  # type: ignore[attr-defined]
+                    if not os.path.samestat(mine, os.stat(path)):
+                        errors.append("an open instance's wake file is not the one at the path")
+        except Exception as exc:  # e.g. the publish directory vanishing under an opening instance
+            errors.append(repr(exc))
 
     threads = [threading.Thread(target=churn) for _ in range(3)]
     for t in threads:
@@ -178,6 +181,26 @@ def test_instances_opening_and_closing_concurrently_always_share_one_wake_file(n
         t.join(JOIN)
     assert errors == []
     assert not os.path.exists(path)
+
+
+def test_publish_directory_removed_between_mkdir_and_check_is_created_again(namespace: str, monkeypatch: Any) -> None:
+    """Fault injection: the last other instance's close removes the publish directory right after our mkdir."""
+    from omni_plugins_shm import pubdir
+
+    real_lstat, raced = os.lstat, []
+
+    def lstat(path: str) -> os.stat_result:
+        if not raced and path.endswith(".d"):
+            raced.append(path)
+            os.rmdir(path)  # what a concurrent remove_if_empty does
+        return real_lstat(path)
+
+    monkeypatch.setattr(pubdir.os, "lstat", lstat)
+    with create_connector("shm", {"namespace": namespace}) as conn:
+        assert raced and os.path.isdir(raced[0])
+        conn.put(0, 1, "k", {"v": 1})
+        got = conn.get(0, 1, "k")
+        assert got is not None and got.data == {"v": 1}
 
 
 # -- waiting, both paths -----------------------------------------------------------------------

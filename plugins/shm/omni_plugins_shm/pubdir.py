@@ -28,12 +28,22 @@ _ATTEMPTS = 16
 
 
 def ensure(path: str) -> None:
-    """Create the publish directory (0700) or check that the existing one is ours and private."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
+    """Create the publish directory (0700) or check that the existing one is ours and private.
+
+    The last other instance may remove it between our ``mkdir`` and ``lstat`` (its close): then we create it again.
+    """
+    for _ in range(_ATTEMPTS):
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        break
+    else:
+        raise ConnectorError(f"shm publish directory {path} keeps disappearing (is gc --all running?)")
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         raise ConnectorError(f"shm publish directory {path} exists but is not a directory of this user; remove it")
     if stat.S_IMODE(st.st_mode) != 0o700:
