@@ -80,26 +80,20 @@ class ShmConnector(Connector):
                 )
         self._pubdir = self._path(self._names.publish_dir)
         self._marker = pubdir.create_marker(self._pubdir, self._names.marker(self._token))
+        wake: wakeslots.WakeFile | None = None
         try:
-            self._wake = wakeslots.WakeFile.open(self._pubdir, self._names.wake(), pubdir.ensure, self.config.futex_wait)
+            wake = wakeslots.WakeFile.open(self._pubdir, self._names.wake(), pubdir.ensure, self.config.futex_wait)
+            self._slots: SlotTable | None = self._open_slots() if self.config.slot_count > 0 and wake.futex_waits else None
         except BaseException:
+            if wake is not None:
+                wake.close()
             unlink_quiet(self._marker)
             pubdir.remove_if_empty(self._pubdir)
             raise
-        self._ring = self._wake.ring
-        self._slots: SlotTable | None = None
+        self._wake = wake
+        self._ring = wake.ring
         self._retired: list[SlotTable] = []  # tables gc --all removed under us (see _current_slots)
         self._reopen_lock = threading.Lock()
-        if self.config.slot_count > 0 and self._wake.futex_waits:
-            try:
-                self._slots = SlotTable.open(
-                    self._pubdir, self._names.slots(), self._owner, self.config.slot_count, self.config.slot_bytes, pubdir.ensure
-                )
-            except BaseException:
-                self._wake.close()
-                unlink_quiet(self._marker)
-                pubdir.remove_if_empty(self._pubdir)
-                raise
         self._pool = ProducerPool(
             self._dir, self._names, self._token, pool_bytes=self.config.pool_bytes, max_segment=self.config.pool_max_segment_bytes
         )
@@ -113,6 +107,10 @@ class ShmConnector(Connector):
         self._claim_numbers = itertools.count()
         ttl = self.config.ttl_seconds
         self._expiry = Expiry(ttl, self._reclaim_expired) if ttl > 0 else None
+
+    def _open_slots(self) -> SlotTable:
+        """Open (or create) the namespace's slot table with this instance's geometry."""
+        return SlotTable.open(self._pubdir, self._names.slots(), self._owner, self.config.slot_count, self.config.slot_bytes, pubdir.ensure)
 
     def _path(self, name: str) -> str:
         return f"{self._dir}/{name}"  # os.path.join costs ~3 us and is called several times per op
@@ -269,9 +267,7 @@ class ShmConnector(Connector):
         with self._reopen_lock:
             if self._slots is slots and not self._closed:
                 self._retired.append(slots)
-                self._slots = SlotTable.open(
-                    self._pubdir, self._names.slots(), self._owner, self.config.slot_count, self.config.slot_bytes, pubdir.ensure
-                )
+                self._slots = self._open_slots()
                 log.warning("shm namespace %r: slot table was removed (gc --all?); opened a new one", self.config.namespace)
             return self._slots if self._slots is not None else slots
 
