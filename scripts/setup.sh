@@ -93,10 +93,10 @@ run_pytest() {
   if netns_usable; then
     say "pytest (in a loopback-only network namespace)"
     exec unshare --user --map-root-user --net sh -c 'ip link set lo up && OMNI_TEST_NETNS=confined exec "$@"' \
-      sh "$VENV/bin/python" -m pytest -q "$@"
+      sh "$VENV/bin/python" -m pytest -q --durations=25 "$@"
   fi
   say "pytest"
-  exec "$VENV/bin/python" -m pytest -q "$@"
+  exec "$VENV/bin/python" -m pytest -q --durations=25 "$@"
 }
 
 case "$MODE" in
