@@ -25,9 +25,18 @@ iteration runs all variants in a shuffled order so machine noise hits them alike
 - floor parts, timed in the same rounds: ``stage_copy`` (``wire.encode`` +
   ``write_into`` a registered, reused slab: the one copy both connectors must
   make because ``put`` may not keep the caller's memory) and ``control_rtt``
-  (one ping round trip on ``mooncake-te``'s control channel: the least a
-  consumer pays to learn where a key is). ``floor`` ratios are the best a
-  connector doing only that could reach: raw / (best raw read + those parts).
+  (one binary ``claim`` round trip on ``mooncake-te``'s control channel, for a
+  key the producer does not have: the lookup as the connector makes it) and ``bare_rtt``
+  (16 bytes to a Python thread that only echoes them, over a blocking loopback
+  TCP socket: the least any consumer pays to learn from a producer process
+  where a key is, without framing, parsing or bookkeeping). ``floor`` ratios are
+  the best a connector doing only that could reach: raw / (best raw read + those
+  parts); ``te_floor_min_vs_raw_read`` uses ``bare_rtt``, and
+  ``te_floor_copy_only_vs_raw_read`` leaves the lookup out entirely (an upper
+  bound for any connector that copies once and reads once). ``decode`` (a
+  zero-copy ``wire.decode`` of the encoded payload lying in memory, as a
+  ``get`` must return tensors, not bytes) is timed too; ``*_floor_all`` add it:
+  store raw + copy + decode, te best read + copy + bare round trip + decode.
   (``store`` skips the staging copy for new keys of 4 MiB and more, so its
   floor applies to the 1 MiB size only.)
 
@@ -55,7 +64,9 @@ import mmap
 import os
 import platform
 import random
+import socket
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -130,6 +141,38 @@ def _engine() -> Any:
     return te
 
 
+class _Echo:
+    """A loopback TCP peer whose thread echoes what it receives: the bare round trip, nothing parsed."""
+
+    def __init__(self) -> None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        self.client = socket.create_connection(listener.getsockname()[:2])
+        self.client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._server, _ = listener.accept()
+        self._server.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        listener.close()
+        self._thread = threading.Thread(target=self._run, name="bench-echo", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        with self._server:
+            while data := self._server.recv(64):
+                self._server.sendall(data)
+
+    def rtt(self) -> float:
+        t0 = time.perf_counter()
+        self.client.sendall(b"where-is-key-K??")
+        got = self.client.recv(64)
+        dt = time.perf_counter() - t0
+        if len(got) != 16:
+            raise RuntimeError(f"echo returned {len(got)} bytes")
+        return dt
+
+    def close(self) -> None:
+        self.client.close()
+        self._thread.join(5)
+
+
 class Bench:
     def __init__(self, master: str, max_size: int, segment: int) -> None:
         from omni_plugins import create_connector
@@ -167,9 +210,15 @@ class Bench:
         assert self.te_a.register_memory(self.stage.addr, self.stage.size) == 0
         self.stage_view = memoryview(self.stage.mm)
         self.te_control = ControlClient(self.te_prod.address, timeout=5.0)  # type: ignore[attr-defined]
+        self.echo = _Echo()
+        self.decode_src = _Buffer(max_size + MIB)
+        self.decode_view = memoryview(self.decode_src.mm)
+        self.decode_n = 0
 
     def close(self) -> None:
         self.te_control.close()
+        self.echo.close()
+        self.decode_view.release()
         self.stage_view.release()
         for conn in (self.store_prod, self.store_cons, self.te_prod, self.te_cons):
             conn.close()
@@ -234,10 +283,26 @@ class Bench:
         encoded.write_into(self.stage_view[: encoded.nbytes])
         return time.perf_counter() - t0
 
+    def prepare(self, payload: dict[str, torch.Tensor]) -> None:
+        """Lay the encoded payload in ``decode_src`` for the ``decode`` floor part (untimed)."""
+        encoded = wire.encode(payload)
+        self.decode_n = encoded.nbytes
+        encoded.write_into(self.decode_view[: self.decode_n])
+
+    def decode(self) -> float:
+        t0 = time.perf_counter()
+        obj = wire.decode(self.decode_view[: self.decode_n])
+        dt = time.perf_counter() - t0
+        del obj
+        return dt
+
     def control_rtt(self) -> float:
         t0 = time.perf_counter()
-        self.te_control.request({"op": "ping"})
-        return time.perf_counter() - t0
+        claim = self.te_control.claim("bench-absent-key")  # the connector's own "where is K" request, answered "nowhere"
+        dt = time.perf_counter() - t0
+        if claim is not None:
+            raise RuntimeError("the control round trip found a key it should not")
+        return dt
 
     def te(self, payload: dict[str, torch.Tensor]) -> tuple[float, float]:
         key = f"te-{uuid.uuid4().hex}"
@@ -263,6 +328,8 @@ def _one_round(bench: Bench, size: int, payload: dict[str, torch.Tensor], rng: r
         (("te_put", "te_get"), partial(bench.te, payload)),
         (("stage_copy",), partial(bench.stage_copy, payload)),
         (("control_rtt",), bench.control_rtt),
+        (("bare_rtt",), bench.echo.rtt),
+        (("decode",), bench.decode),
     ]
     rng.shuffle(variants)
     got: dict[str, float] = {}
@@ -289,6 +356,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             with tqdm(total=total, desc="mooncake", unit="round") as bar:
                 for size in sizes:
                     payload = {"x": torch.randint(0, 256, (size,), dtype=torch.uint8)}
+                    bench.prepare(payload)
                     warm, n = rounds[size]
                     samples: dict[str, list[float]] = {
                         k: []
@@ -306,6 +374,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             "te_get",
                             "stage_copy",
                             "control_rtt",
+                            "bare_rtt",
+                            "decode",
                         )
                     }
                     for i in range(warm + n):
@@ -345,6 +415,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 "te_floor_vs_raw_read": med["te_raw_read"] / (best_read + med["stage_copy"] + med["control_rtt"]),
                                 "te_floor_vs_raw_async_read": med["te_raw_async_read"]
                                 / (best_read + med["stage_copy"] + med["control_rtt"]),
+                                "te_floor_min_vs_raw_read": med["te_raw_read"] / (best_read + med["stage_copy"] + med["bare_rtt"]),
+                                "te_floor_copy_only_vs_raw_read": med["te_raw_read"] / (best_read + med["stage_copy"]),
+                                "te_floor_all_vs_raw_read": med["te_raw_read"]
+                                / (best_read + med["stage_copy"] + med["bare_rtt"] + med["decode"]),
+                                "store_floor_all": med["store_raw"] / (med["store_raw"] + med["stage_copy"] + med["decode"]),
                             },
                         }
                     )

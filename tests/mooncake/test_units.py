@@ -17,7 +17,7 @@ from omni_plugins_mooncake._remover import Remover
 from omni_plugins_mooncake.config import MooncakeStoreConfig, MooncakeTEConfig
 from omni_plugins_mooncake.memory import SlabPool, size_class
 from omni_plugins_mooncake.te import transfer as transfer_module
-from omni_plugins_mooncake.te.control import ControlClient, ControlServer
+from omni_plugins_mooncake.te.control import Claim, ControlClient, ControlServer, ProtocolError, claim_reply, parse_claim_reply, parse_token
 from omni_plugins_mooncake.te.pool import StagingTable
 from omni_plugins_mooncake.te.transfer import DONE, FAILED, TIMED_OUT, Reader
 
@@ -219,6 +219,45 @@ def test_control_server_survives_garbage_and_answers() -> None:
         client.close()
     finally:
         server.close()
+
+
+def test_binary_claim_and_finish_round_trip_and_bad_frames_drop_the_client() -> None:
+    """The binary claim/finish (every get's path): answers, one-way finish, and malformed requests hang up."""
+    seen: list[bytes] = []
+
+    def fast(body: bytes) -> bytes | None:
+        seen.append(body)
+        if body[0] == 0x02:
+            parse_token(body)
+            return None
+        if body[0] != 0x01:
+            raise ProtocolError(f"unknown binary request {body[0]:#x}")  # as the connector's handler does
+        key = body[1:].decode()
+        return claim_reply(Claim("127.0.0.1:15001", 4096, 1 << 20, 7, 60.0) if key == "k" else None)
+
+    server = ControlServer("127.0.0.1:0", lambda req: {"ok": True, "echo": req.get("op")}, fast=fast, idle_timeout=2)
+    try:
+        client = ControlClient(server.address, timeout=2)
+        assert client.claim("k") == Claim("127.0.0.1:15001", 4096, 1 << 20, 7, 60.0)
+        assert client.claim("other") is None
+        client.finish(7)  # one-way: the next request on the same connection still gets its own answer
+        assert client.request({"op": "ping"})["echo"] == "ping"
+        assert seen[-1] == b"\x02" + (7).to_bytes(8, "big")
+        host, port = server.address.split(":")
+        for junk in (b"\x02\x00", b"\x7f", b""):  # short finish, unknown binary op, empty frame
+            with socket.create_connection((host, int(port)), timeout=2) as s:
+                s.sendall(struct.pack(">I", len(junk)) + junk)
+                s.settimeout(2)
+                assert s.recv(16) == b""
+        client.close()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("body", [b"", b"\x01short", b"\x03", b"\x01" + bytes(32) + b"\xff"])
+def test_malformed_claim_reply_is_a_protocol_error(body: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        parse_claim_reply(body, "peer:1")
 
 
 def test_silent_peer_times_out_instead_of_hanging() -> None:

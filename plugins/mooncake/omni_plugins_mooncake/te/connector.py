@@ -23,7 +23,18 @@ from omni_plugins_mooncake._env import prepare_environment
 from omni_plugins_mooncake._import import import_mooncake
 from omni_plugins_mooncake.config import MooncakeTEConfig
 from omni_plugins_mooncake.memory import Slab, SlabPool
-from omni_plugins_mooncake.te.control import ControlClient, ControlServer, PeerUnreachableError
+from omni_plugins_mooncake.te.control import (
+    OP_CLAIM,
+    OP_FINISH,
+    Claim,
+    ControlClient,
+    ControlServer,
+    PeerUnreachableError,
+    ProtocolError,
+    claim_reply,
+    parse_key,
+    parse_token,
+)
 from omni_plugins_mooncake.te.discovery import PeerDirectory
 from omni_plugins_mooncake.te.pool import Staged, StagingTable
 from omni_plugins_mooncake.te.transfer import DONE, FAILED, TIMED_OUT, Reader
@@ -167,13 +178,13 @@ class MooncakeTransferEngineConnector(Connector):
         for address, client in self._peer_clients():
             claimed_at = time.monotonic()
             try:
-                reply = client.request({"op": "claim", "key": key})
+                claim = client.claim(key)
             except PeerUnreachableError as exc:
                 if self._peer_failed(address, exc, key):
                     failures.append(str(exc))
                 continue
-            if reply.get("found"):
-                return self._read_remote(client, key, reply, claimed_at)
+            if claim is not None:
+                return self._read_remote(client, key, claim, claimed_at)
         if failures:
             raise ConnectorError(f"mooncake-te: key {key!r} not found and some peers are down: " + "; ".join(failures))
         return None
@@ -185,14 +196,10 @@ class MooncakeTransferEngineConnector(Connector):
         finally:
             del view
 
-    def _read_remote(self, client: ControlClient, key: str, reply: dict[str, Any], claimed_at: float) -> GetResult:
-        try:
-            segment, remote_addr, size, token = str(reply["segment"]), int(reply["addr"]), int(reply["size"]), int(reply["token"])
-            claim_ttl = float(reply["claim_ttl"])
-            if not 0 < claim_ttl < 1e9:
-                raise ValueError(f"claim_ttl {claim_ttl}")
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConnectorError(f"mooncake-te peer {client.address} sent a malformed claim for key {key!r}: {exc}") from None
+    def _read_remote(self, client: ControlClient, key: str, claim: Claim, claimed_at: float) -> GetResult:
+        segment, remote_addr, size, token, claim_ttl = claim
+        if not 0 < claim_ttl < 1e9:
+            raise ConnectorError(f"mooncake-te peer {client.address} sent a malformed claim for key {key!r}: claim_ttl {claim_ttl}")
         if size <= 0:
             raise ConnectorError(f"mooncake-te peer {client.address} announced key {key!r} with size {size}")
         slab = self._recv_pool.acquire(size)
@@ -243,7 +250,7 @@ class MooncakeTransferEngineConnector(Connector):
         """
         if claim_left > _CLAIM_MARGIN:
             try:
-                client.notify({"op": "finish", "token": token})
+                client.finish(token)
                 return
             except PeerUnreachableError as exc:
                 logger.warning("mooncake-te: finishing key %r at %s failed (%s); payload reclaimed by its TTL", key, client.address, exc)
@@ -292,9 +299,23 @@ class MooncakeTransferEngineConnector(Connector):
     # -- producer ---------------------------------------------------------------
     def _listen(self, address: str) -> ControlServer:
         try:
-            return ControlServer(address, self._handle, name=f"mooncake-te {self.segment}")
+            return ControlServer(address, self._handle, fast=self._handle_fast, name=f"mooncake-te {self.segment}")
         except OSError as exc:
             raise ConnectorError(f"mooncake-te cannot listen on {address}: {exc}") from exc
+
+    def _handle_fast(self, body: bytes) -> bytes | None:
+        """The binary ``claim`` and one-way ``finish`` (see ``control``): the requests on every ``get``'s path."""
+        op = body[0]
+        if op == OP_CLAIM:
+            entry = self._table.claim(parse_key(body))
+            if entry is None:
+                return claim_reply(None)
+            assert entry.token is not None
+            return claim_reply(Claim(self.segment, entry.slab.address, entry.nbytes, entry.token, self._table.claim_timeout))
+        if op == OP_FINISH:
+            self._table.finish(parse_token(body))
+            return None
+        raise ProtocolError(f"unknown binary request {op:#x}")
 
     def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
         op = request.get("op")

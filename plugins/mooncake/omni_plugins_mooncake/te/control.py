@@ -10,7 +10,19 @@ Frame: 4-byte big-endian length, then a msgpack map (at most 64 KiB). Requests::
     {"op": "discard", "key": K}            -> {"ok": true, "released": bool}
     {"op": "ping"}                         -> {"ok": true, "segment": S}
 
-Any failure is ``{"ok": false, "error": "..."}``. Every socket operation has a
+Any failure is ``{"ok": false, "error": "..."}``.
+
+The two requests on every ``get``'s path also have a compact binary form
+(:func:`claim_request` / :func:`parse_claim_reply`, :func:`finish_notice`): a
+frame whose body starts with a byte below 0x80 (a msgpack map never does)::
+
+    0x01 key(utf-8)                          -> 0x00 (not found)
+                                              | 0x01 addr:u64 size:u64 token:u64 claim_ttl:f64 segment(utf-8)
+                                              | 0x02 error(utf-8)
+    0x02 token:u64                           (one-way finish)
+
+Same meaning as the maps, less Python on both ends of the round trip
+(docs/mooncake.md has the measurements). Every socket operation has a
 timeout, so a dead peer is an error after at most ``timeout`` seconds, never a
 hang. No pickle: bytes from the network are untrusted and only msgpack-decoded
 with small limits.
@@ -24,7 +36,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -34,10 +46,29 @@ from omni_plugins_mooncake.config import parse_host_port
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
+_TIMEVAL = struct.Struct("@ll")  # struct timeval
+_RECV_SIZE = 4096  # a reply or request fits; bigger frames take more calls
 MAX_FRAME = 64 * 1024
 PROTOCOL_VERSION = 1
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
+FastHandler = Callable[[bytes], "bytes | None"]  # a binary request body -> reply body, or None (one-way)
+
+OP_CLAIM = 0x01
+OP_FINISH = 0x02
+_CLAIMED = struct.Struct(">QQQd")  # addr, size, token, claim_ttl
+_TOKEN = struct.Struct(">Q")
+_FOUND, _NOT_FOUND, _FAILED = b"\x01", b"\x00", b"\x02"
+
+
+class Claim(NamedTuple):
+    """Where a claimed payload is: read ``size`` bytes at ``addr`` in ``segment``, then finish ``token``."""
+
+    segment: str
+    addr: int
+    size: int
+    token: int
+    claim_ttl: float
 
 
 class ProtocolError(ConnectorError):
@@ -53,30 +84,26 @@ class PeerUnreachableError(ConnectorError):
         self.refused = refused
 
 
-def send_frame(sock: socket.socket, message: dict[str, Any]) -> None:
-    body = msgpack.packb(message, use_bin_type=True)
-    if len(body) > MAX_FRAME:
-        raise ProtocolError(f"control message of {len(body)} bytes exceeds {MAX_FRAME}")
-    sock.sendall(_LEN.pack(len(body)) + body)
+def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make ``sock`` blocking, with every send/receive bounded by the kernel (``SO_SNDTIMEO``/``SO_RCVTIMEO``).
+
+    Not ``socket.settimeout``: Python then polls before every call, an extra
+    system call each way that cost a third of a loopback round trip here
+    (docs/mooncake.md). A call that runs out of time raises ``BlockingIOError``
+    (an ``OSError``), as a timed-out call raised ``TimeoutError`` before.
+    """
+    sock.settimeout(None)
+    micros = max(1, round(seconds * 1e6))  # 0 would mean "forever"
+    value = _TIMEVAL.pack(micros // 1_000_000, micros % 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("connection closed by peer")
-        got += k
-    return bytes(buf)
+def _pack(message: dict[str, Any]) -> bytes:
+    return bytes(msgpack.packb(message, use_bin_type=True))
 
 
-def recv_frame(sock: socket.socket) -> dict[str, Any]:
-    (length,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if length > MAX_FRAME:
-        raise ProtocolError(f"control frame of {length} bytes exceeds {MAX_FRAME}")
-    body = _recv_exact(sock, length)
+def _unpack(body: bytes) -> dict[str, Any]:
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=True, max_array_len=64, max_map_len=64, max_ext_len=0)
     except Exception as exc:
@@ -86,12 +113,116 @@ def recv_frame(sock: socket.socket) -> dict[str, Any]:
     return message
 
 
+def claim_request(key: str) -> bytes:
+    return bytes((OP_CLAIM,)) + key.encode()
+
+
+def claim_reply(claim: Claim | None) -> bytes:
+    if claim is None:
+        return _NOT_FOUND
+    return _FOUND + _CLAIMED.pack(claim.addr, claim.size, claim.token, claim.claim_ttl) + claim.segment.encode()
+
+
+def claim_error(message: str) -> bytes:
+    return _FAILED + message.encode()[:1024]
+
+
+def finish_notice(token: int) -> bytes:
+    return bytes((OP_FINISH,)) + _TOKEN.pack(token)
+
+
+def parse_key(body: bytes) -> str:
+    """The key of a binary claim request (``body`` starts with its op byte)."""
+    try:
+        return body[1:].decode()
+    except UnicodeDecodeError:
+        raise ProtocolError("claim key is not UTF-8") from None
+
+
+def parse_token(body: bytes) -> int:
+    if len(body) != 1 + _TOKEN.size:
+        raise ProtocolError(f"finish notice of {len(body)} bytes")
+    return int(_TOKEN.unpack_from(body, 1)[0])
+
+
+def parse_claim_reply(body: bytes, peer: str) -> Claim | None:
+    """A binary claim reply; ``ProtocolError`` when malformed, ``ConnectorError`` when the peer refused."""
+    kind = body[:1]
+    if kind == _NOT_FOUND and len(body) == 1:
+        return None
+    if kind == _FOUND and len(body) > 1 + _CLAIMED.size:
+        addr, size, token, claim_ttl = _CLAIMED.unpack_from(body, 1)
+        try:
+            segment = body[1 + _CLAIMED.size :].decode()
+        except UnicodeDecodeError:
+            raise ProtocolError(f"peer {peer} sent a claim whose segment is not UTF-8") from None
+        return Claim(segment, addr, size, token, claim_ttl)
+    if kind == _FAILED:
+        raise ConnectorError(f"mooncake-te peer {peer} refused 'claim': {body[1:].decode(errors='replace')}")
+    raise ProtocolError(f"peer {peer} sent a malformed claim reply ({len(body)} bytes)")
+
+
+class Channel:
+    """One control connection: frames out, frames in, read with as few ``recv`` calls as possible.
+
+    Received bytes are buffered, so a frame usually costs one ``recv`` (not one
+    for the length and one for the body), and two frames that arrive together
+    (a one-way ``finish`` followed by the next ``claim``) are both kept.
+    """
+
+    __slots__ = ("_pending", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._pending = b""
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.send_body(_pack(message))
+
+    def send_body(self, body: bytes) -> None:
+        if len(body) > MAX_FRAME:
+            raise ProtocolError(f"control message of {len(body)} bytes exceeds {MAX_FRAME}")
+        self.sock.sendall(_LEN.pack(len(body)) + body)
+
+    def receive(self) -> dict[str, Any]:
+        """The next frame as a map; ``ConnectionError`` when the peer hung up, ``ProtocolError`` for a bad frame."""
+        return _unpack(self.receive_body())
+
+    def receive_body(self) -> bytes:
+        """The next frame's body (not empty)."""
+        buf = self._pending
+        while len(buf) < _LEN.size:
+            buf += self._recv()
+        (length,) = _LEN.unpack_from(buf)
+        if length > MAX_FRAME:
+            raise ProtocolError(f"control frame of {length} bytes exceeds {MAX_FRAME}")
+        if length == 0:
+            raise ProtocolError("empty control frame")
+        end = _LEN.size + length
+        while len(buf) < end:
+            buf += self._recv()
+        self._pending = buf[end:]
+        return buf[_LEN.size : end]
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _recv(self) -> bytes:
+        data = self.sock.recv(_RECV_SIZE)
+        if not data:
+            raise ConnectionError("connection closed by peer")
+        return data
+
+
 class ControlServer:
     """A tiny threaded TCP server: one daemon thread accepts, one per connection answers."""
 
-    def __init__(self, address: str, handler: Handler, *, idle_timeout: float = 120.0, name: str = "control") -> None:
+    def __init__(
+        self, address: str, handler: Handler, *, fast: FastHandler | None = None, idle_timeout: float = 120.0, name: str = "control"
+    ) -> None:
         host, _, port = address.rpartition(":")
         self._handler = handler
+        self._fast = fast
         self._idle_timeout = idle_timeout
         self._name = name
         self._listener = socket.create_server((host.strip("[]"), int(port)), backlog=64)
@@ -130,31 +261,48 @@ class ControlServer:
             threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        channel = Channel(conn)
         try:
-            conn.settimeout(self._idle_timeout)  # bounds both waiting for a request and sending a reply
+            set_io_timeout(conn, self._idle_timeout)  # bounds both waiting for a request and sending a reply
             while not self._stopping.is_set():
                 try:
-                    request = recv_frame(conn)
+                    body = channel.receive_body()
+                    # a binary request starts below 0x80, where no msgpack map does
+                    reply = self._answer_fast(body) if body[0] < 0x80 else self._answer(_unpack(body))
                 except (OSError, ConnectionError):
                     return
                 except ProtocolError as exc:
                     logger.warning("%s %s: dropping a client that sent a bad frame: %s", self._name, self.address, exc)
                     return
-                try:
-                    reply = self._handler(request)
-                except Exception as exc:  # a handler bug must not kill the channel silently
-                    logger.exception("%s %s: request %r failed", self._name, self.address, request.get("op"))
-                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-                if request.get("noreply") is True:
+                if reply is None:
                     continue
                 try:
-                    send_frame(conn, reply)
+                    channel.send_body(reply)
                 except OSError:
                     return
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _answer(self, request: dict[str, Any]) -> bytes | None:
+        try:
+            reply = self._handler(request)
+        except Exception as exc:  # a handler bug must not kill the channel silently
+            logger.exception("%s %s: request %r failed", self._name, self.address, request.get("op"))
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        return None if request.get("noreply") is True else _pack(reply)
+
+    def _answer_fast(self, body: bytes) -> bytes | None:
+        if self._fast is None:
+            raise ProtocolError(f"binary request {body[0]:#x} on a channel without binary requests")
+        try:
+            return self._fast(body)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            logger.exception("%s %s: binary request %#x failed", self._name, self.address, body[0])
+            return None if body[0] == OP_FINISH else claim_error(f"{type(exc).__name__}: {exc}")
 
 
 class ControlClient:
@@ -165,93 +313,109 @@ class ControlClient:
         self._host, self._port = parse_host_port(address, what="peer address")
         self._timeout = timeout
         self._max_idle_age = max_idle_age
-        self._idle: list[tuple[socket.socket, float]] = []
+        self._idle: list[tuple[Channel, float]] = []
         self._lock = threading.Lock()
 
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         """Send one request and return the reply map; raise :class:`PeerUnreachableError` on any I/O failure."""
         message = {"v": PROTOCOL_VERSION, **message}
-        sock, reused = self._checkout()
-        try:
-            reply = self._roundtrip(sock, message)
-        except (OSError, ConnectionError) as exc:
-            sock.close()
-            if not reused:
-                raise self._unreachable(exc) from exc
-            sock = self._connect()  # the server may have closed an idle connection: retry once
-            try:
-                reply = self._roundtrip(sock, message)
-            except (OSError, ConnectionError) as exc2:
-                sock.close()
-                raise self._unreachable(exc2) from exc2
-        except ProtocolError:
-            sock.close()
-            raise
-        self._checkin(sock)
+        reply = _unpack(self._exchange(_pack(message)))
         if reply.get("ok") is not True:
             raise ConnectorError(f"mooncake-te peer {self.address} refused {message.get('op')!r}: {reply.get('error', reply)}")
         return reply
 
+    def claim(self, key: str) -> Claim | None:
+        """Claim ``key`` (binary request): where to read it, or None when the peer does not have it (free)."""
+        return parse_claim_reply(self._exchange(claim_request(key)), self.address)
+
     def notify(self, message: dict[str, Any]) -> None:
         """Send a one-way request (``noreply``); raise :class:`PeerUnreachableError` if it cannot be sent."""
-        message = {"v": PROTOCOL_VERSION, **message, "noreply": True}
-        sock, reused = self._checkout()
+        self._send_oneway(_pack({"v": PROTOCOL_VERSION, **message, "noreply": True}))
+
+    def finish(self, token: int) -> None:
+        """One-way ``finish`` of a claim (binary); raise :class:`PeerUnreachableError` if it cannot be sent."""
+        self._send_oneway(finish_notice(token))
+
+    def _exchange(self, body: bytes) -> bytes:
+        channel, reused = self._checkout()
         try:
-            send_frame(sock, message)
+            reply = self._roundtrip(channel, body)
         except (OSError, ConnectionError) as exc:
-            sock.close()
+            channel.close()
             if not reused:
                 raise self._unreachable(exc) from exc
-            sock = self._connect()
+            channel = self._connect()  # the server may have closed an idle connection: retry once
             try:
-                send_frame(sock, message)
+                reply = self._roundtrip(channel, body)
             except (OSError, ConnectionError) as exc2:
-                sock.close()
+                channel.close()
                 raise self._unreachable(exc2) from exc2
-        self._checkin(sock)
+        except ProtocolError:
+            channel.close()
+            raise
+        self._checkin(channel)
+        return reply
+
+    def _send_oneway(self, body: bytes) -> None:
+        channel, reused = self._checkout()
+        try:
+            channel.send_body(body)
+        except (OSError, ConnectionError) as exc:
+            channel.close()
+            if not reused:
+                raise self._unreachable(exc) from exc
+            channel = self._connect()
+            try:
+                channel.send_body(body)
+            except (OSError, ConnectionError) as exc2:
+                channel.close()
+                raise self._unreachable(exc2) from exc2
+        self._checkin(channel)
 
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
-        for sock, _ in idle:
-            sock.close()
+        for channel, _ in idle:
+            channel.close()
 
-    def _roundtrip(self, sock: socket.socket, message: dict[str, Any]) -> dict[str, Any]:
-        send_frame(sock, message)  # the socket carries `timeout` from create_connection
-        return recv_frame(sock)
+    def _roundtrip(self, channel: Channel, body: bytes) -> bytes:
+        channel.send_body(body)  # each call bounded by `timeout` (set_io_timeout)
+        return channel.receive_body()
 
-    def _checkout(self) -> tuple[socket.socket, bool]:
+    def _checkout(self) -> tuple[Channel, bool]:
         now = time.monotonic()
-        stale: list[socket.socket] = []
-        found: socket.socket | None = None
+        stale: list[Channel] = []
+        found: Channel | None = None
         with self._lock:
             while self._idle:
-                sock, since = self._idle.pop()
+                channel, since = self._idle.pop()
                 if now - since < self._max_idle_age:
-                    found = sock
+                    found = channel
                     break
-                stale.append(sock)
-        for sock in stale:
-            sock.close()
+                stale.append(channel)
+        for channel in stale:
+            channel.close()
         if found is not None:
             return found, True
         return self._connect(), False
 
-    def _checkin(self, sock: socket.socket) -> None:
+    def _checkin(self, channel: Channel) -> None:
         with self._lock:
-            self._idle.append((sock, time.monotonic()))
+            self._idle.append((channel, time.monotonic()))
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> Channel:
         try:
             sock = socket.create_connection((self._host, self._port), timeout=self._timeout)
         except OSError as exc:
             raise self._unreachable(exc) from exc
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        set_io_timeout(sock, self._timeout)
+        return Channel(sock)
 
     def _unreachable(self, exc: BaseException) -> PeerUnreachableError:
+        what = f"no answer within {self._timeout} s" if isinstance(exc, BlockingIOError) else f"{type(exc).__name__}: {exc}"
         return PeerUnreachableError(
             self.address,
-            f"mooncake-te peer {self.address} is unreachable ({type(exc).__name__}: {exc})",
+            f"mooncake-te peer {self.address} is unreachable ({what})",
             refused=isinstance(exc, ConnectionRefusedError),
         )
