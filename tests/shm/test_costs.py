@@ -103,8 +103,8 @@ def test_a_segment_held_by_views_is_never_reused(pair: Any) -> None:
     assert consumer.get(0, 1, "after") is not None
 
 
-def test_repeat_wait_any_on_the_same_keys_builds_no_name_map(pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    producer, consumer = pair
+def test_repeat_wait_any_on_the_same_keys_builds_no_name_map(file_pair: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    producer, consumer = file_pair
     keys = [f"w{i}" for i in range(64)]
     producer.put(0, 1, keys[9], _small())
     lookups = [0]

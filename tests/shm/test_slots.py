@@ -81,6 +81,41 @@ def test_small_payloads_use_slots_big_ones_files(namespace: str) -> None:
         assert views.data["t"].tolist() == list(range(1, 11))
 
 
+def test_file_path_hint_counts_unconsumed_file_payloads(namespace: str) -> None:
+    """The table's hint: raised by a file-path put, lowered by the get that consumes it; table payloads leave it alone."""
+    with create_connector("shm", _config(namespace)) as a, create_connector("shm", _config(namespace)) as b:
+        hint = a._slots.files_add
+        a.put(0, 1, "s", make_payload(1, KIB))
+        assert hint(0) == 0
+        a.put(0, 1, "f1", make_payload(2, 32 * KIB))
+        a.put(0, 1, "f2", make_payload(3, 32 * KIB))
+        assert hint(0) == 2
+        assert b.wait_any(["f2", "s", "x"], 0) == ["s", "f2"]  # the hint sends wait_any to the directory
+        res = b.get(0, 1, "f1", timeout=5)
+        assert res is not None and payload_matches(res.data, 2, 32 * KIB)
+        assert hint(0) == 1
+        res = b.get(0, 1, "f2")
+        assert res is not None and hint(0) == 0
+        assert hint(-5) == 0  # never below zero
+        assert b.get(0, 1, "s", timeout=5) is not None
+
+
+def test_a_stale_file_path_hint_delays_but_never_loses_a_file_payload(namespace: str) -> None:
+    """A hint that reads 0 while a file payload waits (a gc --all replaced the table): a non-blocking get still
+    finds it, a waiting get finds it after one sleep slice, and wait_any after its slice."""
+    with create_connector("shm", _config(namespace)) as a, create_connector("shm", _config(namespace)) as b:
+        for key in ("f1", "f2", "f3"):
+            a.put(0, 1, key, make_payload(4, 32 * KIB))
+        a._slots.files_add(-3)
+        assert a._slots.files_add(0) == 0
+        res = b.get(0, 1, "f1")  # non-blocking: always looks at the file path
+        assert res is not None and payload_matches(res.data, 4, 32 * KIB)
+        res = b.get(0, 1, "f2", timeout=5)  # the first sleep runs out its slice, then the file path is tried
+        assert res is not None and payload_matches(res.data, 4, 32 * KIB)
+        assert b.wait_any(["f3"], 5) == ["f3"]
+        assert b.cleanup("f3")
+
+
 def test_full_table_falls_back_to_files(namespace: str) -> None:
     config = _config(namespace, slot_count=4)
     with create_connector("shm", config) as a, create_connector("shm", config) as b:

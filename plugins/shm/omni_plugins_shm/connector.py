@@ -33,7 +33,7 @@ from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
 from omni_plugins_shm import gc, pubdir, wakeslots
 from omni_plugins_shm.config import ShmConfig
 from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
-from omni_plugins_shm.naming import HASHED, PUBLISHED, WAKE_ANY_SLOT, KeyNames, Names, parse_name
+from omni_plugins_shm.naming import HASHED, PUBLISHED, WAKE_ANY_SLOT, KeyNames, Names, parse_name, wake_slot
 from omni_plugins_shm.notify import Notifier
 from omni_plugins_shm.proc import Owner
 from omni_plugins_shm.segments.files import unlink_quiet
@@ -41,7 +41,7 @@ from omni_plugins_shm.segments.header import CLOSED_OFFSET, HEADER_SIZE, PAYLOAD
 from omni_plugins_shm.segments.mapcache import MapCache, Mapping
 from omni_plugins_shm.segments.pool import ProducerPool, Segment
 from omni_plugins_shm.segments.private import PrivateBuffers
-from omni_plugins_shm.slots import SlotTable
+from omni_plugins_shm.slots import FILES, SEQ_MASK, SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,18 @@ class ShmConnector(Connector):
         # the slot table: one C call (replace, CAS, copy, publish, ring); < 0: too big or full -> file path
         if slots is not None and enc.nbytes <= slots.slot_bytes and slots.put(key, enc.buffers(), enc.nbytes, self._wake.mm) >= 0:
             return PutResult(True, enc.nbytes, None)
+        if slots is None:
+            return self._put_file(key, enc, expiry, None)
+        # raise the table's file-path hint before publishing (waiting gets of table instances then look at the file path)
+        slots.files_add(1)
+        try:
+            return self._put_file(key, enc, expiry, slots)
+        except BaseException:
+            slots.files_add(-1)  # nothing was published
+            raise
+
+    def _put_file(self, key: str, enc: wire.Encoded, expiry: Expiry | None, counted: SlotTable | None) -> PutResult:
+        """The file path of ``put``: a pooled (or dedicated) segment published under the key's name."""
         names = self._key(key)
         published = names.published_path
         for _ in range(_PUT_RETRIES):
@@ -141,7 +153,7 @@ class ShmConnector(Connector):
             except OSError as exc:
                 raise ConnectorError(f"shm put of key {key!r} ({enc.nbytes} bytes) in {self._dir}: cannot get a segment: {exc}") from exc
             try:
-                header = Header(self._owner, seg.no, seg.capacity, enc.nbytes, names.digest, seg.pooled)
+                header = Header(self._owner, seg.no, seg.capacity, enc.nbytes, names.digest, seg.pooled, counted is not None)
                 seg.view[:HEADER_SIZE] = header.pack()
                 enc.write_into(seg.view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + enc.nbytes])
                 published_ok = self._publish(seg, published, key)
@@ -220,10 +232,15 @@ class ShmConnector(Connector):
 
         ``take`` reads the wake slot's seq before it looks, and both paths' puts ring that slot after
         publishing, so a payload published after the look changes seq and the sleep returns at once.
+        A waiting get claims on the file path (a ``rename``) only when the table's file-path hint says a
+        file payload may be waiting, and after every sleep that ran out its slice (a lost ring, a hint
+        gone stale under ``gc --all``); a non-blocking get always looks there.
         """
         wake = self._wake
         names: KeyNames | None = None  # the file path's names: only needed when the table has nothing
         deadline = None if timeout is None or timeout <= 0 else time.monotonic() + timeout
+        always_files = deadline is None
+        slept = False
         while True:
             try:
                 got = slots.take(key, wake.mm)
@@ -235,25 +252,38 @@ class ShmConnector(Connector):
                 ) from exc
             if type(got) is bytearray:
                 return self._decode_owned(memoryview(got), key)
-            if names is None:
-                names = self._key(key)
+            if slept:  # woken, and the table has nothing: was it replaced under us (gc --all)?
+                slept = False
+                fresh = self._current_slots(slots)
+                if fresh is not slots:
+                    slots = fresh
+                    continue
             if got is None:  # a key the table cannot hold
+                if names is None:
+                    names = self._key(key)
                 try:
                     got = wake.seq(names.wake_slot)
                 except ValueError:
                     return None
-            claim = self._claim(names.published_path)
-            if claim is not None:
-                if self._notifier.tracking:
-                    self._notifier.forget(names.published_bytes)
-                return self._consume(claim, key, names.digest, zero_copy)
+                files = True
+            else:
+                files = always_files or got >= FILES
+                got &= SEQ_MASK
+            if files:
+                if names is None:
+                    names = self._key(key)
+                claim = self._claim(names.published_path)
+                if claim is not None:
+                    if self._notifier.tracking:
+                        self._notifier.forget(names.published_bytes)
+                    return self._consume(claim, key, names.digest, zero_copy)
             if deadline is None:
                 return None
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._closed:
                 return None
-            wake.sleep(names.wake_slot, int(got), remaining)
-            slots = self._current_slots(slots)
+            always_files = not wake.sleep(wake_slot(key) if names is None else names.wake_slot, int(got), remaining)
+            slept = True
 
     def _current_slots(self, slots: SlotTable) -> SlotTable:
         """``slots``, or a freshly opened table if ``gc --all`` removed it while we waited (checked after each sleep).
@@ -309,26 +339,30 @@ class ShmConnector(Connector):
         return self._notifier.wait_any(self._wanted(keys), self._published_prefixes, timeout)
 
     def _wait_any_slots(self, slots: SlotTable, keys: list[str], timeout: float) -> list[str]:
-        """``wait_any`` with the slot table: look in the table and the publish directory, sleep on the namespace-wide wake slot.
+        """``wait_any`` with the slot table: look in the table (and the publish directory), sleep on the namespace-wide wake slot.
 
         Every publication (either path) bumps that slot after publishing, and its value is read
-        before looking, so an arrival after the look ends the sleep.
+        before looking, so an arrival after the look ends the sleep. The publish directory is read
+        only when the table's file-path hint (read after the table) is not 0, and after a sleep
+        that ran out its slice (as in ``get``).
         """
         wake = self._wake
-        wanted = self._wanted(keys)
         deadline = time.monotonic() + timeout
+        files_anyway = False
         while True:
             try:
                 seen = wake.seq(WAKE_ANY_SLOT)
                 hits = slots.present(keys)
+                files = files_anyway or slots.files_add(0) > 0
             except ValueError:
                 return []  # closed by another thread meanwhile
             found = [keys[i] for i in hits]
-            found += [k for k in self._notifier.wait_any(wanted, self._published_prefixes, 0) if k not in found]
+            if files:
+                found += [k for k in self._notifier.wait_any(self._wanted(keys), self._published_prefixes, 0) if k not in found]
             remaining = deadline - time.monotonic()
             if found or remaining <= 0 or self._closed:
                 return found
-            wake.sleep(WAKE_ANY_SLOT, seen, remaining)
+            files_anyway = not wake.sleep(WAKE_ANY_SLOT, seen, remaining)
             slots = self._current_slots(slots)
 
     def _wanted(self, keys: Sequence[str]) -> dict[bytes, str]:
@@ -428,6 +462,8 @@ class ShmConnector(Connector):
             return None
         header, mapping = opened
         n = header.payload_len
+        if header.counted and self._slots is not None:
+            self._slots.files_add(-1)  # consumed: lower the table's file-path hint
         if zero_copy:
             return self._consume_views(claim, key, header, mapping)
         try:

@@ -36,6 +36,9 @@ SLOT_HEADER = 256
 KEY_MAX = SLOT_HEADER - 64
 PROBES = 16
 FREE, WRITING, READY, CLAIMED = 0, 1, 2, 3
+#: added to the seq :meth:`SlotTable.take` returns when file-path payloads may be waiting (the table's hint is not 0)
+FILES = 1 << 32
+SEQ_MASK = FILES - 1
 
 
 def state_word(pid: int, start: int, kind: int) -> int:
@@ -107,12 +110,24 @@ class SlotTable:
             return -1
 
     def take(self, key: str, wake: mmap.mmap | None) -> bytearray | int | None:
-        """The payload of ``key`` (claimed and freed), or the key's wake slot seq read before looking
-        (None for a key the table cannot hold: lone surrogates). ``ValueError``: a corrupt slot (freed) or a closed mapping."""
+        """The payload of ``key`` (claimed and freed), or the key's wake slot seq read before looking, plus
+        :data:`FILES` when the table's file-path hint is not 0 (read after looking: with 0, a file payload
+        published after the look rings after the seq was read, so a sleep on it ends at once); None for a key
+        the table cannot hold (lone surrogates). ``ValueError``: a corrupt slot (freed) or a closed mapping."""
         try:
             return self._native.slot_take(self.mm, key, self.claimer, wake)  # type: ignore[no-any-return]
         except UnicodeEncodeError:
             return None
+
+    def files_add(self, delta: int) -> int:
+        """Add ``delta`` to the hint of unconsumed file-path payloads (never below 0); the new value.
+
+        Producers with the table raise it before a file-path publication (and mark the segment
+        ``counted``), the get that consumes a counted segment lowers it. Too high is harmless (a
+        waiting get then tries the file path, as it always did); it is never too low among instances
+        with the table (those without it do not look into the table, see docs/shm.md).
+        """
+        return int(self._native.slot_files(self.mm, delta))
 
     def present(self, keys: list[str]) -> list[int]:
         """Indexes of ``keys`` with a READY slot."""

@@ -197,7 +197,11 @@ native_rename_noreplace(PyObject *self, PyObject *args)
 /* 3. The slot table: small payloads handed off without file syscalls (see slots.py, docs/shm.md).
  *
  * Table file layout (all little-endian, native atomics; the file is a MAP_SHARED tmpfs mapping):
- *   header (TBL_HDR bytes): magic "OMNISLT1", u32 version, u32 nslots, u64 slot_bytes, u64 stride
+ *   header (TBL_HDR bytes): magic "OMNISLT1", u32 version, u32 nslots, u64 slot_bytes, u64 stride,
+ *     at FILES_OFF a u64 hint: file-path payloads table instances published and nobody consumed yet
+ *     (raised before the publishing rename, lowered by the get that consumes one; it may be too high
+ *     after a crash or a cleanup, never too low among table instances: 0 lets a waiting get skip its
+ *     file-path claim attempt, see slot_take)
  *   slot i at TBL_HDR + i * stride:
  *     0  u64 state   = pid << 32 | (start & 0xFFFFFF) << 8 | kind   (kind: FREE 0, WRITING 1, READY 2, CLAIMED 3)
  *     8  u64 key hash (FNV-1a 64 of the UTF-8 key)
@@ -212,6 +216,8 @@ native_rename_noreplace(PyObject *self, PyObject *args)
  * race-free (it CASes exactly the word it judged).
  */
 #define TBL_HDR 4096
+#define FILES_OFF 64
+#define FILES_BIT ((uint64_t)1 << 32)
 #define SLOT_HDR 256
 #define SLOT_KEY_OFF 64
 #define SLOT_KEY_MAX (SLOT_HDR - SLOT_KEY_OFF)
@@ -457,7 +463,8 @@ PyDoc_STRVAR(slot_take_doc,
              "slot_take(table, key, claimer, wake) -> bytearray | int\n\n"
              "Load the wake slot's seq, then look for a READY payload of key among its PROBES buckets; claim it\n"
              "(CAS READY->claimer), copy it into a new bytearray and free the slot. Returns the bytearray, or the\n"
-             "seq read before looking (sleep on it with wait()). ValueError if the claimed slot is corrupt (freed).");
+             "seq read before looking (sleep on it with wait()), plus 1 << 32 when the table's count of unconsumed\n"
+             "file-path payloads (read after looking) is not 0. ValueError if the claimed slot is corrupt (freed).");
 
 static PyObject *
 native_slot_take(PyObject *self, PyObject *args)
@@ -502,8 +509,38 @@ native_slot_take(PyObject *self, PyObject *args)
             return out; /* NULL on MemoryError: the payload is lost like any failed get's */
         }
     }
+    /* read after the seq (both seq_cst): a file publication this misses raised the count after this
+     * load, so its ring comes after `seen` was read and the caller's FUTEX_WAIT returns at once */
+    uint64_t files = __atomic_load_n((uint64_t *)(t.base + FILES_OFF), __ATOMIC_SEQ_CST);
     PyBuffer_Release(&t.view);
-    return PyLong_FromUnsignedLong(seen);
+    return PyLong_FromUnsignedLongLong((uint64_t)seen | (files ? FILES_BIT : 0));
+}
+
+PyDoc_STRVAR(slot_files_doc,
+             "slot_files(table, delta) -> int\n\n"
+             "Add delta to the table's count of unconsumed file-path payloads (a decrement stops at 0); the new count.");
+
+static PyObject *
+native_slot_files(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    long long delta;
+    table_t t;
+    if (!PyArg_ParseTuple(args, "OL:slot_files", &obj, &delta))
+        return NULL;
+    if (table_open(obj, &t) < 0)
+        return NULL;
+    uint64_t *word = (uint64_t *)(t.base + FILES_OFF), now;
+    if (delta >= 0) {
+        now = __atomic_add_fetch(word, (uint64_t)delta, __ATOMIC_SEQ_CST);
+    } else {
+        uint64_t cur = __atomic_load_n(word, __ATOMIC_SEQ_CST);
+        do {
+            now = cur > (uint64_t)(-delta) ? cur - (uint64_t)(-delta) : 0;
+        } while (!__atomic_compare_exchange_n(word, &cur, now, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    }
+    PyBuffer_Release(&t.view);
+    return PyLong_FromUnsignedLongLong(now);
 }
 
 PyDoc_STRVAR(slot_present_doc,
@@ -628,6 +665,7 @@ static PyMethodDef methods[] = {
     {"wake_slot", native_wake_slot, METH_VARARGS, wake_slot_doc},
     {"slot_put", native_slot_put, METH_VARARGS, slot_put_doc},
     {"slot_take", native_slot_take, METH_VARARGS, slot_take_doc},
+    {"slot_files", native_slot_files, METH_VARARGS, slot_files_doc},
     {"slot_present", native_slot_present, METH_VARARGS, slot_present_doc},
     {"slot_scan", native_slot_scan, METH_VARARGS, slot_scan_doc},
     {"slot_cas", native_slot_cas, METH_VARARGS, slot_cas_doc},

@@ -32,6 +32,8 @@ CLOSED_OFFSET = 13
 STATE_BUSY = 1
 STATE_FREE = 0
 FLAG_POOLED = 1
+#: published by an instance with the slot table, which counted it in the table's file-path hint (see slots.py)
+FLAG_COUNTED = 2
 
 assert HEADER_SIZE <= PAYLOAD_OFFSET
 
@@ -49,11 +51,12 @@ class Header(NamedTuple):
     payload_len: int
     key_digest: bytes
     pooled: bool
+    counted: bool = False
 
     def pack(self, state: int = STATE_BUSY) -> bytes:
         body = _FMT.pack(
             MAGIC,
-            FLAG_POOLED if self.pooled else 0,
+            (FLAG_POOLED if self.pooled else 0) | (FLAG_COUNTED if self.counted else 0),
             state,
             self.owner.pid,
             self.owner.tag,
@@ -79,7 +82,7 @@ class Header(NamedTuple):
             raise HeaderError(f"header says capacity {capacity} but the file is {file_size} bytes")
         if PAYLOAD_OFFSET + payload_len > capacity:
             raise HeaderError(f"payload length {payload_len} exceeds capacity {capacity}")
-        return cls(Owner(pid, start, tag), seg_no, capacity, payload_len, digest, bool(flags & FLAG_POOLED))
+        return cls(Owner(pid, start, tag), seg_no, capacity, payload_len, digest, bool(flags & FLAG_POOLED), bool(flags & FLAG_COUNTED))
 
 
 def _crc(body: bytes | memoryview | mmap.mmap) -> int:
