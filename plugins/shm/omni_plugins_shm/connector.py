@@ -22,7 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -262,13 +262,14 @@ class ShmConnector(Connector):
                 if names is None:
                     names = self._key(key)
                 try:
-                    got = wake.seq(names.wake_slot)
+                    seq = wake.seq(names.wake_slot)
                 except ValueError:
                     return None
                 files = True
             else:
-                files = always_files or got >= FILES
-                got &= SEQ_MASK
+                seq = cast(int, got)
+                files = always_files or seq >= FILES
+                seq &= SEQ_MASK
             if files:
                 if names is None:
                     names = self._key(key)
@@ -282,7 +283,7 @@ class ShmConnector(Connector):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._closed:
                 return None
-            always_files = not wake.sleep(wake_slot(key) if names is None else names.wake_slot, int(got), remaining)
+            always_files = not wake.sleep(wake_slot(key) if names is None else names.wake_slot, seq, remaining)
             slept = True
 
     def _current_slots(self, slots: SlotTable) -> SlotTable:
