@@ -301,6 +301,7 @@ class StageProcess:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
+                self._dump_stacks()
                 raise AssertionError(f"stage process {self.pid}: no {name!r} event within {timeout}s; stderr:\n{self.stderr_tail()}")
             try:
                 event = self._events.get(timeout=left)
@@ -314,6 +315,15 @@ class StageProcess:
                 raise AssertionError(f"stage process {self.pid} failed: {event.get('error')}")
             if event.get("event") == name:
                 return event
+
+    def _dump_stacks(self) -> None:
+        """Have a live child write every thread's stack to its stderr (faulthandler on SIGUSR1), for the error."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.send_signal(signal.SIGUSR1)
+            except ProcessLookupError:
+                return
+            time.sleep(1.0)
 
     def call(self, op: str, reply: str, timeout: float = 60.0, **args: Any) -> dict[str, Any]:
         self.send(op, **args)
@@ -414,4 +424,7 @@ if __name__ == "__main__":
     import logging
 
     logging.basicConfig(level=os.environ.get("OMNI_REL_LOG", "WARNING"), stream=sys.stderr)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # StageProcess._dump_stacks
     _serve(json.loads(sys.argv[1]))
