@@ -118,6 +118,39 @@ def encode(obj: Any, *, limits: Limits = DEFAULT_LIMITS) -> Encoded:
     return _enc.encode_py(obj, limits=limits)
 
 
+def encode_into(obj: Any, dest: Any, *, limits: Limits = DEFAULT_LIMITS) -> int:
+    """Encode ``obj`` straight into ``dest`` (a writable C-contiguous buffer) and return the message length.
+
+    The message is written to ``dest[:n]`` only when it fits (``n <= len(dest)`` in bytes); otherwise
+    ``dest`` is left untouched and the caller needs a larger destination (or :func:`encode`). The bytes
+    are exactly :func:`encode`'s; the compiled path copies tensors from their memory without building
+    an :class:`Encoded` or its buffer views. Raises :class:`WireFormatError` like :func:`encode`.
+    """
+    native = _native
+    if native is not None:
+        n = native.encode_into(obj, limits, dest)
+        if n is not None:
+            return n  # type: ignore[no-any-return]
+    enc = _enc.encode_py(obj, limits=limits)
+    try:
+        size = memoryview(dest).nbytes
+    except TypeError as exc:
+        raise WireFormatError(f"encode_into needs a writable buffer, got {type(dest).__name__}") from exc
+    if enc.nbytes <= size:
+        enc.write_into(dest)
+    return enc.nbytes
+
+
+def native_encode_into() -> Any:
+    """The compiled ``encode_into(obj, limits, dest) -> int | None`` while the native codec is active, else None.
+
+    For backends that call it from C (the shm connector's slot table): ``None`` from the function
+    means "let the Python encoder decide" (call :func:`encode_into` or :func:`encode`).
+    """
+    native = _native
+    return None if native is None else native.encode_into
+
+
 def decode(buffer: Any, *, copy: bool = False, limits: Limits = DEFAULT_LIMITS) -> Any:
     """Decode a message produced by :func:`encode` from any buffer-protocol object.
 

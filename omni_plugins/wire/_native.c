@@ -66,7 +66,7 @@ static PyObject *s_offset, *s_source, *s__head, *s__data_start, *s__segments;
 static PyObject *DefaultLimits, *DEFER;
 static PyObject *np_frombuffer, *torch_from_numpy, *copy_out, *from_readonly, *zlib_crc32;
 static PyObject *s_walk, *s_tensor, *s_items, *s_cursor, *s_table, *s_segments, *s_reshape, *s_view, *s_cast;
-static PyObject *s_max_header_bytes, *s_max_depth, *s_max_items, *s_max_ndim, *s_B;
+static PyObject *s_max_header_bytes, *s_max_depth, *s_max_items, *s_max_ndim, *s_B, *s_data_ptr;
 
 typedef struct {
     Py_ssize_t max_header_bytes, max_depth, max_items, max_ndim;
@@ -612,42 +612,61 @@ static int e_walk(Enc *e, PyObject *o, int depth) {
     return e_callback(e, o, depth);
 }
 
-static PyObject *native_encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!configured) { PyErr_SetString(PyExc_RuntimeError, "omni_plugins.wire._native is not configured"); return NULL; }
-    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "encode(obj, limits)"); return NULL; }
-    Enc e;
-    e.w.buf = e.w.stack;
-    e.w.cap = sizeof(e.w.stack);
-    e.w.len = PREFIX_SIZE + 1; /* prefix, then the [tree, table] array header */
-    e.items = 0;
-    e.cursor = 0;
-    e.table = NULL;
-    e.segments = NULL;
-    e.limits = args[1];
-    e.enc = NULL;
-    PyObject *result = NULL, *head = NULL, *ds = NULL, *tot = NULL;
-    int lim_rc = read_limits(args[1], &e.lim);
-    if (lim_rc < 0) goto fail;
+static void enc_init(Enc *e, PyObject *limits) {
+    e->w.buf = e->w.stack;
+    e->w.cap = sizeof(e->w.stack);
+    e->w.len = PREFIX_SIZE + 1; /* prefix, then the [tree, table] array header */
+    e->items = 0;
+    e->cursor = 0;
+    e->table = NULL;
+    e->segments = NULL;
+    e->limits = limits;
+    e->enc = NULL;
+}
+
+static void enc_clear(Enc *e) {
+    if (e->w.buf != e->w.stack) PyMem_Free(e->w.buf);
+    Py_XDECREF(e->enc);
+    Py_XDECREF(e->table);
+    Py_XDECREF(e->segments);
+}
+
+/* Walk ``obj`` and finish the header in e->w (after PREFIX_SIZE bytes left for the prefix).
+ * 0: done (*hlen, *data_start, *crc, *total set; e->segments holds the buffers); 1: refused
+ * (no exception set: the Python encoder must decide); -1: error (exception set). */
+static int enc_run(Enc *e, PyObject *obj, size_t *hlen_out, size_t *data_start_out, uint32_t *crc_out, uint64_t *total_out) {
+    int lim_rc = read_limits(e->limits, &e->lim);
+    if (lim_rc < 0) return -1;
     if (lim_rc > 0) goto refuse;
-    e.w.buf[PREFIX_SIZE] = 0x92;
-    if (e_walk(&e, args[0], 0) < 0) goto refuse;
-    if (e.table != NULL) {
-        if (w_plain(&e.w, e.table, 0) < 0) goto refuse;
+    e->w.buf[PREFIX_SIZE] = 0x92;
+    if (e_walk(e, obj, 0) < 0) goto refuse;
+    if (e->table != NULL) {
+        if (w_plain(&e->w, e->table, 0) < 0) goto refuse;
     } else {
-        unsigned char *p = wb_take(&e.w, 1);
+        unsigned char *p = wb_take(&e->w, 1);
         if (!p) goto refuse;
         p[0] = 0x90;
-        if (ensure_lists(&e) < 0) goto fail;
+        if (ensure_lists(e) < 0) return -1;
     }
-    size_t hlen = e.w.len - PREFIX_SIZE;
-    if (hlen > (size_t)e.lim.max_header_bytes || hlen > 0xFFFFFFFFu) goto refuse;
-    size_t data_start = (PREFIX_SIZE + hlen + ALIGNMENT - 1) & ~(size_t)(ALIGNMENT - 1);
-    head = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)data_start);
-    if (head == NULL) goto fail;
-    unsigned char *h = (unsigned char *)PyBytes_AS_STRING(head);
-    const unsigned char *header = e.w.buf + PREFIX_SIZE;
-    uint32_t crc;
-    if (header_crc(header, hlen, &crc) < 0) goto fail;
+    size_t hlen = e->w.len - PREFIX_SIZE;
+    if (hlen > (size_t)e->lim.max_header_bytes || hlen > 0xFFFFFFFFu) goto refuse;
+    if (header_crc(e->w.buf + PREFIX_SIZE, hlen, crc_out) < 0) return -1;
+    *hlen_out = hlen;
+    *data_start_out = (PREFIX_SIZE + hlen + ALIGNMENT - 1) & ~(size_t)(ALIGNMENT - 1);
+    *total_out = (uint64_t)*data_start_out + e->cursor;
+    return 0;
+refuse:
+    /* A refusal: the Python encoder re-runs and raises its path-naming error. Exceptions
+     * that are not Exceptions (KeyboardInterrupt, SystemExit) propagate. */
+    if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear();
+        return 1;
+    }
+    return -1;
+}
+
+/* prefix + header + zero padding up to data_start, into h */
+static void write_head(unsigned char *h, const Enc *e, size_t hlen, size_t data_start, uint32_t crc, uint64_t total) {
     memcpy(h, "OMNW", 4);
     h[4] = 1; /* FORMAT_VERSION */
     h[5] = 0;
@@ -655,35 +674,130 @@ static PyObject *native_encode(PyObject *self, PyObject *const *args, Py_ssize_t
     h[7] = 0;
     put_le32(h + 8, (uint32_t)hlen);
     put_le32(h + 12, crc);
-    put_le64(h + 16, (uint64_t)data_start + e.cursor);
-    memcpy(h + PREFIX_SIZE, header, hlen);
+    put_le64(h + 16, total);
+    memcpy(h + PREFIX_SIZE, e->w.buf + PREFIX_SIZE, hlen);
     memset(h + PREFIX_SIZE + hlen, 0, data_start - PREFIX_SIZE - hlen);
+}
+
+static PyObject *native_encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!configured) { PyErr_SetString(PyExc_RuntimeError, "omni_plugins.wire._native is not configured"); return NULL; }
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "encode(obj, limits)"); return NULL; }
+    Enc e;
+    enc_init(&e, args[1]);
+    PyObject *result = NULL, *head = NULL, *ds = NULL, *tot = NULL;
+    size_t hlen, data_start;
+    uint32_t crc;
+    uint64_t total;
+    int rc = enc_run(&e, args[0], &hlen, &data_start, &crc, &total);
+    if (rc != 0) {
+        result = rc > 0 ? Py_NewRef(Py_None) : NULL;
+        goto done;
+    }
+    head = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)data_start);
+    if (head == NULL) goto done;
+    write_head((unsigned char *)PyBytes_AS_STRING(head), &e, hlen, data_start, crc, total);
     ds = PyLong_FromSize_t(data_start);
-    tot = PyLong_FromUnsignedLongLong((uint64_t)data_start + e.cursor);
-    if (ds == NULL || tot == NULL) goto fail;
+    tot = PyLong_FromUnsignedLongLong(total);
+    if (ds == NULL || tot == NULL) goto done;
     {
         PyObject *names[4] = {s__head, s__data_start, s__segments, s_nbytes}, *values[4] = {head, ds, e.segments, tot};
         result = new_slotted(EncodedType, names, values, 4);
     }
-    goto done;
-refuse:
-    /* A refusal: the Python encoder re-runs and raises its path-naming error. Exceptions
-     * that are not Exceptions (KeyboardInterrupt, SystemExit) propagate. */
-    if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_Exception)) {
-        PyErr_Clear();
-        result = Py_NewRef(Py_None);
-    }
-    goto done;
-fail:
-    result = NULL;
 done:
-    if (e.w.buf != e.w.stack) PyMem_Free(e.w.buf);
-    Py_XDECREF(e.enc);
-    Py_XDECREF(e.table);
-    Py_XDECREF(e.segments);
+    enc_clear(&e);
     Py_XDECREF(head);
     Py_XDECREF(ds);
     Py_XDECREF(tot);
+    return result;
+}
+
+/* Copy one segment's source (a plain CPU tensor, a C-contiguous array or bytes) to dst, exactly nbytes.
+ * A tensor is re-checked here (contiguous, same nbytes) right before its memory is read: Python code
+ * run by a call-back after the walk could have resized it. */
+static int copy_source(unsigned char *dst, PyObject *source, Py_ssize_t nbytes) {
+    if (Py_TYPE(source) == (PyTypeObject *)TensorType) {
+        Py_ssize_t now;
+        int contiguous = is_true_call(source, s_is_contiguous, 1);
+        if (contiguous < 0 || get_ssize(source, s_nbytes, &now) < 0) return -1;
+        if (!contiguous || now != nbytes) {
+            PyErr_SetString(WireFormatError, "a tensor changed shape or layout while it was being encoded");
+            return -1;
+        }
+        PyObject *args[1] = {source};
+        PyObject *ptr = PyObject_VectorcallMethod(s_data_ptr, args, 1 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (ptr == NULL) return -1;
+        void *src = PyLong_AsVoidPtr(ptr);
+        Py_DECREF(ptr);
+        if (src == NULL) return PyErr_Occurred() ? -1 : (nbytes == 0 ? 0 : (PyErr_SetString(WireFormatError, "a tensor has no data"), -1));
+        memcpy(dst, src, (size_t)nbytes);
+        return 0;
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(source, &b, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    int rc = 0;
+    if (b.len != nbytes) {
+        PyErr_SetString(WireFormatError, "a buffer changed size while it was being encoded");
+        rc = -1;
+    } else {
+        memcpy(dst, b.buf, (size_t)nbytes);
+    }
+    PyBuffer_Release(&b);
+    return rc;
+}
+
+/* The message into dst (cap bytes, >= total): head, then each segment at data_start + offset, gaps zeroed. */
+static int write_message(unsigned char *dst, const Enc *e, size_t hlen, size_t data_start, uint32_t crc, uint64_t total) {
+    write_head(dst, e, hlen, data_start, crc, total);
+    uint64_t cursor = data_start;
+    Py_ssize_t n = PyList_GET_SIZE(e->segments);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *seg = PyList_GET_ITEM(e->segments, i);
+        Py_ssize_t off, nbytes;
+        if (get_ssize(seg, s_offset, &off) < 0 || get_ssize(seg, s_nbytes, &nbytes) < 0) return -1;
+        uint64_t start = (uint64_t)data_start + (uint64_t)off;
+        if (off < 0 || nbytes < 0 || start < cursor || start + (uint64_t)nbytes > total) {
+            PyErr_SetString(WireFormatError, "encoder segments are out of order (internal error)");
+            return -1;
+        }
+        memset(dst + cursor, 0, (size_t)(start - cursor));
+        if (nbytes) {
+            PyObject *source = PyObject_GetAttr(seg, s_source);
+            if (source == NULL) return -1;
+            int rc = copy_source(dst + start, source, nbytes);
+            Py_DECREF(source);
+            if (rc < 0) return -1;
+        }
+        cursor = start + (uint64_t)nbytes;
+    }
+    memset(dst + cursor, 0, (size_t)(total - cursor));
+    return 0;
+}
+
+static PyObject *native_encode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (!configured) { PyErr_SetString(PyExc_RuntimeError, "omni_plugins.wire._native is not configured"); return NULL; }
+    if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "encode_into(obj, limits, dest)"); return NULL; }
+    Py_buffer dest;
+    if (PyObject_GetBuffer(args[2], &dest, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_TypeError)) return NULL;
+        PyErr_Clear();
+        return Py_NewRef(Py_None); /* let the Python path raise its error */
+    }
+    Enc e;
+    enc_init(&e, args[1]);
+    PyObject *result = NULL;
+    size_t hlen, data_start;
+    uint32_t crc;
+    uint64_t total;
+    int rc = enc_run(&e, args[0], &hlen, &data_start, &crc, &total);
+    if (rc != 0) {
+        result = rc > 0 ? Py_NewRef(Py_None) : NULL;
+    } else if (total <= (uint64_t)dest.len && write_message((unsigned char *)dest.buf, &e, hlen, data_start, crc, total) < 0) {
+        result = NULL;
+    } else {
+        result = PyLong_FromUnsignedLongLong(total);
+    }
+    enc_clear(&e);
+    PyBuffer_Release(&dest);
     return result;
 }
 
@@ -1373,6 +1487,8 @@ static PyObject *native_configure(PyObject *self, PyObject *args, PyObject *kw) 
 
 static PyMethodDef methods[] = {
     {"encode", (PyCFunction)(void (*)(void))native_encode, METH_FASTCALL, "encode(obj, limits) -> Encoded, or None to let the Python encoder decide"},
+    {"encode_into", (PyCFunction)(void (*)(void))native_encode_into, METH_FASTCALL,
+     "encode_into(obj, limits, dest) -> int (the message length; written into dest only if it fits), or None to let the Python encoder decide"},
     {"decode", (PyCFunction)(void (*)(void))native_decode, METH_FASTCALL, "decode(buffer, copy, limits) -> object, or DEFER to let the Python decoder decide"},
     {"configure", (PyCFunction)(void (*)(void))native_configure, METH_VARARGS | METH_KEYWORDS, "configure(**objects) -- called once by omni_plugins.wire"},
     {"crc32", native_crc32, METH_O, "zlib-compatible CRC-32 of a bytes-like object (for tests)"},
@@ -1414,6 +1530,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     INTERN(s__head, "_head");
     INTERN(s__data_start, "_data_start");
     INTERN(s__segments, "_segments");
+    INTERN(s_data_ptr, "data_ptr");
     PyObject *m = PyModule_Create(&moduledef);
     if (m == NULL) return NULL;
     DEFER = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);

@@ -116,6 +116,48 @@ def test_a_stale_file_path_hint_delays_but_never_loses_a_file_payload(namespace:
         assert b.cleanup("f3")
 
 
+def test_put_encodes_straight_into_the_slot_and_both_encoders_stay_tested(namespace: str) -> None:
+    """With the compiled codec a put is one C call (encode into the slot); the pure-Python codec's puts take
+    ``Encoded.buffers()`` into the slot; either reads back alike."""
+    from omni_plugins.wire import _codec
+
+    impls = ["python", "native"] if _codec.IMPLEMENTATION == "native" else ["python"]
+    with create_connector("shm", _config(namespace)) as a, create_connector("shm", _config(namespace)) as b:
+        for i, impl in enumerate(impls):
+            with _codec.use(impl):
+                assert a.put(0, 1, f"k{i}", make_payload(i, 4 * KIB)).ok
+                assert _published_files(namespace) == [] and len(_busy(a)) == 1
+                res = b.get(0, 1, f"k{i}", timeout=5)
+            assert res is not None and payload_matches(res.data, i, 4 * KIB)
+        with pytest.raises(WireFormatError):
+            a.put(0, 1, "bad", {"x": object()})
+        assert _busy(a) == [] and _published_files(namespace) == []
+
+
+def test_a_bigger_put_of_an_unconsumed_key_replaces_its_slot_payload(namespace: str) -> None:
+    with create_connector("shm", _config(namespace)) as a, create_connector("shm", _config(namespace)) as b:
+        a.put(0, 1, "k", make_payload(1, KIB))
+        a.put(0, 1, "k", make_payload(2, 32 * KIB))  # too big for a slot: the file path, and the slot payload goes
+        assert _busy(a) == [] and len(_published_files(namespace)) == 1
+        res = b.get(0, 1, "k", timeout=5)
+        assert res is not None and payload_matches(res.data, 2, 32 * KIB)
+        assert b.get(0, 1, "k") is None
+
+
+def test_a_tensor_resized_while_encoding_into_a_slot_is_a_typed_error(namespace: str) -> None:
+    t = torch.ones(1024)
+
+    class Shrinks(dict):  # type: ignore[type-arg]
+        def items(self):  # type: ignore[no-untyped-def]
+            t.resize_(4)
+            return super().items()
+
+    with create_connector("shm", _config(namespace)) as a:
+        with pytest.raises(WireFormatError):
+            a.put(0, 1, "k", {"t": t, "d": Shrinks(a=1)})
+        assert _busy(a) == [] and _published_files(namespace) == []
+
+
 def test_full_table_falls_back_to_files(namespace: str) -> None:
     config = _config(namespace, slot_count=4)
     with create_connector("shm", config) as a, create_connector("shm", config) as b:

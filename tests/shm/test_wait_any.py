@@ -111,3 +111,49 @@ def test_without_inotify_falls_back_to_polling(namespace: str, monkeypatch: pyte
         finally:
             timer.join()
         assert consumer.get(0, 1, "a_0_0") is not None
+
+
+def _waiter(conn: Any, keys: list[str], timeout: float) -> tuple[threading.Thread, list[list[str]]]:
+    out: list[list[str]] = []
+    thread = threading.Thread(target=lambda: out.append(conn.wait_any(keys, timeout)))
+    thread.start()
+    return thread, out
+
+
+def test_interrupt_wait_ends_a_blocked_wait_at_once_and_only_this_instances(namespace: str) -> None:
+    with create_connector("shm", {"namespace": namespace}) as a, create_connector("shm", {"namespace": namespace}) as b:
+        assert a.capabilities.interrupt_wait is True
+        mine, got_mine = _waiter(a, ["nothing"], 60)
+        other, got_other = _waiter(b, ["other"], 60)
+        mine.join(0.2)
+        assert mine.is_alive()
+        a.interrupt_wait()
+        mine.join(JOIN)  # far below the 60 s bound: the interrupt ended it
+        assert not mine.is_alive() and got_mine == [[]]
+        other.join(0.3)
+        assert other.is_alive()  # b's wait woke for nothing and sleeps on
+        a.put(0, 1, "other", make_payload(1, 1000))
+        other.join(JOIN)
+        assert got_other == [["other"]]
+        assert b.cleanup("other")
+
+
+def test_interrupt_before_a_wait_ends_the_next_one_only_and_never_raises(namespace: str) -> None:
+    conn = create_connector("shm", {"namespace": namespace})
+    conn.interrupt_wait()
+    conn.interrupt_wait()  # not counted: one pending interrupt
+    assert conn.wait_any(["x"], 60) == []
+    assert conn.wait_any(["x"], 0.05) == []  # runs out its bound
+    conn.put(0, 1, "y", make_payload(2, 1000))
+    conn.interrupt_wait()
+    assert conn.wait_any(["y"], 60) == ["y"]  # found keys win; the interrupt is used up
+    assert conn.wait_any(["x"], 0.05) == []
+    assert conn.cleanup("y")
+    conn.close()
+    conn.interrupt_wait()  # after close: nothing, no error
+
+
+def test_interrupt_wait_capability_is_off_without_the_slot_table(file_pair: Any) -> None:
+    producer, consumer = file_pair
+    assert consumer.capabilities.interrupt_wait is False
+    consumer.interrupt_wait()  # does nothing, never raises

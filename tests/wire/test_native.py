@@ -153,6 +153,65 @@ def test_encoders_write_identical_bytes(payload: Any) -> None:
     assert_encoders_agree(payload)
 
 
+def assert_encode_into_matches(obj: Any) -> None:
+    """``encode_into`` of both implementations: ``encode``'s bytes when the message fits, ``dest`` untouched when not,
+    the same error when ``encode`` refuses."""
+    ok, ref = outcome("python", lambda: wire.encode(obj).to_bytes())
+    for impl in ("native", "python") if NATIVE_BUILT else ("python",):
+        if not ok:
+            ok_i, err = outcome(impl, lambda: wire.encode_into(obj, bytearray(1 << 16)))
+            assert not ok_i and str(err) == str(ref), impl
+            continue
+        roomy = bytearray(b"\xa5" * (len(ref) + 70))
+        with _codec.use(impl):
+            assert wire.encode_into(obj, roomy) == len(ref)
+            assert bytes(roomy[: len(ref)]) == ref and roomy[len(ref) :] == b"\xa5" * 70, impl
+            tight = np.zeros(len(ref) - 1, dtype=np.uint8)
+            assert wire.encode_into(obj, tight) == len(ref) and not tight.any(), impl  # too small: untouched
+
+
+@FUZZ
+@given(payloads)
+def test_encode_into_writes_encode_bytes(payload: Any) -> None:
+    assert_encode_into_matches(payload)
+
+
+@FUZZ
+@given(maybe_bad)
+def test_encode_into_refuses_like_encode(payload: Any) -> None:
+    assert_encode_into_matches(payload)
+
+
+def test_encode_into_corner_cases() -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    for obj in (
+        {"x": torch.randn(1024)},
+        {"t": t.t(), "bf": torch.ones(3, dtype=torch.bfloat16), "c": torch.ones(2, dtype=torch.complex64), "e": torch.zeros(0)},
+        {"n": np.arange(5, dtype=np.int16), "b": b"q" * 5000, "s": "x", "f": [1.5, None, True]},
+        [torch.ones(2, requires_grad=True), torch.ones(4)[::2], np.ones((2, 2))[:, 0]],
+        7,
+    ):
+        assert_encode_into_matches(obj)
+    for impl in ("native", "python") if NATIVE_BUILT else ("python",):
+        with _codec.use(impl), pytest.raises(WireFormatError):
+            wire.encode_into({"x": torch.ones(4)}, bytes(1024))  # read-only destination
+
+
+@needs_native
+def test_encode_into_rechecks_a_tensor_resized_during_the_walk() -> None:
+    """A call-back (a dict subclass's items()) that resizes a tensor the walk already saw: a typed error, never a read
+    past the tensor's memory."""
+    t = torch.ones(1024)
+
+    class Shrinks(dict):  # type: ignore[type-arg]
+        def items(self):  # type: ignore[no-untyped-def]
+            t.resize_(4)
+            return super().items()
+
+    with _codec.use("native"), pytest.raises(WireFormatError, match="changed shape"):
+        wire.native_encode_into()({"t": t, "d": Shrinks(a=1)}, wire.DEFAULT_LIMITS, bytearray(1 << 16))
+
+
 @needs_native
 @FUZZ
 @given(maybe_bad)
@@ -492,6 +551,8 @@ def test_no_reference_or_memory_leaks() -> None:
     def exercise() -> None:
         with _codec.use("native"):
             wire.encode(payload)
+            wire.encode_into(payload, bytearray(len(good)))
+            wire.encode_into(payload, bytearray(10))
             wire.decode(bytearray(good))
             wire.decode(readonly, copy=True)
             for message in (mutated, dup, bad_table, good[:100]):
@@ -500,10 +561,11 @@ def test_no_reference_or_memory_leaks() -> None:
                 except WireFormatError:
                     pass
             for refused in ({"a": [object()]}, {"k": 2**65}, {1: 2}):
-                try:
-                    wire.encode(refused)
-                except WireFormatError:
-                    pass
+                for call in (wire.encode, lambda obj: wire.encode_into(obj, bytearray(64))):
+                    try:
+                        call(refused)
+                    except WireFormatError:
+                        pass
 
     for _ in range(50):
         exercise()

@@ -14,6 +14,7 @@ Nothing travels from ``put`` to ``get`` but the key. See ``docs/shm.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -35,13 +36,13 @@ from omni_plugins_shm.config import ShmConfig
 from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
 from omni_plugins_shm.naming import HASHED, PUBLISHED, WAKE_ANY_SLOT, KeyNames, Names, parse_name, wake_slot
 from omni_plugins_shm.notify import Notifier
-from omni_plugins_shm.proc import Owner
+from omni_plugins_shm.proc import CurrentPid, Owner
 from omni_plugins_shm.segments.files import unlink_quiet
 from omni_plugins_shm.segments.header import CLOSED_OFFSET, HEADER_SIZE, PAYLOAD_OFFSET, STATE_FREE, STATE_OFFSET, Header, HeaderError
 from omni_plugins_shm.segments.mapcache import MapCache, Mapping
 from omni_plugins_shm.segments.pool import ProducerPool, Segment
 from omni_plugins_shm.segments.private import PrivateBuffers
-from omni_plugins_shm.slots import FILES, SEQ_MASK, SlotTable
+from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, SlotTable
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,13 @@ class ShmConnector(Connector):
     """Shared-memory connector for processes on one machine (``shm`` / ``SharedMemoryConnector``)."""
 
     capabilities = Capabilities(
-        blocking_get=True, cross_process=True, cross_host=False, zero_copy_get=True, consume_on_get=True, wait_any=True
+        blocking_get=True,
+        cross_process=True,
+        cross_host=False,
+        zero_copy_get=True,
+        consume_on_get=True,
+        wait_any=True,
+        interrupt_wait=True,  # off per instance without the slot table (see __init__)
     )
     config_model = ShmConfig
 
@@ -92,6 +99,9 @@ class ShmConnector(Connector):
             raise
         self._wake = wake
         self._ring = wake.ring
+        self._interrupted = False  # interrupt_wait() pending: the (next) wait_any of this instance returns
+        if self._slots is None:  # interrupt_wait needs the futex wait of the slot table's wait_any
+            self.capabilities = dataclasses.replace(type(self).capabilities, interrupt_wait=False)
         self._retired: list[SlotTable] = []  # tables gc --all removed under us (see _current_slots)
         self._reopen_lock = threading.Lock()
         self._pool = ProducerPool(
@@ -116,7 +126,7 @@ class ShmConnector(Connector):
         return f"{self._dir}/{name}"  # os.path.join costs ~3 us and is called several times per op
 
     def _check_process(self) -> None:
-        if os.getpid() != self._owner.pid:
+        if CurrentPid.value != self._owner.pid:
             raise ConnectorError(
                 f"shm connector (namespace {self.config.namespace!r}) was created in process {self._owner.pid} "
                 f"and used in {os.getpid()} after fork; create one connector per process"
@@ -125,16 +135,20 @@ class ShmConnector(Connector):
     # -- put ----------------------------------------------------------------------------
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
         self._check_process()
-        enc = wire.encode(data)
         expiry = self._expiry
         if expiry is not None and expiry.due():
             self._expire(expiry)
         slots = self._slots
-        # the slot table: one C call (replace, CAS, copy, publish, ring); < 0: too big or full -> file path
-        if slots is not None and enc.nbytes <= slots.slot_bytes and slots.put(key, enc.buffers(), enc.nbytes, self._wake.mm) >= 0:
-            return PutResult(True, enc.nbytes, None)
         if slots is None:
-            return self._put_file(key, enc, expiry, None)
+            return self._put_file(key, wire.encode(data), expiry, None)
+        # the slot table: one C call (reserve, encode straight into the slot, replace, publish, ring)
+        encoder = wire.native_encode_into()
+        got = slots.put_obj(key, encoder, data, self._wake.mm) if encoder is not None else DEFERRED
+        if got >= 0:
+            return PutResult(True, got, None)
+        enc = wire.encode(data)  # raises WireFormatError for what the compiled encoder declined
+        if got == DEFERRED and enc.nbytes <= slots.slot_bytes and slots.put(key, enc.buffers(), enc.nbytes, self._wake.mm) >= 0:
+            return PutResult(True, enc.nbytes, None)
         # raise the table's file-path hint before publishing (waiting gets of table instances then look at the file path)
         slots.files_add(1)
         try:
@@ -196,6 +210,9 @@ class ShmConnector(Connector):
 
     # -- get ----------------------------------------------------------------------------
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        slots = self._slots
+        if slots is not None and CurrentPid.value == self._owner.pid:  # the hot path, one frame less
+            return self._get_slots(slots, key, timeout, self.config.zero_copy)
         return self._get_impl(key, timeout, self.config.zero_copy)
 
     def get_views(self, from_stage: Any, to_stage: Any, key: str, *, timeout: float | None = None) -> GetResult | None:
@@ -251,7 +268,10 @@ class ShmConnector(Connector):
                     f"shm slot for key {key!r} in {self._pubdir} (namespace {self.config.namespace!r}) is invalid: {exc}"
                 ) from exc
             if type(got) is bytearray:
-                return self._decode_owned(memoryview(got), key)
+                try:
+                    return GetResult(wire.decode(got), len(got))
+                except WireFormatError as exc:
+                    raise WireFormatError(f"shm payload for key {key!r} (namespace {self.config.namespace!r}): {exc}") from exc
             if slept:  # woken, and the table has nothing: was it replaced under us (gc --all)?
                 slept = False
                 fresh = self._current_slots(slots)
@@ -301,13 +321,6 @@ class ShmConnector(Connector):
                 self._slots = self._open_slots()
                 log.warning("shm namespace %r: slot table was removed (gc --all?); opened a new one", self.config.namespace)
             return self._slots if self._slots is not None else slots
-
-    def _decode_owned(self, buf: memoryview, key: str) -> GetResult:
-        try:
-            data = wire.decode(buf, copy=False)
-        except WireFormatError as exc:
-            raise WireFormatError(f"shm payload for key {key!r} (namespace {self.config.namespace!r}): {exc}") from exc
-        return GetResult(data, buf.nbytes)
 
     def _wait_claim(self, names: KeyNames, timeout: float) -> str | None:
         """Claim ``names``' payload, sleeping on its futex wake slot (up to ``timeout`` seconds) until it is there.
@@ -361,10 +374,26 @@ class ShmConnector(Connector):
             if files:
                 found += [k for k in self._notifier.wait_any(self._wanted(keys), self._published_prefixes, 0) if k not in found]
             remaining = deadline - time.monotonic()
-            if found or remaining <= 0 or self._closed:
+            if found or remaining <= 0 or self._closed or self._interrupted:
+                self._interrupted = False
                 return found
             files_anyway = not wake.sleep(WAKE_ANY_SLOT, seen, remaining)
             slots = self._current_slots(slots)
+
+    def _interrupt_wait(self) -> None:
+        """End this instance's blocked ``wait_any`` (or its next one): set the flag, then ring the namespace-wide slot.
+
+        The waiter reads that slot before it checks the flag, so a ring after its read ends its sleep and
+        a flag set before its read is seen by the check. Other waiters of the namespace wake once for
+        nothing (one look at the table each). Never raises (also not after close).
+        """
+        self._interrupted = True
+        if self._slots is None:
+            return
+        try:
+            self._wake.ring_any()
+        except (ValueError, OSError):
+            pass  # closed meanwhile: its waits end anyway
 
     def _wanted(self, keys: Sequence[str]) -> dict[bytes, str]:
         """Published name -> key for ``keys``; the last set is remembered (the runtime waits on the same set again and again).

@@ -121,6 +121,14 @@ class WakeFile:
         for off in (offset, WAKE_ANY_SLOT):
             self._ring_ctypes(words, off)
 
+    def ring_any(self) -> None:
+        """Ring only the namespace-wide slot (``wait_any`` waiters re-check; ``interrupt_wait``)."""
+        fx = self._futex
+        if fx is not None:
+            fx.bump(self.mm, WAKE_ANY_SLOT)
+        elif self._words is not None:
+            self._ring_ctypes(self._words, WAKE_ANY_SLOT)
+
     @staticmethod
     def _ring_ctypes(words: ctypes.Array[ctypes.c_uint32], offset: int) -> None:
         i = offset // 4

@@ -369,6 +369,53 @@ claim_ready(char *s, uint64_t w, uint64_t me, uint64_t h, const char *k, Py_ssiz
     return 0;
 }
 
+static PyObject *s_release; /* "release", interned at import */
+
+/* claim-and-free every READY slot of key (h, k, n) among its buckets: a put replaces an unconsumed payload */
+static void
+replace_ready(table_t *t, uint64_t h, const char *k, Py_ssize_t n, uint64_t claimer)
+{
+    for (int p = 0; p < PROBES && p < (int)t->nslots; p++) {
+        char *s = slot_at(t, h + (uint64_t)p);
+        uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
+        if ((w & 0xFF) == S_READY && slot_has_key(s, h, k, n) && claim_ready(s, w, claimer, h, k, n))
+            __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
+    }
+}
+
+/* CAS a FREE bucket of hash h to `writing`; the slot, or NULL (*index set) */
+static char *
+reserve(table_t *t, uint64_t h, uint64_t writing, long *index)
+{
+    for (int p = 0; p < PROBES && p < (int)t->nslots; p++) {
+        char *s = slot_at(t, h + (uint64_t)p);
+        uint64_t want = S_FREE;
+        if (__atomic_load_n(slot_state(s), __ATOMIC_RELAXED) == S_FREE &&
+            __atomic_compare_exchange_n(slot_state(s), &want, writing, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+            *index = (long)((h + (uint64_t)p) % t->nslots);
+            return s;
+        }
+    }
+    return NULL;
+}
+
+/* fill the slot's fields and publish it (READY, seq_cst) */
+static void
+publish(char *s, uint64_t h, const char *k, Py_ssize_t n, Py_ssize_t nbytes, unsigned long tag, unsigned long long start, uint64_t ready)
+{
+    uint32_t n32 = (uint32_t)n, len32 = (uint32_t)nbytes, tag32 = (uint32_t)tag;
+    uint64_t st64 = (uint64_t)start;
+    double now = now_realtime();
+    memcpy(s + 8, &h, 8);
+    memcpy(s + 16, &n32, 4);
+    memcpy(s + 20, &len32, 4);
+    memcpy(s + 24, &now, 8);
+    memcpy(s + 32, &tag32, 4);
+    memcpy(s + 40, &st64, 8);
+    memcpy(s + SLOT_KEY_OFF, k, (size_t)n);
+    __atomic_store_n(slot_state(s), ready, __ATOMIC_SEQ_CST);
+}
+
 PyDoc_STRVAR(slot_put_doc,
              "slot_put(table, key, writing, ready, claimer, tag, start, buffers, nbytes, wake) -> int\n\n"
              "Publish the concatenation of buffers (nbytes) under key: replace a READY slot of the same key,\n"
@@ -399,24 +446,10 @@ native_slot_put(PyObject *self, PyObject *args)
     }
     uint64_t h = fnv1a(k, n);
     /* a put replaces an unconsumed payload of the same key (as the file path does) */
-    for (int p = 0; p < PROBES && p < (int)t.nslots; p++) {
-        char *s = slot_at(&t, h + (uint64_t)p);
-        uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
-        if ((w & 0xFF) == S_READY && slot_has_key(s, h, k, n) && claim_ready(s, w, claimer, h, k, n))
-            __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
-    }
+    replace_ready(&t, h, k, n, claimer);
     long found = -2;
-    char *s = NULL;
-    for (int p = 0; p < PROBES && p < (int)t.nslots; p++) {
-        s = slot_at(&t, h + (uint64_t)p);
-        uint64_t want = S_FREE;
-        if (__atomic_load_n(slot_state(s), __ATOMIC_RELAXED) == S_FREE &&
-            __atomic_compare_exchange_n(slot_state(s), &want, writing, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
-            found = (long)((h + (uint64_t)p) % t.nslots);
-            break;
-        }
-    }
-    if (found < 0) {
+    char *s = reserve(&t, h, writing, &found);
+    if (s == NULL) {
         PyBuffer_Release(&t.view);
         return PyLong_FromLong(found);
     }
@@ -439,17 +472,7 @@ native_slot_put(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "buffers are shorter than nbytes");
         goto fail;
     }
-    uint32_t n32 = (uint32_t)n, len32 = (uint32_t)nbytes, tag32 = (uint32_t)tag;
-    uint64_t st64 = (uint64_t)start;
-    double now = now_realtime();
-    memcpy(s + 8, &h, 8);
-    memcpy(s + 16, &n32, 4);
-    memcpy(s + 20, &len32, 4);
-    memcpy(s + 24, &now, 8);
-    memcpy(s + 32, &tag32, 4);
-    memcpy(s + 40, &st64, 8);
-    memcpy(s + SLOT_KEY_OFF, k, (size_t)n);
-    __atomic_store_n(slot_state(s), (uint64_t)ready, __ATOMIC_SEQ_CST);
+    publish(s, h, k, n, nbytes, tag, start, ready);
     PyBuffer_Release(&t.view);
     ring(wake, wake_offset(h), WAKE_ANY);
     return PyLong_FromLong(found);
@@ -457,6 +480,92 @@ fail:
     __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
     PyBuffer_Release(&t.view);
     return NULL;
+}
+
+PyDoc_STRVAR(slot_put_obj_doc,
+             "slot_put_obj(table, key, writing, ready, claimer, tag, start, encode_into, obj, limits, wake) -> int\n\n"
+             "slot_put with the encoding written straight into the slot: reserve a FREE bucket (CAS FREE->writing),\n"
+             "call encode_into(obj, limits, <memoryview of the slot's payload area>) (omni_plugins.wire's compiled\n"
+             "encode_into), replace a READY slot of the same key, publish, ring. Returns the encoded size; -1 if the key\n"
+             "or the encoding does not fit, -2 if no bucket is free (both after replacing an unconsumed payload of the\n"
+             "key: the file path takes over), -3 if encode_into returned None (the Python encoder decides).");
+
+static PyObject *
+native_slot_put_obj(PyObject *self, PyObject *args)
+{
+    PyObject *obj, *encoder, *payload, *limits, *wake;
+    const char *k;
+    Py_ssize_t n;
+    unsigned long long writing, ready, claimer, start;
+    unsigned long tag;
+    table_t t;
+    if (!PyArg_ParseTuple(args, "Os#KKKkKOOOO:slot_put_obj", &obj, &k, &n, &writing, &ready, &claimer, &tag, &start, &encoder, &payload,
+                          &limits, &wake))
+        return NULL;
+    if (table_open(obj, &t) < 0)
+        return NULL;
+    if (n > SLOT_KEY_MAX) {
+        PyBuffer_Release(&t.view);
+        return PyLong_FromLong(-1);
+    }
+    uint64_t h = fnv1a(k, n);
+    long index = -2;
+    char *s = reserve(&t, h, writing, &index);
+    if (s == NULL) {
+        replace_ready(&t, h, k, n, claimer); /* maybe it frees a bucket; else the file path replaces it */
+        s = reserve(&t, h, writing, &index);
+        if (s == NULL) {
+            PyBuffer_Release(&t.view);
+            return PyLong_FromLong(-2);
+        }
+    }
+    /* the destination: a memoryview of the table object (an export of the mapping while it lives) */
+    PyObject *whole = PyMemoryView_FromObject(obj), *dest = NULL, *got = NULL;
+    if (whole != NULL) {
+        Py_ssize_t at = (Py_ssize_t)(s + SLOT_HDR - t.base);
+        dest = PySequence_GetSlice(whole, at, at + (Py_ssize_t)t.slot_bytes);
+        Py_DECREF(whole);
+    }
+    if (dest != NULL) {
+        PyObject *cargs[3] = {payload, limits, dest};
+        got = PyObject_Vectorcall(encoder, cargs, 3, NULL);
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb); /* the encoder's error (if any) survives the release */
+        PyObject *rel = PyObject_CallMethodNoArgs(dest, s_release); /* BufferError if the encoder kept an export */
+        Py_DECREF(dest);
+        if (rel == NULL) {
+            Py_CLEAR(got);
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+        } else {
+            Py_DECREF(rel);
+            PyErr_Restore(et, ev, tb);
+        }
+    }
+    long long nbytes = -1;
+    if (got != NULL && got != Py_None) {
+        nbytes = PyLong_AsLongLong(got);
+        if (nbytes == -1 && PyErr_Occurred())
+            Py_CLEAR(got);
+    }
+    if (got == NULL || got == Py_None || nbytes < 0 || (uint64_t)nbytes > t.slot_bytes) {
+        __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
+        if (got != NULL && got != Py_None)
+            replace_ready(&t, h, k, n, claimer); /* too big: the file path publishes it */
+        PyBuffer_Release(&t.view);
+        if (got == NULL)
+            return NULL;
+        int none = got == Py_None;
+        Py_DECREF(got);
+        return PyLong_FromLong(none ? -3 : -1);
+    }
+    Py_DECREF(got);
+    replace_ready(&t, h, k, n, claimer);
+    publish(s, h, k, n, (Py_ssize_t)nbytes, tag, start, ready);
+    PyBuffer_Release(&t.view);
+    ring(wake, wake_offset(h), WAKE_ANY);
+    return PyLong_FromLongLong(nbytes);
 }
 
 PyDoc_STRVAR(slot_take_doc,
@@ -664,6 +773,7 @@ static PyMethodDef methods[] = {
     {"wait", futex_wait, METH_VARARGS, wait_doc},
     {"wake_slot", native_wake_slot, METH_VARARGS, wake_slot_doc},
     {"slot_put", native_slot_put, METH_VARARGS, slot_put_doc},
+    {"slot_put_obj", native_slot_put_obj, METH_VARARGS, slot_put_obj_doc},
     {"slot_take", native_slot_take, METH_VARARGS, slot_take_doc},
     {"slot_files", native_slot_files, METH_VARARGS, slot_files_doc},
     {"slot_present", native_slot_present, METH_VARARGS, slot_present_doc},
@@ -680,5 +790,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
+    if ((s_release = PyUnicode_InternFromString("release")) == NULL)
+        return NULL;
     return PyModule_Create(&module);
 }
