@@ -154,6 +154,6 @@ def test_interrupt_before_a_wait_ends_the_next_one_only_and_never_raises(namespa
 
 
 def test_interrupt_wait_capability_is_off_without_the_slot_table(file_pair: Any) -> None:
-    producer, consumer = file_pair
+    _producer, consumer = file_pair
     assert consumer.capabilities.interrupt_wait is False
     consumer.interrupt_wait()  # does nothing, never raises
