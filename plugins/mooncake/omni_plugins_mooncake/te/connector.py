@@ -117,6 +117,8 @@ class MooncakeTransferEngineConnector(Connector):
         return PutResult(True, n, {"peer": self._server.address})
 
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        if not timeout or timeout <= 0:  # one attempt: no closure, no poll frame (as the store connector)
+            return self._try_get(key)
         return poll(lambda: self._try_get(key), timeout, self.config.poll_interval)
 
     def _cleanup(self, key: str) -> bool:

@@ -10,6 +10,7 @@ payload's bytes unless its claim lapsed, which ``finish`` then reports.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import threading
 import time
@@ -41,6 +42,10 @@ class StagingTable:
         self._by_key: dict[str, Staged] = {}
         self._claims: dict[int, Staged] = {}
         self._lock = threading.Lock()
+        # claim tokens: a counter from a random start, so a token is never handed out twice by
+        # one table (a finish arriving after its claim lapsed matches no later claim), without
+        # a getrandom call on every claim
+        self._next_token = itertools.count(secrets.randbits(48) + 1).__next__
         self.reclaimed = 0
 
     def stage(self, key: str, slab: Slab, nbytes: int) -> None:
@@ -59,7 +64,7 @@ class StagingTable:
             entry = self._by_key.get(key)
             if entry is None or entry.token is not None:
                 return None
-            entry.token = secrets.randbits(62) + 1
+            entry.token = self._next_token()
             entry.claim_deadline = now + self.claim_timeout
             self._claims[entry.token] = entry
             return entry
