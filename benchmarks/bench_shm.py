@@ -418,9 +418,9 @@ SLOT_FLOORS = {
 def _slot_hop_put(conn: Any, key: str, obj: Any, codec: bool) -> None:
     if codec:
         enc = wire.encode(obj)
-        ok = conn._slots.put(key, enc.buffers(), enc.nbytes, conn._wake.mm)
+        ok = conn._slots.put(key, enc.buffers(), enc.nbytes)
     else:
-        ok = conn._slots.put(key, [obj], len(obj), conn._wake.mm)
+        ok = conn._slots.put(key, [obj], len(obj))
     if ok < 0:
         raise SystemExit(f"slot floor: no slot for {key}")
 
@@ -428,7 +428,7 @@ def _slot_hop_put(conn: Any, key: str, obj: Any, codec: bool) -> None:
 def _slot_hop_get(conn: Any, key: str, codec: bool) -> Any:
     slots, wake, deadline = conn._slots, conn._wake, time.monotonic() + TIMEOUT
     while True:
-        got = slots.take(key, wake.mm)
+        got = slots.take(key)
         if type(got) is bytearray:
             return wire.decode(memoryview(got)) if codec else got
         if time.monotonic() > deadline:

@@ -90,7 +90,7 @@ class ShmConnector(Connector):
         wake: wakeslots.WakeFile | None = None
         try:
             wake = wakeslots.WakeFile.open(self._pubdir, self._names.wake(), pubdir.ensure, self.config.futex_wait)
-            self._slots: SlotTable | None = self._open_slots() if self.config.slot_count > 0 and wake.futex_waits else None
+            self._slots: SlotTable | None = self._open_slots(wake) if self.config.slot_count > 0 and wake.futex_waits else None
         except BaseException:
             if wake is not None:
                 wake.close()
@@ -118,9 +118,11 @@ class ShmConnector(Connector):
         ttl = self.config.ttl_seconds
         self._expiry = Expiry(ttl, self._reclaim_expired) if ttl > 0 else None
 
-    def _open_slots(self) -> SlotTable:
-        """Open (or create) the namespace's slot table with this instance's geometry."""
-        return SlotTable.open(self._pubdir, self._names.slots(), self._owner, self.config.slot_count, self.config.slot_bytes, pubdir.ensure)
+    def _open_slots(self, wake: wakeslots.WakeFile) -> SlotTable:
+        """Open (or create) the namespace's slot table with this instance's geometry (ringing ``wake``)."""
+        return SlotTable.open(
+            self._pubdir, self._names.slots(), self._owner, self.config.slot_count, self.config.slot_bytes, pubdir.ensure, wake.mm
+        )
 
     def _path(self, name: str) -> str:
         return f"{self._dir}/{name}"  # os.path.join costs ~3 us and is called several times per op
@@ -143,11 +145,11 @@ class ShmConnector(Connector):
             return self._put_file(key, wire.encode(data), expiry, None)
         # the slot table: one C call (reserve, encode straight into the slot, replace, publish, ring)
         encoder = wire.native_encode_into()
-        got = slots.put_obj(key, encoder, data, self._wake.mm) if encoder is not None else DEFERRED
+        got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
         if got >= 0:
             return PutResult(True, got, None)
         enc = wire.encode(data)  # raises WireFormatError for what the compiled encoder declined
-        if got == DEFERRED and enc.nbytes <= slots.slot_bytes and slots.put(key, enc.buffers(), enc.nbytes, self._wake.mm) >= 0:
+        if got == DEFERRED and enc.nbytes <= slots.slot_bytes and slots.put(key, enc.buffers(), enc.nbytes) >= 0:
             return PutResult(True, enc.nbytes, None)
         # raise the table's file-path hint before publishing (waiting gets of table instances then look at the file path)
         slots.files_add(1)
@@ -260,7 +262,7 @@ class ShmConnector(Connector):
         slept = False
         while True:
             try:
-                got = slots.take(key, wake.mm)
+                got = slots.take(key)
             except ValueError as exc:
                 if self._closed:
                     return None  # another thread closed the connector (and its mappings) meanwhile
@@ -318,7 +320,7 @@ class ShmConnector(Connector):
         with self._reopen_lock:
             if self._slots is slots and not self._closed:
                 self._retired.append(slots)
-                self._slots = self._open_slots()
+                self._slots = self._open_slots(self._wake)
                 log.warning("shm namespace %r: slot table was removed (gc --all?); opened a new one", self.config.namespace)
             return self._slots if self._slots is not None else slots
 
@@ -539,7 +541,7 @@ class ShmConnector(Connector):
         found = False
         if self._slots is not None:
             try:
-                found = type(self._slots.take(key, None)) is bytearray
+                found = type(self._slots.take(key)) is bytearray
             except ValueError:
                 found = True  # a corrupt slot of the key: take freed it
         return self._discard(names.published_path) or found

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import stat
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from omni_plugins.errors import ConnectorError
@@ -72,13 +74,27 @@ class SlotInfo(NamedTuple):
 class SlotTable:
     """One instance's handle on its namespace's slot table (shared ``flock`` held until :meth:`close`)."""
 
-    def __init__(self, path: str, fd: int, mm: mmap.mmap, owner: Owner) -> None:
+    #: ``take(key)``: the payload of ``key`` (claimed and freed: a ``bytearray``), or the key's wake slot seq read
+    #: before looking, plus :data:`FILES` when the table's file-path hint is not 0 (read after looking: with 0, a
+    #: file payload published after the look rings after the seq was read, so a sleep on it ends at once); None for
+    #: a key the table cannot hold (lone surrogates). ``ValueError``: a corrupt slot (freed) or a closed mapping.
+    #: A C function with the table's arguments bound (``functools.partial``): no Python frame on the hot path.
+    take: Callable[[str], bytearray | int | None]
+    #: ``put_obj(key, encode_into, data)``: encode ``data`` straight into a slot with ``encode_into``
+    #: (``omni_plugins.wire.native_encode_into()``), replace an unconsumed payload of the key, publish and ring:
+    #: one C call, no :class:`~omni_plugins.wire.Encoded`. The encoded size, or :data:`TOO_BIG` (key or encoding
+    #: too big, or a key without UTF-8 bytes: take the file path), :data:`NO_SLOT` (no free bucket: file path) or
+    #: :data:`DEFERRED` (the compiled encoder declined: encode in Python). Bound like :attr:`take`.
+    put_obj: Callable[[str, Any, Any], int]
+
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, owner: Owner, wake: mmap.mmap | None) -> None:
         native = wakeslots._futex
         assert native is not None
         self._native = native
         self.path = path
         self._fd = fd
         self.mm = mm
+        self._wake = wake
         self.slot_bytes = int.from_bytes(mm[16:24], "little")
         self.nslots = int.from_bytes(mm[12:16], "little")
         self.tag = owner.tag
@@ -86,10 +102,15 @@ class SlotTable:
         self.writing = state_word(owner.pid, owner.start, WRITING)
         self.ready = state_word(owner.pid, owner.start, READY)
         self.claimer = state_word(owner.pid, owner.start, CLAIMED)
+        self.take = functools.partial(native.slot_take, mm, self.claimer, wake)
+        self.put_obj = functools.partial(native.slot_put_obj, mm, self.writing, self.ready, self.claimer, self.tag, self.start, wake, DEFAULT_LIMITS)
 
     @classmethod
-    def open(cls, directory: str, name: str, owner: Owner, nslots: int, slot_bytes: int, ensure_dir: object) -> SlotTable:
-        """Open (creating if needed) the table ``directory/name`` with ``nslots`` x ``slot_bytes`` (if it is new)."""
+    def open(
+        cls, directory: str, name: str, owner: Owner, nslots: int, slot_bytes: int, ensure_dir: object, wake: mmap.mmap | None
+    ) -> SlotTable:
+        """Open (creating if needed) the table ``directory/name`` with ``nslots`` x ``slot_bytes`` (if it is new);
+        its puts ring and its takes read the wake file mapping ``wake``."""
 
         def create(path: str) -> int:
             try:
@@ -99,42 +120,18 @@ class SlotTable:
                 raise  # open_locked tries again (the new table, or one a racing instance linked first)
 
         path, fd, mm = wakeslots.open_locked(directory, name, ensure_dir, create, _map, "slot table")
-        return cls(path, fd, mm, owner)
+        return cls(path, fd, mm, owner, wake)
 
     # -- hot path (one C call each) ------------------------------------------------------
-    def put(self, key: str, buffers: list[memoryview], nbytes: int, wake: mmap.mmap | None) -> int:
+    def put(self, key: str, buffers: list[memoryview], nbytes: int) -> int:
         """Publish and ring the key's wake slot; the slot index, or < 0 when the payload must take the file path
         (too big, key longer than :data:`KEY_MAX` bytes or not UTF-8 encodable, no free slot among the key's buckets)."""
         try:
             return int(
-                self._native.slot_put(self.mm, key, self.writing, self.ready, self.claimer, self.tag, self.start, buffers, nbytes, wake)
+                self._native.slot_put(self.mm, key, self.writing, self.ready, self.claimer, self.tag, self.start, buffers, nbytes, self._wake)
             )
         except UnicodeEncodeError:
             return -1
-
-    def put_obj(self, key: str, encode_into: Any, data: Any, wake: mmap.mmap | None) -> int:
-        """Encode ``data`` straight into a slot with ``encode_into`` (``omni_plugins.wire``'s compiled one), publish
-        and ring: one C call, no :class:`~omni_plugins.wire.Encoded`. The encoded size, or :data:`TOO_BIG` (key or
-        encoding too big: take the file path), :data:`NO_SLOT` (no free bucket: file path) or :data:`DEFERRED`
-        (the compiled encoder declined: encode in Python). An unconsumed payload of the key is replaced."""
-        try:
-            return int(
-                self._native.slot_put_obj(
-                    self.mm, key, self.writing, self.ready, self.claimer, self.tag, self.start, encode_into, data, DEFAULT_LIMITS, wake
-                )
-            )
-        except UnicodeEncodeError:
-            return TOO_BIG
-
-    def take(self, key: str, wake: mmap.mmap | None) -> bytearray | int | None:
-        """The payload of ``key`` (claimed and freed), or the key's wake slot seq read before looking, plus
-        :data:`FILES` when the table's file-path hint is not 0 (read after looking: with 0, a file payload
-        published after the look rings after the seq was read, so a sleep on it ends at once); None for a key
-        the table cannot hold (lone surrogates). ``ValueError``: a corrupt slot (freed) or a closed mapping."""
-        try:
-            return self._native.slot_take(self.mm, key, self.claimer, wake)  # type: ignore[no-any-return]
-        except UnicodeEncodeError:
-            return None
 
     def files_add(self, delta: int) -> int:
         """Add ``delta`` to the hint of unconsumed file-path payloads (never below 0); the new value.

@@ -371,6 +371,16 @@ claim_ready(char *s, uint64_t w, uint64_t me, uint64_t h, const char *k, Py_ssiz
 
 static PyObject *s_release; /* "release", interned at import */
 
+/* the UTF-8 bytes of key; NULL without an exception when it has none (lone surrogates: the table cannot hold it) */
+static const char *
+utf8_key(PyObject *key, Py_ssize_t *n)
+{
+    const char *k = PyUnicode_AsUTF8AndSize(key, n);
+    if (k == NULL && PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
+        PyErr_Clear();
+    return k;
+}
+
 /* claim-and-free every READY slot of key (h, k, n) among its buckets: a put replaces an unconsumed payload */
 static void
 replace_ready(table_t *t, uint64_t h, const char *k, Py_ssize_t n, uint64_t claimer)
@@ -483,25 +493,27 @@ fail:
 }
 
 PyDoc_STRVAR(slot_put_obj_doc,
-             "slot_put_obj(table, key, writing, ready, claimer, tag, start, encode_into, obj, limits, wake) -> int\n\n"
+             "slot_put_obj(table, writing, ready, claimer, tag, start, wake, limits, key, encode_into, obj) -> int\n\n"
              "slot_put with the encoding written straight into the slot: reserve a FREE bucket (CAS FREE->writing),\n"
              "call encode_into(obj, limits, <memoryview of the slot's payload area>) (omni_plugins.wire's compiled\n"
              "encode_into), replace a READY slot of the same key, publish, ring. Returns the encoded size; -1 if the key\n"
-             "or the encoding does not fit, -2 if no bucket is free (both after replacing an unconsumed payload of the\n"
+             "(or without UTF-8 bytes) or the encoding does not fit, -2 if no bucket is free (both after replacing an unconsumed payload of the\n"
              "key: the file path takes over), -3 if encode_into returned None (the Python encoder decides).");
 
 static PyObject *
 native_slot_put_obj(PyObject *self, PyObject *args)
 {
-    PyObject *obj, *encoder, *payload, *limits, *wake;
+    PyObject *obj, *encoder, *payload, *limits, *wake, *key;
     const char *k;
     Py_ssize_t n;
     unsigned long long writing, ready, claimer, start;
     unsigned long tag;
     table_t t;
-    if (!PyArg_ParseTuple(args, "Os#KKKkKOOOO:slot_put_obj", &obj, &k, &n, &writing, &ready, &claimer, &tag, &start, &encoder, &payload,
-                          &limits, &wake))
+    if (!PyArg_ParseTuple(args, "OKKKkKOOUOO:slot_put_obj", &obj, &writing, &ready, &claimer, &tag, &start, &wake, &limits, &key, &encoder,
+                          &payload))
         return NULL;
+    if ((k = utf8_key(key, &n)) == NULL)
+        return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
     if (table_open(obj, &t) < 0)
         return NULL;
     if (n > SLOT_KEY_MAX) {
@@ -569,22 +581,25 @@ native_slot_put_obj(PyObject *self, PyObject *args)
 }
 
 PyDoc_STRVAR(slot_take_doc,
-             "slot_take(table, key, claimer, wake) -> bytearray | int\n\n"
+             "slot_take(table, claimer, wake, key) -> bytearray | int | None\n\n"
              "Load the wake slot's seq, then look for a READY payload of key among its PROBES buckets; claim it\n"
              "(CAS READY->claimer), copy it into a new bytearray and free the slot. Returns the bytearray, or the\n"
              "seq read before looking (sleep on it with wait()), plus 1 << 32 when the table's count of unconsumed\n"
-             "file-path payloads (read after looking) is not 0. ValueError if the claimed slot is corrupt (freed).");
+             "file-path payloads (read after looking) is not 0; None for a key without UTF-8 bytes (lone surrogates).\n"
+             "ValueError if the claimed slot is corrupt (freed). (Arguments ordered for functools.partial.)");
 
 static PyObject *
 native_slot_take(PyObject *self, PyObject *args)
 {
-    PyObject *obj, *wake;
+    PyObject *obj, *wake, *key;
     const char *k;
     Py_ssize_t n;
     unsigned long long claimer;
     table_t t;
-    if (!PyArg_ParseTuple(args, "Os#KO:slot_take", &obj, &k, &n, &claimer, &wake))
+    if (!PyArg_ParseTuple(args, "OKOU:slot_take", &obj, &claimer, &wake, &key))
         return NULL;
+    if ((k = utf8_key(key, &n)) == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     uint32_t seen = 0;
     if (wake != Py_None) {
         Py_buffer wv;
