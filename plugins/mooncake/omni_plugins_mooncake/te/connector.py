@@ -3,8 +3,9 @@
 Producer side (``put``): encode into a slab of the registered staging pool and
 publish it in the :class:`~.pool.StagingTable`; the control server answers
 "where is K". Consumer side (``get``): a payload staged by this instance is
-decoded in place; otherwise each peer is asked, the payload is claimed, read
-with ``transfer_sync_read`` into a registered receive slab, the claim is
+decoded in place; otherwise each peer is asked (a binary claim on the control
+channel), the payload is read with one one-sided transfer
+(:class:`~.transfer.Reader`) into a registered receive slab, the claim is
 finished (the producer frees its slab) and the bytes are decoded zero-copy.
 """
 
