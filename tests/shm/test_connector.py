@@ -277,12 +277,15 @@ def test_gc_keeps_live_instances_and_reclaims_closed_ones(namespace: str) -> Non
     producer.close()
 
 
-def test_gc_cli_all_removes_everything_of_the_namespace(namespace: str) -> None:
+def test_gc_cli_all_refuses_next_to_live_instances_and_force_removes_everything(namespace: str) -> None:
     producer = create_connector("shm", {"namespace": namespace, "slot_count": 0})
     producer.put(0, 1, "k", {"v": 1})
-    out = subprocess.run(
-        [sys.executable, "-m", "omni_plugins_shm", "gc", "--namespace", namespace, "--all"], capture_output=True, text=True, check=True
-    )
+    before = namespace_segments(namespace)
+    cmd = [sys.executable, "-m", "omni_plugins_shm", "gc", "--namespace", namespace, "--all"]
+    refused = subprocess.run(cmd, capture_output=True, text=True)
+    assert refused.returncode == 3 and "live connector instance" in refused.stderr and "--force" in refused.stderr
+    assert refused.stdout == "" and namespace_segments(namespace) == before  # nothing removed
+    out = subprocess.run([*cmd, "--force"], capture_output=True, text=True, check=True)
     report = json.loads(out.stdout)
     # the payload, the marker and the namespace's wake file (held by the live producer: --all takes it too)
     assert sorted(n.split(".")[2] for n in report["removed"]) == ["k", "o", "x"] and report["errors"] == []

@@ -1,4 +1,7 @@
-"""``python -m omni_plugins_shm gc [--namespace NS] [--all] [--dry-run] [--dir DIR] [--ttl SECONDS]``.
+"""``python -m omni_plugins_shm gc [--namespace NS] [--all [--force]] [--dry-run] [--dir DIR] [--ttl SECONDS]``.
+
+``--all`` refuses (exit status 3, the live instances on stderr) while a live connector instance has a
+marker in the namespace(s): it would remove memory they are using. ``--force`` removes it anyway.
 
 The core ``omni-plugins`` CLI can expose the same as ``omni-plugins shm gc`` by calling
 :func:`main` with the arguments after ``shm`` (or :func:`omni_plugins_shm.gc.collect` directly).
@@ -12,7 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from omni_plugins_shm.expire import collect_expired
-from omni_plugins_shm.gc import DEFAULT_SHM_DIR, collect
+from omni_plugins_shm.gc import DEFAULT_SHM_DIR, collect, live_instances
 
 
 def build_parser(prog: str = "omni-plugins shm") -> argparse.ArgumentParser:
@@ -20,7 +23,8 @@ def build_parser(prog: str = "omni-plugins shm") -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gc = sub.add_parser("gc", help="free segments left by dead (crashed) producers and consumers")
     gc.add_argument("--namespace", "-n", default=None, help="only this namespace (default: all omnishm namespaces)")
-    gc.add_argument("--all", action="store_true", help="remove everything in the namespace(s), live or not")
+    gc.add_argument("--all", action="store_true", help="remove everything in the namespace(s) (refused while live instances exist)")
+    gc.add_argument("--force", action="store_true", help="with --all: remove it even while live instances use it")
     gc.add_argument("--dry-run", action="store_true", help="report what would be removed, remove nothing")
     gc.add_argument("--dir", default=DEFAULT_SHM_DIR, help="shm directory (default /dev/shm)")
     gc.add_argument(
@@ -38,6 +42,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "omni-plugins shm") -> i
     if args.command == "gc":
         if args.ttl is not None and args.ttl < 0:
             build_parser(prog).error("--ttl must be >= 0")
+        if args.all and not args.force and not args.dry_run:
+            live = live_instances(args.namespace, shm_dir=args.dir)
+            if live:
+                sys.stderr.write(
+                    f"gc --all refused: {len(live)} live connector instance(s) use the namespace(s) "
+                    f"({', '.join(sorted(live)[:5])}{', ...' if len(live) > 5 else ''}); stop them first, or add --force\n"
+                )
+                return 3
         report = collect(args.namespace, shm_dir=args.dir, force=args.all, dry_run=args.dry_run)
         if args.ttl is not None and not args.all:
             expired = collect_expired(args.namespace, args.ttl, shm_dir=args.dir, dry_run=args.dry_run)

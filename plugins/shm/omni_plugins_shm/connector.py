@@ -34,7 +34,7 @@ from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
 from omni_plugins_shm import gc, pubdir, wakeslots
 from omni_plugins_shm.config import ShmConfig
 from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
-from omni_plugins_shm.naming import HASHED, PUBLISHED, WAKE_ANY_SLOT, KeyNames, Names, parse_name, wake_slot
+from omni_plugins_shm.naming import HASHED, PUBLISHED, WAKE_ANY_SLOT, KeyNames, Names, parse_name
 from omni_plugins_shm.notify import Notifier
 from omni_plugins_shm.proc import CurrentPid, Owner
 from omni_plugins_shm.segments.files import unlink_quiet
@@ -42,7 +42,8 @@ from omni_plugins_shm.segments.header import CLOSED_OFFSET, HEADER_SIZE, PAYLOAD
 from omni_plugins_shm.segments.mapcache import MapCache, Mapping
 from omni_plugins_shm.segments.pool import ProducerPool, Segment
 from omni_plugins_shm.segments.private import PrivateBuffers
-from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, SlotTable
+from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, TIMED_OUT, SlotTable
+from omni_plugins_shm.wakeslots import SLICE
 
 log = logging.getLogger(__name__)
 
@@ -250,19 +251,21 @@ class ShmConnector(Connector):
         """``get`` with the slot table: the table first, then the file path, then sleep on the key's wake slot.
 
         ``take`` reads the wake slot's seq before it looks, and both paths' puts ring that slot after
-        publishing, so a payload published after the look changes seq and the sleep returns at once.
-        A waiting get claims on the file path (a ``rename``) only when the table's file-path hint says a
-        file payload may be waiting, and after every sleep that ran out its slice (a lost ring, a hint
-        gone stale under ``gc --all``); a non-blocking get always looks there.
+        publishing, so a payload published after the look changes seq and the sleep (on that seq, in
+        ``take_wait``, which looks again after it) returns at once. A waiting get claims on the file path
+        (a ``rename``) only when the table's file-path hint says a file payload may be waiting, and after
+        every sleep that ran out its slice (a lost ring, a hint gone stale under ``gc --all``); a
+        non-blocking get always looks there.
         """
-        wake = self._wake
         names: KeyNames | None = None  # the file path's names: only needed when the table has nothing
         deadline = None if timeout is None or timeout <= 0 else time.monotonic() + timeout
         always_files = deadline is None
         slept = False
+        seq = 0
+        wait = 0.0
         while True:
             try:
-                got = slots.take(key)
+                got = slots.take_wait(key, seq, wait) if slept else slots.take(key)
             except ValueError as exc:
                 if self._closed:
                     return None  # another thread closed the connector (and its mappings) meanwhile
@@ -274,23 +277,25 @@ class ShmConnector(Connector):
                     return GetResult(wire.decode(got), len(got))
                 except WireFormatError as exc:
                     raise WireFormatError(f"shm payload for key {key!r} (namespace {self.config.namespace!r}): {exc}") from exc
-            if slept:  # woken, and the table has nothing: was it replaced under us (gc --all)?
-                slept = False
-                fresh = self._current_slots(slots)
-                if fresh is not slots:
-                    slots = fresh
-                    continue
-            if got is None:  # a key the table cannot hold
+            if got is None:  # a key the table cannot hold: the file path alone, sleeping on its wake slot
                 if names is None:
                     names = self._key(key)
+                if slept:
+                    always_files = not self._wake.sleep(names.wake_slot, seq, wait)
                 try:
-                    seq = wake.seq(names.wake_slot)
+                    seq = self._wake.seq(names.wake_slot)
                 except ValueError:
                     return None
                 files = True
             else:
                 seq = cast(int, got)
-                files = always_files or seq >= FILES
+                if slept:
+                    always_files = seq >= TIMED_OUT
+                    fresh = self._current_slots(slots)  # woken, and the table has nothing: replaced under us (gc --all)?
+                    if fresh is not slots:
+                        slots, slept = fresh, False
+                        continue
+                files = always_files or bool(seq & FILES)
                 seq &= SEQ_MASK
             if files:
                 if names is None:
@@ -305,7 +310,7 @@ class ShmConnector(Connector):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or self._closed:
                 return None
-            always_files = not wake.sleep(wake_slot(key) if names is None else names.wake_slot, seq, remaining)
+            wait = min(remaining, SLICE)
             slept = True
 
     def _current_slots(self, slots: SlotTable) -> SlotTable:

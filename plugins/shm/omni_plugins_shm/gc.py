@@ -145,6 +145,26 @@ def _entries(shm_dir: str, prefix: str) -> tuple[list[tuple[str, str]], list[str
     return entries, dirs
 
 
+def live_instances(namespace: str | None = None, *, shm_dir: str = DEFAULT_SHM_DIR) -> list[str]:
+    """Liveness markers (``o.<owner>`` names) of connector instances whose process still runs, in ``namespace``
+    (all namespaces if None): what ``gc --all`` would pull the memory from under."""
+    prefix = namespace_prefix(namespace) if namespace is not None else f"{PREFIX}."
+    try:
+        entries, _ = _entries(shm_dir, prefix)
+    except FileNotFoundError:
+        return []
+    live = _Liveness(shm_dir)
+    found = []
+    for _, name in entries:
+        parsed = parse_name(name)
+        if parsed is None or parsed.kind != MARKER:
+            continue
+        owner = Owner.parse(parsed.owner_token or "")
+        if owner is not None and live.process(owner):
+            found.append(name)
+    return found
+
+
 def collect(namespace: str | None = None, *, shm_dir: str = DEFAULT_SHM_DIR, force: bool = False, dry_run: bool = False) -> GcReport:
     """Remove segments of dead (or closed) owners in ``namespace`` (all namespaces if None).
 

@@ -42,6 +42,8 @@ FREE, WRITING, READY, CLAIMED = 0, 1, 2, 3
 #: added to the seq :meth:`SlotTable.take` returns when file-path payloads may be waiting (the table's hint is not 0)
 FILES = 1 << 32
 SEQ_MASK = FILES - 1
+#: added to :meth:`SlotTable.take_wait`'s miss when its sleep ran out its time
+TIMED_OUT = 1 << 33
 #: :meth:`SlotTable.put_obj` results other than a size
 TOO_BIG, NO_SLOT, DEFERRED = -1, -2, -3
 
@@ -80,6 +82,11 @@ class SlotTable:
     #: a key the table cannot hold (lone surrogates). ``ValueError``: a corrupt slot (freed) or a closed mapping.
     #: A C function with the table's arguments bound (``functools.partial``): no Python frame on the hot path.
     take: Callable[[str], bytearray | int | None]
+    #: ``take_wait(key, expected, seconds)``: sleep up to ``seconds`` while the key's wake slot still reads
+    #: ``expected`` (a seq :attr:`take` returned: read before its look, and so before the caller's file-path
+    #: check), then :attr:`take`; a miss after a sleep that ran out its time has :data:`TIMED_OUT` added. One C
+    #: call for the wait and the look after it (the hot path of a blocked ``get``).
+    take_wait: Callable[[str, int, float], bytearray | int | None]
     #: ``put_obj(key, encode_into, data)``: encode ``data`` straight into a slot with ``encode_into``
     #: (``omni_plugins.wire.native_encode_into()``), replace an unconsumed payload of the key, publish and ring:
     #: one C call, no :class:`~omni_plugins.wire.Encoded`. The encoded size, or :data:`TOO_BIG` (key or encoding
@@ -103,6 +110,7 @@ class SlotTable:
         self.ready = state_word(owner.pid, owner.start, READY)
         self.claimer = state_word(owner.pid, owner.start, CLAIMED)
         self.take = functools.partial(native.slot_take, mm, self.claimer, wake)
+        self.take_wait = functools.partial(native.slot_take_wait, mm, self.claimer, wake)
         self.put_obj = functools.partial(native.slot_put_obj, mm, self.writing, self.ready, self.claimer, self.tag, self.start, wake, DEFAULT_LIMITS)
 
     @classmethod

@@ -218,6 +218,7 @@ native_rename_noreplace(PyObject *self, PyObject *args)
 #define TBL_HDR 4096
 #define FILES_OFF 64
 #define FILES_BIT ((uint64_t)1 << 32)
+#define TIMED_OUT_BIT ((uint64_t)1 << 33)
 #define SLOT_HDR 256
 #define SLOT_KEY_OFF 64
 #define SLOT_KEY_MAX (SLOT_HDR - SLOT_KEY_OFF)
@@ -588,56 +589,121 @@ PyDoc_STRVAR(slot_take_doc,
              "file-path payloads (read after looking) is not 0; None for a key without UTF-8 bytes (lone surrogates).\n"
              "ValueError if the claimed slot is corrupt (freed). (Arguments ordered for functools.partial.)");
 
+/* one look for key: the payload (claimed, copied out, freed) as a bytearray, or NULL with *miss set to the seq
+ * read before looking (| FILES_BIT when the file-path hint is not 0), or NULL with an exception */
 static PyObject *
-native_slot_take(PyObject *self, PyObject *args)
+take_once(table_t *t, uint32_t *seq, uint64_t claimer, const char *k, Py_ssize_t n, uint64_t *miss)
 {
-    PyObject *obj, *wake, *key;
-    const char *k;
-    Py_ssize_t n;
-    unsigned long long claimer;
-    table_t t;
-    if (!PyArg_ParseTuple(args, "OKOU:slot_take", &obj, &claimer, &wake, &key))
-        return NULL;
-    if ((k = utf8_key(key, &n)) == NULL)
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    uint32_t seen = 0;
-    if (wake != Py_None) {
-        Py_buffer wv;
-        uint32_t *seq;
-        if (slot(wake, wake_offset(fnv1a(k, n)), &wv, &seq) < 0)
-            return NULL;
-        seen = __atomic_load_n(seq, __ATOMIC_SEQ_CST);
-        PyBuffer_Release(&wv);
-    }
-    if (table_open(obj, &t) < 0)
-        return NULL;
+    uint32_t seen = seq != NULL ? __atomic_load_n(seq, __ATOMIC_SEQ_CST) : 0;
     if (n <= SLOT_KEY_MAX) {
         uint64_t h = fnv1a(k, n);
-        for (int p = 0; p < PROBES && p < (int)t.nslots; p++) {
-            char *s = slot_at(&t, h + (uint64_t)p);
+        for (int p = 0; p < PROBES && p < (int)t->nslots; p++) {
+            char *s = slot_at(t, h + (uint64_t)p);
             uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
             if ((w & 0xFF) != S_READY || !slot_has_key(s, h, k, n) || !claim_ready(s, w, claimer, h, k, n))
                 continue;
             uint32_t len;
             memcpy(&len, s + 20, 4);
-            if ((uint64_t)len > t.slot_bytes) {
+            if ((uint64_t)len > t->slot_bytes) {
                 __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
-                PyBuffer_Release(&t.view);
                 PyErr_Format(PyExc_ValueError, "slot %ld is corrupt: payload length %u > slot size %llu; freed it",
-                             (long)((h + (uint64_t)p) % t.nslots), len, (unsigned long long)t.slot_bytes);
+                             (long)((h + (uint64_t)p) % t->nslots), len, (unsigned long long)t->slot_bytes);
                 return NULL;
             }
             PyObject *out = PyByteArray_FromStringAndSize(s + SLOT_HDR, (Py_ssize_t)len);
             __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
-            PyBuffer_Release(&t.view);
             return out; /* NULL on MemoryError: the payload is lost like any failed get's */
         }
     }
     /* read after the seq (both seq_cst): a file publication this misses raised the count after this
      * load, so its ring comes after `seen` was read and the caller's FUTEX_WAIT returns at once */
-    uint64_t files = __atomic_load_n((uint64_t *)(t.base + FILES_OFF), __ATOMIC_SEQ_CST);
+    uint64_t files = __atomic_load_n((uint64_t *)(t->base + FILES_OFF), __ATOMIC_SEQ_CST);
+    *miss = (uint64_t)seen | (files ? FILES_BIT : 0);
+    return NULL;
+}
+
+/* slot_take: one look. slot_take_wait: first sleep up to `seconds` while the key's wake slot still reads
+ * `expected` (the seq an earlier slot_take read before its look and the caller's file-path check), then look. */
+static PyObject *
+take(PyObject *args, int waits)
+{
+    PyObject *obj, *wake, *key;
+    const char *k;
+    Py_ssize_t n;
+    unsigned long long claimer;
+    unsigned long expected = 0;
+    double seconds = 0.0;
+    table_t t;
+    if (waits ? !PyArg_ParseTuple(args, "OKOUkd:slot_take_wait", &obj, &claimer, &wake, &key, &expected, &seconds)
+              : !PyArg_ParseTuple(args, "OKOU:slot_take", &obj, &claimer, &wake, &key))
+        return NULL;
+    if (!(seconds >= 0.0 && seconds <= 86400.0)) {
+        PyErr_SetString(PyExc_ValueError, "seconds must be in [0, 86400]");
+        return NULL;
+    }
+    if ((k = utf8_key(key, &n)) == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    Py_buffer wv;
+    uint32_t *seq = NULL;
+    if (wake != Py_None && slot(wake, wake_offset(fnv1a(k, n)), &wv, &seq) < 0)
+        return NULL;
+    if (table_open(obj, &t) < 0) {
+        if (seq != NULL)
+            PyBuffer_Release(&wv);
+        return NULL;
+    }
+    uint64_t timed_out = 0;
+    if (waits && seq != NULL && seconds > 0.0) {
+        /* futex_wait() inlined; both mappings stay exported meanwhile (a close cannot unmap them) */
+        struct timespec ts;
+        ts.tv_sec = (time_t)seconds;
+        ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+        if (ts.tv_nsec >= 1000000000L)
+            ts.tv_nsec = 999999999L;
+        uint32_t *waiters = seq + 1;
+        long rc = 0;
+        int err = 0;
+        __atomic_add_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(seq, __ATOMIC_SEQ_CST) == (uint32_t)expected) {
+            Py_BEGIN_ALLOW_THREADS
+            rc = syscall(SYS_futex, seq, FUTEX_WAIT, (uint32_t)expected, &ts, NULL, 0);
+            err = errno;
+            Py_END_ALLOW_THREADS
+        }
+        __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+        if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0) {
+            PyBuffer_Release(&t.view);
+            PyBuffer_Release(&wv);
+            return NULL;
+        }
+        if (rc == -1 && err == ETIMEDOUT)
+            timed_out = TIMED_OUT_BIT;
+    }
+    uint64_t miss = 0;
+    PyObject *out = take_once(&t, seq, claimer, k, n, &miss);
     PyBuffer_Release(&t.view);
-    return PyLong_FromUnsignedLongLong((uint64_t)seen | (files ? FILES_BIT : 0));
+    if (seq != NULL)
+        PyBuffer_Release(&wv);
+    if (out != NULL || PyErr_Occurred())
+        return out;
+    return PyLong_FromUnsignedLongLong(miss | timed_out);
+}
+
+static PyObject *
+native_slot_take(PyObject *self, PyObject *args)
+{
+    return take(args, 0);
+}
+
+PyDoc_STRVAR(slot_take_wait_doc,
+             "slot_take_wait(table, claimer, wake, key, expected, seconds) -> bytearray | int | None\n\n"
+             "Sleep up to seconds while the key's wake slot reads expected (GIL released), then slot_take. A miss after\n"
+             "a sleep that ran out its time has 1 << 33 added. (wake.sleep + slot_take in one call: the hot wait.)");
+
+static PyObject *
+native_slot_take_wait(PyObject *self, PyObject *args)
+{
+    return take(args, 1);
 }
 
 PyDoc_STRVAR(slot_files_doc,
@@ -790,6 +856,7 @@ static PyMethodDef methods[] = {
     {"slot_put", native_slot_put, METH_VARARGS, slot_put_doc},
     {"slot_put_obj", native_slot_put_obj, METH_VARARGS, slot_put_obj_doc},
     {"slot_take", native_slot_take, METH_VARARGS, slot_take_doc},
+    {"slot_take_wait", native_slot_take_wait, METH_VARARGS, slot_take_wait_doc},
     {"slot_files", native_slot_files, METH_VARARGS, slot_files_doc},
     {"slot_present", native_slot_present, METH_VARARGS, slot_present_doc},
     {"slot_scan", native_slot_scan, METH_VARARGS, slot_scan_doc},
