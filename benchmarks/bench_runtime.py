@@ -27,6 +27,9 @@ Modes, measured in the same run, interleaved round by round:
   every stream's next key and a ``get`` per reported key, latency taken when the
   ``get`` returns. No runtime, no I/O threads, no hand-off to a model thread: what
   a runtime that cost nothing would still see.
+* ``raw64i``   -- as ``raw64``, but each chunk is put as soon as it is made (the order a
+  runtime whose ``send_chunk`` hands the chunk straight to its send thread achieves,
+  ``RuntimeTuning.send_handoff_s``): the connector's floor for that order.
 
 Reported: p50/p99/mean hand-off latency per mode, the ratios runtime/poll5ms and
 runtime/raw, and per-chunk runtime overhead (time spent in ``send_chunk`` on the
@@ -76,8 +79,8 @@ from omni_plugins.runtime import RuntimeTuning, StageTransferRuntime
 
 BUILDER = "bench_runtime.passthrough"
 RAW_ITEMS = 200  # single-stream put -> blocking get samples per round
-MODES = ("runtime", "poll5ms", "park1", "raw", "raw64")
-STREAM_MODES = tuple(m for m in MODES if m != "raw")
+MODES = ("runtime", "poll5ms", "park1", "raw", "raw64", "raw64i")
+RAW64_MODES = ("raw64", "raw64i")
 
 
 def passthrough(transfer_manager: Any, pooling_output: Any, request: Any, is_finished: bool = False) -> Any:
@@ -101,6 +104,8 @@ class _Req:
 def tuning_for(mode: str) -> RuntimeTuning:
     if mode == "poll5ms":
         return RuntimeTuning.fixed_poll(0.005)
+    if mode == "nohandoff":
+        return RuntimeTuning(send_handoff_s=0.0)
     return RuntimeTuning(wait_any=False) if mode == "park1" else RuntimeTuning()
 
 
@@ -165,9 +170,9 @@ def produce(
         finally:
             conn.close()
         return {"send_call_us": None, "process_cpu_us_per_chunk": cpu / RAW_ITEMS * 1e6}
-    if mode == "raw64":
-        return _produce_raw64(cfg, streams, chunks, period, pattern, step_s, chunk_floats, start_at, release)
-    rt = StageTransferRuntime(StageConfig(stage_id=0, async_chunk=True, custom_process_next_stage_input_func=BUILDER), cfg)
+    if mode in RAW64_MODES:
+        return _produce_raw64(cfg, streams, chunks, period, pattern, step_s, chunk_floats, start_at, release, interleave=mode == "raw64i")
+    rt = StageTransferRuntime(StageConfig(stage_id=0, async_chunk=True, custom_process_next_stage_input_func=BUILDER), cfg, tuning=tuning_for(mode))
     put_lat: list[float] = []
     put_trace: list[tuple[float, float, float]] = []  # (send_chunk time, put start, put end) per chunk
     put_cpu = [0.0]
@@ -243,8 +248,13 @@ def _produce_raw64(
     chunk_floats: int,
     start_at: float,
     release: Callable[[], Any],
+    *,
+    interleave: bool = False,
 ) -> dict:
-    """``raw64`` producer: the same schedule, ``connector.put`` inline on this (model) thread, no runtime."""
+    """``raw64`` producer: the same schedule, ``connector.put`` inline on this (model) thread, no runtime.
+
+    ``interleave`` (``raw64i``): each chunk is put right after it is made instead of after the step's last.
+    """
     conn = create_connector(cfg["name"], cfg["extra"])
     put_trace: list[tuple[float, float, float]] = []
     sent = [0] * streams
@@ -261,7 +271,11 @@ def _produce_raw64(
                 data = {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [t0]}, "meta": {"finished": sent[i] + 1 == chunks}}
                 step.append((f"raw64{i}_0_{sent[i]}", t0, data))
                 sent[i] += 1
-            for key, t0, data in step:
+                if interleave:
+                    t_start = time.monotonic()
+                    conn.put(0, 1, step[-1][0], data)
+                    put_trace.append((t0, t_start, time.monotonic()))
+            for key, t0, data in () if interleave else step:
                 t_start = time.monotonic()
                 conn.put(0, 1, key, data)
                 put_trace.append((t0, t_start, time.monotonic()))
@@ -444,7 +458,7 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
             conn.close()
         cpu = time.process_time() - cpu0
         return {"latencies": lat, "model_thread_us": None, "missing": RAW_ITEMS - len(lat), "cpu_us_per_chunk": cpu / max(1, len(lat)) * 1e6}
-    if mode == "raw64":
+    if mode in RAW64_MODES:
         return _consume_raw64(cfg, streams, chunks, start_at, bar)
     rt = StageTransferRuntime(StageConfig(stage_id=1, async_chunk=True, recv_timeout_s=60), cfg, tuning=tuning_for(mode))
     rconn = rt.connector
@@ -642,6 +656,9 @@ def main() -> None:
     ap.add_argument(
         "--shm-slot-count", type=int, default=None, help="shm connector's slot_count (its slot table) in every mode; default: the connector's default"
     )
+    ap.add_argument(
+        "--ab-handoff", action="store_true", help="also measure mode nohandoff: the runtime with RuntimeTuning(send_handoff_s=0) on both sides"
+    )
     ap.add_argument("--json", help="write results to this file")
     ap.add_argument("--plot", help="write a latency CDF plot (PNG)")
     args = ap.parse_args()
@@ -661,14 +678,16 @@ def main() -> None:
         except ImportError:
             backend = "memory"
 
-    per_mode: dict[str, list[dict]] = {m: [] for m in MODES}
-    sends: dict[str, list[float]] = {m: [] for m in MODES}
-    put_done: dict[str, list[float]] = {m: [] for m in MODES}
-    prod_cpu: dict[str, list[float]] = {m: [] for m in MODES}
-    breakdowns: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
-    put_traces: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
+    modes = MODES + (("nohandoff",) if args.ab_handoff else ())
+    load_start = os.getloadavg()
+    per_mode: dict[str, list[dict]] = {m: [] for m in modes}
+    sends: dict[str, list[float]] = {m: [] for m in modes}
+    put_done: dict[str, list[float]] = {m: [] for m in modes}
+    prod_cpu: dict[str, list[float]] = {m: [] for m in modes}
+    breakdowns: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
+    put_traces: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
     sender_stats: dict[str, dict] = {}
-    total = args.rounds * len(STREAM_MODES) * args.streams * args.chunks
+    total = args.rounds * sum(m != "raw" for m in modes) * args.streams * args.chunks
     step_s = args.step_ms / 1e3
     cmds = results = proc = None
     if backend == "shm":
@@ -690,7 +709,7 @@ def main() -> None:
                 raise RuntimeError(f"producer failed: {prod}")
         with tqdm(total=total, desc=f"hand-off ({backend})", unit="chunk") as bar:
             for _ in range(args.rounds):
-                for mode in MODES:
+                for mode in modes:
                     ns = f"bench-rt-{uuid.uuid4().hex[:8]}"
                     start_at = time.monotonic() + (1.0 if backend == "shm" else 0.2)
                     job = (backend, ns, mode, args.streams, args.chunks, args.period, args.pattern, step_s, args.chunk_floats, start_at)
@@ -755,10 +774,16 @@ def main() -> None:
         "backend": backend,
         "cross_process": backend == "shm",
         "config": {k: getattr(args, k) for k in ("streams", "chunks", "period", "pattern", "rounds", "step_ms", "chunk_floats", "switch_interval", "shm_slot_count")},
-        "machine": {"python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count()},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "loadavg_start": [round(x, 2) for x in load_start],
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        },
         "modes": {},
     }
-    for mode in MODES:
+    for mode in modes:
         lat = [x for r in per_mode[mode] for x in r["latencies"]]
         entry: dict[str, Any] = dict(summarize(lat))
         entry["missing_chunks"] = sum(r["missing"] for r in per_mode[mode])
@@ -780,12 +805,12 @@ def main() -> None:
         traces = [tuple(x) for r in per_mode[mode] for x in r.get("trace") or ()]
         entry["legs_p50_ms"] = _segments(put_traces[mode], traces) if traces and put_traces[mode] else None
         report["modes"][mode] = entry
-    rt, poll, park1, raw, raw64 = (report["modes"].get(m, {}) for m in ("runtime", "poll5ms", "park1", "raw", "raw64"))
+    rt, poll, park1, raw, raw64, raw64i = (report["modes"].get(m, {}) for m in ("runtime", "poll5ms", "park1", "raw", "raw64", "raw64i"))
 
     def ratio(a: Any, b: Any) -> float | None:
         return round(a / b, 3) if a is not None and b else None
 
-    for e in (rt, poll, park1, raw, raw64):  # modes left out (experiments) report no ratios
+    for e in (rt, poll, park1, raw, raw64, raw64i):  # modes left out (experiments) report no ratios
         for k in ("p50_ms", "p99_ms", "consumer_cpu_us_per_chunk", "producer_cpu_us_per_chunk", "consumer_cpu_active_us_per_chunk"):
             e.setdefault(k, None)
 
@@ -797,6 +822,9 @@ def main() -> None:
         "p50_runtime_vs_raw_connector": ratio(rt["p50_ms"], raw["p50_ms"]),
         "p50_runtime_vs_raw64_same_traffic": ratio(rt["p50_ms"], raw64["p50_ms"]),
         "p99_runtime_vs_raw64_same_traffic": ratio(rt["p99_ms"], raw64["p99_ms"]),
+        "p50_runtime_vs_raw64i_same_traffic": ratio(rt["p50_ms"], raw64i["p50_ms"]),
+        "p50_runtime_vs_nohandoff": ratio(rt["p50_ms"], report["modes"].get("nohandoff", {}).get("p50_ms")),
+        "p99_runtime_vs_raw64i_same_traffic": ratio(rt["p99_ms"], raw64i["p99_ms"]),
         # CPU per chunk (robust to machine load): runtime vs the bare connector put/get
         "consumer_cpu_runtime_vs_raw": ratio(rt["consumer_cpu_us_per_chunk"], raw["consumer_cpu_us_per_chunk"]),
         "producer_cpu_runtime_vs_raw": ratio(rt["producer_cpu_us_per_chunk"], raw["producer_cpu_us_per_chunk"]),
@@ -819,7 +847,7 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(7, 4))
-        for mode in MODES:
+        for mode in modes:
             lat = sorted(x * 1e3 for r in per_mode[mode] for x in r["latencies"])
             if lat:
                 ax.plot(lat, [i / len(lat) for i in range(len(lat))], label=mode)

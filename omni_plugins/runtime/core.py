@@ -177,6 +177,7 @@ class StageTransferRuntime:
                 to_stage=self.next_stage_id,
                 max_retries=self.tuning.max_send_retries,
                 retry_backoff_s=self.tuning.retry_backoff_s,
+                handoff_s=self.tuning.send_handoff_s,
                 name=f"omni-send-{tag}",
             )
             if self.is_data_transfer_rank() and self.stage_id > 0:
@@ -295,7 +296,8 @@ class StageTransferRuntime:
         with self._lock:
             index = state.next_send_chunk
             state.next_send_chunk += 1
-            self._sender.enqueue_locked(state, f"{state.external_id}_{self.stage_id}_{index}", payload)
+            task = self._sender.enqueue_locked(state, f"{state.external_id}_{self.stage_id}_{index}", payload)
+        self._sender.hand_over(task)
 
     def send_chunk(self, request: Any, pooling_output: Any = None) -> bool:
         """Streaming mode: build this step's chunk on the caller's thread and enqueue it.

@@ -8,6 +8,13 @@ sends in flight; a request released by cleanup while sends are in flight is
 freed when the last one completes. An aborted request's queued puts are
 dropped and, once its running put (if any) completed, every key it put is
 freed from the connector (nobody will read them).
+
+Hand-over: the model thread keeps the GIL while it builds a step's chunks, so
+a send thread that was merely woken would start the step's puts after the
+last ``send_chunk`` -- a step of n chunks then waits for n builds and up to n
+puts. :meth:`Sender.hand_over` lets ``send_chunk`` wait (briefly, see
+``RuntimeTuning.send_handoff_s``) until the send thread has taken the chunk:
+the put starts at once and the next build overlaps its syscalls.
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 #: most puts the send thread makes per lock round (their completions are booked together)
 _BATCH = 16
+#: weight of the newest put in the running mean of put durations (hand-over gate)
+_PUT_EWMA_WEIGHT = 0.2
 
 
 class Sender:
@@ -40,6 +49,7 @@ class Sender:
         to_stage: int,
         max_retries: int = 3,
         retry_backoff_s: float = 0.002,
+        handoff_s: float = 0.0,
         name: str = "omni-send",
     ) -> None:
         self._connector = connector
@@ -48,11 +58,18 @@ class Sender:
         self.max_retries = max_retries
         self._backoff = retry_backoff_s
         self._cond = threading.Condition(registry.lock)
+        self._handoff_s = handoff_s
+        self._handoff: SendTask | None = None  # the task a ``hand_over`` waits for (lock held to read/write)
+        self._handoff_signalled = False  # the signal was released for it (lock held to read/write)
+        self._handoff_signal = threading.Lock()  # held while nobody is to be woken; released to wake the waiter
+        self._handoff_signal.acquire()
+        self.put_mean_s = 0.0  # running mean of put durations (written by the send thread only)
         self._ring: deque[RequestState] = deque()
         self._stop = False
         self._idle = False  # the send thread waits for work (lock held to read/write): enqueue wakes it only then
-        #: ``rounds``: lock rounds that took tasks; ``sleeps``: waits for work (each ends in a thread wake-up)
-        self.stats = {"puts": 0, "put_failures": 0, "dropped": 0, "rounds": 0, "sleeps": 0}
+        #: ``rounds``: lock rounds that took tasks; ``sleeps``: waits for work (each ends in a thread wake-up);
+        #: ``handoffs``: ``send_chunk`` calls that waited for their task to be taken, ``handoff_timeouts`` of them in vain
+        self.stats = {"puts": 0, "put_failures": 0, "dropped": 0, "rounds": 0, "sleeps": 0, "handoffs": 0, "handoff_timeouts": 0}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -61,9 +78,10 @@ class Sender:
         with self._cond:
             self.enqueue_locked(state, key, data)
 
-    def enqueue_locked(self, state: RequestState, key: str, data: Any) -> None:
-        """:meth:`enqueue` with the registry lock already held."""
-        state.send_queue.append(SendTask(key, data))
+    def enqueue_locked(self, state: RequestState, key: str, data: Any) -> SendTask:
+        """:meth:`enqueue` with the registry lock already held; returns the queued task."""
+        task = SendTask(key, data)
+        state.send_queue.append(task)
         state.in_flight += 1
         if not state.in_send_ring:
             state.in_send_ring = True
@@ -71,6 +89,42 @@ class Sender:
         if self._idle:  # busy: it takes this task in its next round without a wake-up
             self._idle = False
             self._cond.notify()
+        return task
+
+    def hand_over(self, task: SendTask) -> None:
+        """Model thread, no lock held: wait up to ``handoff_s`` until the send thread has taken ``task``.
+
+        Waiting lets go of the GIL, so the send thread starts the put now
+        rather than after the caller's step. Skipped while puts take longer
+        than ``handoff_s`` on average (then the caller would mostly wait for
+        other puts, which is what the send thread is there to spare it) and
+        while another thread waits for its own hand-over. The signal is a
+        plain lock released by the send thread: one futex wait and one wake.
+        """
+        limit = self._handoff_s
+        if limit <= 0 or task.taken or self.put_mean_s > limit or self._stop:
+            return
+        with self._cond:
+            if task.taken or self._handoff is not None:
+                return
+            self._handoff = task  # the slot stays ours until we clear it: releases pair with our acquires
+        self.stats["handoffs"] += 1
+        woken = self._handoff_signal.acquire(timeout=limit)
+        with self._cond:
+            if not woken:
+                if self._handoff_signalled:  # released after our timeout (under this lock): take it back
+                    self._handoff_signal.acquire()
+                else:
+                    self.stats["handoff_timeouts"] += 1
+            self._handoff = None
+            self._handoff_signalled = False
+
+    def _signal_handoff_locked(self) -> None:
+        """Send thread (or stop), lock held: wake the ``hand_over`` waiting for a task that was taken (once)."""
+        task = self._handoff
+        if task is not None and (task.taken or self._stop) and not self._handoff_signalled:
+            self._handoff_signalled = True
+            self._handoff_signal.release()
 
     def keys_put(self, state: RequestState) -> list[str]:
         """Every key this stage has put (or is putting) for ``state``."""
@@ -109,6 +163,7 @@ class Sender:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
+            self._signal_handoff_locked()
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("send thread did not stop within %.1fs", timeout)
@@ -158,6 +213,10 @@ class Sender:
                     self._idle = False
                 if self._stop:
                     return
+                for _, task in picked:
+                    task.taken = True
+                if self._handoff is not None:
+                    self._signal_handoff_locked()
             self.stats["rounds"] += 1
             results = [self._put(state, task) for state, task in picked]
             purge: list[str] = []
@@ -169,6 +228,7 @@ class Sender:
                 self.purge(purge)
 
     def _put(self, state: RequestState, task: SendTask) -> bool:
+        started = time.monotonic()
         try:
             result = self._connector.put(self._from, self._to, task.key, task.data)
             ok = bool(result.ok)
@@ -177,6 +237,7 @@ class Sender:
         except Exception:
             logger.warning("put of %s raised", task.key, exc_info=True)
             ok = False
+        self.put_mean_s += _PUT_EWMA_WEIGHT * (time.monotonic() - started - self.put_mean_s)
         self.stats["puts" if ok else "put_failures"] += 1
         return ok
 

@@ -40,6 +40,7 @@ class SendTask:
     data: Any
     attempts: int = 0
     not_before: float = 0.0
+    taken: bool = False  # the send thread picked it up (a handing-over ``send_chunk`` waits for this)
 
 
 @dataclass(eq=False)

@@ -29,6 +29,12 @@ class RuntimeTuning:
             from the connector (chunks put but never read).
         snapshot_payloads: copy lists and tensors of outgoing payloads so the
             send thread never races the runner that produced them.
+        send_handoff_s: ``send_chunk`` waits up to this long for the send
+            thread to take the chunk it enqueued, so a step's puts run between
+            its ``send_chunk`` calls instead of after the last one (the model
+            thread would otherwise keep the GIL until its step ends). Skipped
+            while the connector's puts take longer than this on average (a
+            slow backend: the runner does not wait for it). 0 turns it off.
     """
 
     arrival: ArrivalMode = "auto"
@@ -41,6 +47,7 @@ class RuntimeTuning:
     drain_timeout_s: float = 2.0
     abort_scan_limit: int = 256
     snapshot_payloads: bool = True
+    send_handoff_s: float = 0.0005
 
     def __post_init__(self) -> None:
         if self.arrival not in ("auto", "block", "poll"):
@@ -50,6 +57,8 @@ class RuntimeTuning:
                 raise ValueError(f"{name} must be positive")
         if self.poll_min_s > self.poll_max_s:
             raise ValueError("minimum waits must not exceed maximum waits")
+        if self.send_handoff_s < 0:
+            raise ValueError("send_handoff_s must be >= 0")
         if self.max_send_retries < 0:
             raise ValueError("max_send_retries must be >= 0")
 

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
+from typing import Any
 
 import pytest
 import torch
 from rt_helpers import FlakyConnector, GatedConnector, Req, make_runtime, wait_until
 
+from omni_plugins.contract import PutResult
 from omni_plugins.memory import MemoryConfig, MemoryConnector
+from omni_plugins.runtime import RuntimeTuning
 
 STREAM = {"async_chunk": True, "custom_process_next_stage_input_func": "rt_builders.stream"}
 
@@ -96,6 +100,79 @@ def test_concurrent_senders_keep_per_request_order(runtimes: list, namespace: st
     for j in range(4):
         got = _read_all(namespace, [f"r{j}_0_{i}" for i in range(20)])
         assert [g["ids"]["prompt"][0] for g in got] == list(range(20))
+
+
+def test_many_threads_handing_chunks_over_keep_order_and_raise_nothing(runtimes: list, namespace: str) -> None:
+    """Hand-overs from several threads at once share one signal: none may wake for another's chunk
+    in a way that leaves the signal out of step (a later wait would hang or a release would raise)."""
+    p = make_runtime(0, namespace, tuning=RuntimeTuning(join_timeout_s=2.0, drain_timeout_s=2.0, send_handoff_s=0.0003), **STREAM)
+    runtimes.append(p)
+    errors: list[BaseException] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)  # type: ignore[assignment,misc]
+    try:
+
+        def produce(rid: str) -> None:
+            for i in range(80):
+                p.send_chunk(Req(rid), {"ids": {"prompt": [i]}})
+
+        threads = [threading.Thread(target=produce, args=(f"h{j}",)) for j in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        assert p.wait_sends()
+    finally:
+        threading.excepthook = hook
+    assert errors == []
+    stats = p.debug_state()["sender"]
+    assert stats["handoffs"] > 0 and stats["puts"] == 640
+    for j in range(8):
+        got = _read_all(namespace, [f"h{j}_0_{i}" for i in range(80)])
+        assert [g["ids"]["prompt"][0] for g in got] == list(range(80))
+
+
+def test_send_chunk_returns_once_the_send_thread_took_the_chunk(runtimes: list, namespace: str) -> None:
+    """With a hand-over bound (long here, so the test does not depend on timing) every send_chunk
+    waits until the send thread picked its chunk: none waits in vain; without one nobody waits."""
+    p = make_runtime(0, namespace, tuning=RuntimeTuning(join_timeout_s=2.0, send_handoff_s=2.0), **STREAM)
+    off = make_runtime(0, namespace + "-0", tuning=RuntimeTuning(join_timeout_s=2.0, send_handoff_s=0.0), **STREAM)
+    runtimes += [p, off]
+    for i in range(3):
+        p.send_chunk(Req("r"), {"x": [i]})
+        off.send_chunk(Req("r"), {"x": [i]})
+    assert p.wait_sends() and off.wait_sends()
+    stats = p.debug_state()["sender"]
+    assert (stats["handoffs"], stats["handoff_timeouts"]) == (3, 0)
+    assert off.debug_state()["sender"]["handoffs"] == 0
+    assert [g["x"] for g in _read_all(namespace, [f"r_0_{i}" for i in range(3)])] == [[0], [1], [2]]
+    for i in range(3):
+        MemoryConnector(MemoryConfig(namespace=namespace + "-0")).cleanup(f"r_0_{i}")
+
+
+class _SlowConnector(MemoryConnector):
+    """Memory connector whose puts take 30 ms (a slow backend)."""
+
+    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
+        time.sleep(0.03)
+        return super()._put(from_stage, to_stage, key, data)
+
+
+def test_no_hand_over_while_puts_are_slower_than_its_bound(runtimes: list, namespace: str) -> None:
+    """Once puts are known to take longer than send_handoff_s, send_chunk stops waiting for them."""
+    conn = _SlowConnector(MemoryConfig(namespace=namespace))
+    p = make_runtime(0, namespace, connector=conn, tuning=RuntimeTuning(join_timeout_s=2.0, send_handoff_s=0.005), **STREAM)
+    runtimes.append(p)
+    p.send_chunk(Req("r"), {"x": [0]})  # no put measured yet: waits for the idle send thread
+    assert p.wait_sends()
+    for i in range(1, 5):
+        p.send_chunk(Req("r"), {"x": [i]})
+    assert p.wait_sends()
+    assert p.debug_state()["sender"]["handoffs"] == 1
+    assert sorted(conn.keys()) == [f"r_0_{i}" for i in range(5)]
+    for i in range(5):
+        conn.cleanup(f"r_0_{i}")
 
 
 class _GatedFlaky(FlakyConnector):
