@@ -634,7 +634,13 @@ static void enc_clear(Enc *e) {
 /* Walk ``obj`` and finish the header in e->w (after PREFIX_SIZE bytes left for the prefix).
  * 0: done (*hlen, *data_start, *crc, *total set; e->segments holds the buffers); 1: refused
  * (no exception set: the Python encoder must decide); -1: error (exception set). */
-static int enc_run(Enc *e, PyObject *obj, size_t *hlen_out, size_t *data_start_out, uint32_t *crc_out, uint64_t *total_out) {
+typedef struct {
+    size_t hlen, data_start; /* header length; where the data section starts */
+    uint32_t crc;            /* of the header */
+    uint64_t total;          /* message length */
+} Head;
+
+static int enc_run(Enc *e, PyObject *obj, Head *out) {
     int lim_rc = read_limits(e->limits, &e->lim);
     if (lim_rc < 0) return -1;
     if (lim_rc > 0) goto refuse;
@@ -650,10 +656,10 @@ static int enc_run(Enc *e, PyObject *obj, size_t *hlen_out, size_t *data_start_o
     }
     size_t hlen = e->w.len - PREFIX_SIZE;
     if (hlen > (size_t)e->lim.max_header_bytes || hlen > 0xFFFFFFFFu) goto refuse;
-    if (header_crc(e->w.buf + PREFIX_SIZE, hlen, crc_out) < 0) return -1;
-    *hlen_out = hlen;
-    *data_start_out = (PREFIX_SIZE + hlen + ALIGNMENT - 1) & ~(size_t)(ALIGNMENT - 1);
-    *total_out = (uint64_t)*data_start_out + e->cursor;
+    if (header_crc(e->w.buf + PREFIX_SIZE, hlen, &out->crc) < 0) return -1;
+    out->hlen = hlen;
+    out->data_start = (PREFIX_SIZE + hlen + ALIGNMENT - 1) & ~(size_t)(ALIGNMENT - 1);
+    out->total = (uint64_t)out->data_start + e->cursor;
     return 0;
 refuse:
     /* A refusal: the Python encoder re-runs and raises its path-naming error. Exceptions
@@ -666,17 +672,17 @@ refuse:
 }
 
 /* prefix + header + zero padding up to data_start, into h */
-static void write_head(unsigned char *h, const Enc *e, size_t hlen, size_t data_start, uint32_t crc, uint64_t total) {
+static void write_head(unsigned char *h, const Enc *e, const Head *hd) {
     memcpy(h, "OMNW", 4);
     h[4] = 1; /* FORMAT_VERSION */
     h[5] = 0;
     h[6] = 0;
     h[7] = 0;
-    put_le32(h + 8, (uint32_t)hlen);
-    put_le32(h + 12, crc);
-    put_le64(h + 16, total);
-    memcpy(h + PREFIX_SIZE, e->w.buf + PREFIX_SIZE, hlen);
-    memset(h + PREFIX_SIZE + hlen, 0, data_start - PREFIX_SIZE - hlen);
+    put_le32(h + 8, (uint32_t)hd->hlen);
+    put_le32(h + 12, hd->crc);
+    put_le64(h + 16, hd->total);
+    memcpy(h + PREFIX_SIZE, e->w.buf + PREFIX_SIZE, hd->hlen);
+    memset(h + PREFIX_SIZE + hd->hlen, 0, hd->data_start - PREFIX_SIZE - hd->hlen);
 }
 
 static PyObject *native_encode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -685,19 +691,17 @@ static PyObject *native_encode(PyObject *self, PyObject *const *args, Py_ssize_t
     Enc e;
     enc_init(&e, args[1]);
     PyObject *result = NULL, *head = NULL, *ds = NULL, *tot = NULL;
-    size_t hlen, data_start;
-    uint32_t crc;
-    uint64_t total;
-    int rc = enc_run(&e, args[0], &hlen, &data_start, &crc, &total);
+    Head hd;
+    int rc = enc_run(&e, args[0], &hd);
     if (rc != 0) {
         result = rc > 0 ? Py_NewRef(Py_None) : NULL;
         goto done;
     }
-    head = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)data_start);
+    head = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)hd.data_start);
     if (head == NULL) goto done;
-    write_head((unsigned char *)PyBytes_AS_STRING(head), &e, hlen, data_start, crc, total);
-    ds = PyLong_FromSize_t(data_start);
-    tot = PyLong_FromUnsignedLongLong(total);
+    write_head((unsigned char *)PyBytes_AS_STRING(head), &e, &hd);
+    ds = PyLong_FromSize_t(hd.data_start);
+    tot = PyLong_FromUnsignedLongLong(hd.total);
     if (ds == NULL || tot == NULL) goto done;
     {
         PyObject *names[4] = {s__head, s__data_start, s__segments, s_nbytes}, *values[4] = {head, ds, e.segments, tot};
@@ -746,9 +750,9 @@ static int copy_source(unsigned char *dst, PyObject *source, Py_ssize_t nbytes) 
 }
 
 /* The message into dst (cap bytes, >= total): head, then each segment at data_start + offset, gaps zeroed. */
-static int write_message(unsigned char *dst, const Enc *e, size_t hlen, size_t data_start, uint32_t crc, uint64_t total) {
-    write_head(dst, e, hlen, data_start, crc, total);
-    uint64_t cursor = data_start;
+static int write_message(unsigned char *dst, const Enc *e, const Head *hd) {
+    write_head(dst, e, hd);
+    uint64_t data_start = hd->data_start, total = hd->total, cursor = data_start;
     Py_ssize_t n = PyList_GET_SIZE(e->segments);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *seg = PyList_GET_ITEM(e->segments, i);
@@ -785,16 +789,14 @@ static PyObject *native_encode_into(PyObject *self, PyObject *const *args, Py_ss
     Enc e;
     enc_init(&e, args[1]);
     PyObject *result = NULL;
-    size_t hlen, data_start;
-    uint32_t crc;
-    uint64_t total;
-    int rc = enc_run(&e, args[0], &hlen, &data_start, &crc, &total);
+    Head hd;
+    int rc = enc_run(&e, args[0], &hd);
     if (rc != 0) {
         result = rc > 0 ? Py_NewRef(Py_None) : NULL;
-    } else if (total <= (uint64_t)dest.len && write_message((unsigned char *)dest.buf, &e, hlen, data_start, crc, total) < 0) {
+    } else if (hd.total <= (uint64_t)dest.len && write_message((unsigned char *)dest.buf, &e, &hd) < 0) {
         result = NULL;
     } else {
-        result = PyLong_FromUnsignedLongLong(total);
+        result = PyLong_FromUnsignedLongLong(hd.total);
     }
     enc_clear(&e);
     PyBuffer_Release(&dest);

@@ -97,6 +97,30 @@ PyDoc_STRVAR(wait_doc,
              "True when seq differs, a wake came, or a signal interrupted (callers re-check and loop).\n"
              "The GIL is released while sleeping.");
 
+/* Sleep while *seq == expected, at most seconds (GIL released), with waiters (seq[1]) raised around it.
+ * The syscall's result; *err its errno. */
+static long
+futex_sleep(uint32_t *seq, uint32_t expected, double seconds, int *err)
+{
+    struct timespec ts;
+    ts.tv_sec = (time_t)seconds;
+    ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+    if (ts.tv_nsec >= 1000000000L)
+        ts.tv_nsec = 999999999L;
+    uint32_t *waiters = seq + 1;
+    long rc = 0;
+    *err = 0;
+    __atomic_add_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(seq, __ATOMIC_SEQ_CST) == expected) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = syscall(SYS_futex, seq, FUTEX_WAIT, expected, &ts, NULL, 0);
+        *err = errno;
+        Py_END_ALLOW_THREADS
+    }
+    __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+    return rc;
+}
+
 static PyObject *
 futex_wait(PyObject *self, PyObject *args)
 {
@@ -116,22 +140,8 @@ futex_wait(PyObject *self, PyObject *args)
         seconds = 86400.0;
     if (slot(obj, off, &view, &seq) < 0)
         return NULL;
-    struct timespec ts;
-    ts.tv_sec = (time_t)seconds;
-    ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
-    if (ts.tv_nsec >= 1000000000L)
-        ts.tv_nsec = 999999999L;
-    uint32_t *waiters = seq + 1;
-    long rc = 0;
-    int err = 0;
-    __atomic_add_fetch(waiters, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(seq, __ATOMIC_SEQ_CST) == (uint32_t)expected) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = syscall(SYS_futex, seq, FUTEX_WAIT, (uint32_t)expected, &ts, NULL, 0);
-        err = errno;
-        Py_END_ALLOW_THREADS
-    }
-    __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+    int err;
+    long rc = futex_sleep(seq, (uint32_t)expected, seconds, &err);
     PyBuffer_Release(&view);
     if (rc == -1 && err == ETIMEDOUT)
         Py_RETURN_FALSE;
@@ -654,23 +664,9 @@ take(PyObject *args, int waits)
     }
     uint64_t timed_out = 0;
     if (waits && seq != NULL && seconds > 0.0) {
-        /* futex_wait() inlined; both mappings stay exported meanwhile (a close cannot unmap them) */
-        struct timespec ts;
-        ts.tv_sec = (time_t)seconds;
-        ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
-        if (ts.tv_nsec >= 1000000000L)
-            ts.tv_nsec = 999999999L;
-        uint32_t *waiters = seq + 1;
-        long rc = 0;
-        int err = 0;
-        __atomic_add_fetch(waiters, 1, __ATOMIC_SEQ_CST);
-        if (__atomic_load_n(seq, __ATOMIC_SEQ_CST) == (uint32_t)expected) {
-            Py_BEGIN_ALLOW_THREADS
-            rc = syscall(SYS_futex, seq, FUTEX_WAIT, (uint32_t)expected, &ts, NULL, 0);
-            err = errno;
-            Py_END_ALLOW_THREADS
-        }
-        __atomic_sub_fetch(waiters, 1, __ATOMIC_SEQ_CST);
+        /* both mappings stay exported meanwhile (a close cannot unmap them) */
+        int err;
+        long rc = futex_sleep(seq, (uint32_t)expected, seconds, &err);
         if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0) {
             PyBuffer_Release(&t.view);
             PyBuffer_Release(&wv);
