@@ -15,6 +15,7 @@ Nothing travels from ``put`` to ``get`` but the key. See ``docs/shm.md``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -46,6 +47,10 @@ from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, TIMED_OUT, SlotTab
 from omni_plugins_shm.wakeslots import SLICE
 
 log = logging.getLogger(__name__)
+
+# The hot paths build their results without the NamedTuples' Python-level __new__ (a frame each, per operation).
+_put_ok = functools.partial(tuple.__new__, PutResult)
+_got = functools.partial(tuple.__new__, GetResult)
 
 #: owned copies at least this large go to recycled (huge-page) private mappings; smaller ones to a bytearray
 _PRIVATE_MIN = 256 << 10
@@ -137,7 +142,8 @@ class ShmConnector(Connector):
 
     # -- put ----------------------------------------------------------------------------
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
-        self._check_process()
+        if CurrentPid.value != self._owner.pid:
+            self._check_process()
         expiry = self._expiry
         if expiry is not None and expiry.due():
             self._expire(expiry)
@@ -148,7 +154,7 @@ class ShmConnector(Connector):
         encoder = wire.native_encode_into()
         got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
         if got >= 0:
-            return PutResult(True, got, None)
+            return _put_ok((True, got, None))
         enc = wire.encode(data)  # raises WireFormatError for what the compiled encoder declined
         if got == DEFERRED and enc.nbytes <= slots.slot_bytes and slots.put(key, enc.buffers(), enc.nbytes) >= 0:
             return PutResult(True, enc.nbytes, None)
@@ -258,8 +264,9 @@ class ShmConnector(Connector):
         non-blocking get always looks there.
         """
         names: KeyNames | None = None  # the file path's names: only needed when the table has nothing
-        deadline = None if timeout is None or timeout <= 0 else time.monotonic() + timeout
-        always_files = deadline is None
+        waits = timeout is not None and timeout > 0
+        deadline = -1.0  # set at the first miss (a hit needs no clock)
+        always_files = not waits
         slept = False
         seq = 0
         wait = 0.0
@@ -274,7 +281,7 @@ class ShmConnector(Connector):
                 ) from exc
             if type(got) is bytearray:
                 try:
-                    return GetResult(wire.decode(got), len(got))
+                    return _got((wire.decode(got), len(got)))
                 except WireFormatError as exc:
                     raise WireFormatError(f"shm payload for key {key!r} (namespace {self.config.namespace!r}): {exc}") from exc
             if got is None:  # a key the table cannot hold: the file path alone, sleeping on its wake slot
@@ -305,9 +312,12 @@ class ShmConnector(Connector):
                     if self._notifier.tracking:
                         self._notifier.forget(names.published_bytes)
                     return self._consume(claim, key, names.digest, zero_copy)
-            if deadline is None:
+            if not waits:
                 return None
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            if deadline < 0:
+                deadline = now + cast(float, timeout)
+            remaining = deadline - now
             if remaining <= 0 or self._closed:
                 return None
             wait = min(remaining, SLICE)
