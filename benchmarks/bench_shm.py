@@ -17,7 +17,10 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
   ``shm_pingpong`` itself runs the config defaults.
 - ``floor_slots_pingpong`` / ``floor_slots_wire_pingpong``: the slot table's hand-off alone (its C
   calls and futex waits, no connector layers) with raw bytes / with the wire codec on each hop (encode +
-  ``buffers()`` before the put, decode after the take): the floors of ``shm_pingpong_slots``.
+  ``buffers()`` before the put, decode after the take): the floors of ``shm_pingpong_slots`` up to session 3.
+- ``floor_slots_codec_pingpong``: the connector's slot-table hot path since session 4 without its Python
+  layers: ``put_obj`` (the encoding written straight into the slot by ``wire``'s compiled ``encode_into``)
+  and ``take`` / ``take_wait`` + ``wire.decode`` (what ``shm_pingpong`` does per hop, minus ``put``/``get``).
 - ``shm_pingpong_inotify``: ``shm_pingpong`` with ``futex_wait: false``: blocked gets wait on
   inotify (the path without the C extension) instead of a futex word in the wake file.
 - ``shm_pingpong_polling``: ``shm_pingpong`` with futex waits off and inotify disabled in both
@@ -155,7 +158,7 @@ def _child(ctl: Connection, data: Connection) -> None:
             shm.close()
         elif kind in SLOT_FLOORS:
             with create_connector("shm", {"namespace": ns, "slot_count": SLOTS}) as conn:
-                codec = kind == "floor_slots_wire_pingpong"
+                codec = _slot_codec(kind)
                 for i in range(n):
                     _slot_hop_put(conn, f"r{i}", _slot_hop_get(conn, f"k{i}", codec), codec)
                 assert ctl.recv() == "release"
@@ -412,11 +415,14 @@ def _run_pipe_wire(size: int, n: int, ctl: Connection, data: Connection, payload
 SLOT_FLOORS = {
     "floor_slots_pingpong": "per hop: slot_put (CAS, copy, READY, ring) | slot_take (CAS, copy out, FREE; FUTEX_WAIT while absent)",
     "floor_slots_wire_pingpong": "floor_slots_pingpong + wire.encode/buffers() before each put and wire.decode after each take",
+    "floor_slots_codec_pingpong": "per hop: slot_put_obj (encode_into straight into the slot) | slot_take / slot_take_wait + wire.decode",
 }
 
 
-def _slot_hop_put(conn: Any, key: str, obj: Any, codec: bool) -> None:
-    if codec:
+def _slot_hop_put(conn: Any, key: str, obj: Any, codec: str) -> None:
+    if codec == "encode_into":
+        ok = conn._slots.put_obj(key, wire.native_encode_into(), obj)
+    elif codec:
         enc = wire.encode(obj)
         ok = conn._slots.put(key, enc.buffers(), enc.nbytes)
     else:
@@ -425,15 +431,20 @@ def _slot_hop_put(conn: Any, key: str, obj: Any, codec: bool) -> None:
         raise SystemExit(f"slot floor: no slot for {key}")
 
 
-def _slot_hop_get(conn: Any, key: str, codec: bool) -> Any:
-    slots, wake, deadline = conn._slots, conn._wake, time.monotonic() + TIMEOUT
-    while True:
-        got = slots.take(key)
-        if type(got) is bytearray:
-            return wire.decode(memoryview(got)) if codec else got
+def _slot_hop_get(conn: Any, key: str, codec: str) -> Any:
+    from omni_plugins_shm.slots import SEQ_MASK
+
+    slots, deadline = conn._slots, time.monotonic() + TIMEOUT
+    got = slots.take(key)
+    while type(got) is not bytearray:
         if time.monotonic() > deadline:
             raise SystemExit(f"slot floor: {key} did not arrive")
-        wake.sleep(conn._key(key).wake_slot, got, TIMEOUT)
+        got = slots.take_wait(key, got & SEQ_MASK, 0.5)
+    return wire.decode(got) if codec else got
+
+
+def _slot_codec(kind: str) -> str:
+    return {"floor_slots_wire_pingpong": "encode", "floor_slots_codec_pingpong": "encode_into"}.get(kind, "")
 
 
 def _run_slot_floor(kind: str, size: int, n: int, ctl: Connection, payload: torch.Tensor) -> list[float]:
@@ -442,7 +453,7 @@ def _run_slot_floor(kind: str, size: int, n: int, ctl: Connection, payload: torc
     from omni_plugins import create_connector
 
     ns = unique_namespace("bench")
-    codec = kind == "floor_slots_wire_pingpong"
+    codec = _slot_codec(kind)
     obj: Any = {"x": payload} if codec else wire.encode({"x": payload}).to_bytes()
     with create_connector("shm", {"namespace": ns, "slot_count": SLOTS}) as conn:
         ctl.send((kind, size, n, ns))
@@ -586,7 +597,7 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
             floor = entry.get("floor_pingpong", entry["floor_inotify_pingpong"])
             entry["roundtrip_floor_vs_pipe"] = floor["median_s"] / entry["pipe_pingpong"]["median_s"]
             entry["roundtrip_floor_inotify_vs_pipe"] = entry["floor_inotify_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
-            for mode in ("slots", "files", "floor_slots", "floor_slots_wire"):
+            for mode in ("slots", "files", "floor_slots", "floor_slots_wire", "floor_slots_codec"):
                 if f"shm_pingpong_{mode}" in entry:
                     entry[f"roundtrip_{mode}_vs_pipe"] = entry[f"shm_pingpong_{mode}"]["median_s"] / entry["pipe_pingpong"]["median_s"]
                 elif f"{mode}_pingpong" in entry:
@@ -619,7 +630,8 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
             ("slots", "<= 1.5 (slot table on)"),
             ("files", "<= 1.5 (slot table off: every payload a file)"),
             ("floor_slots", "(context: the slot table's hand-off, raw bytes, no connector)"),
-            ("floor_slots_wire", "(context: that + the wire codec each hop: the floor of shm_pingpong_slots)"),
+            ("floor_slots_wire", "(context: that + the wire codec each hop: the floor of shm_pingpong_slots up to session 3)"),
+            ("floor_slots_codec", "(context: encode_into the slot + take + decode each hop: the connector's hot path without put/get)"),
         ):
             if f"roundtrip_{mode}_vs_pipe" in small:
                 out[f"roundtrip_4KiB_{mode}_vs_pipe"] = _entry(small[f"roundtrip_{mode}_vs_pipe"], what)
