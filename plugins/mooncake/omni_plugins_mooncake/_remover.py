@@ -68,6 +68,8 @@ class Remover:
 
     def settle(self, key: str, timeout: float = 30.0) -> bool:
         """Finish ``key``'s removal before returning (now, in this thread, if still queued); True when it was pending."""
+        if key not in self._keys:  # the usual case (every put): no lock (a dict lookup is atomic)
+            return False
         with self._lock:
             state = self._keys.get(key)
             if state is None:

@@ -120,12 +120,15 @@ class MooncakeStoreConnector(Connector):
         return PutResult(True, n, None)
 
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
-        if not timeout or timeout <= 0:  # one attempt: no closure, no poll frame (this path runs cold)
+        if not timeout or timeout <= 0:  # one attempt: no closure, no poll frame (this path runs cold; the base checked open)
             return self._try_get(key)
-        return poll(lambda: self._try_get(key), timeout, self.config.poll_interval)
+        return poll(lambda: self._try_get_open(key), timeout, self.config.poll_interval)
+
+    def _try_get_open(self, key: str) -> GetResult | None:
+        self._check_open()  # a polling get must notice a close from another thread
+        return self._try_get(key)
 
     def _try_get(self, key: str) -> GetResult | None:
-        self._check_open()
         if self._remover.pending(key):  # consumed here; its removal is still under way
             return None
         # Read straight into a slab as large as the last payload: one RPC instead of
