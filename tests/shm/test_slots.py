@@ -98,6 +98,14 @@ def test_file_path_hint_counts_unconsumed_file_payloads(namespace: str) -> None:
         assert res is not None and hint(0) == 0
         assert hint(-5) == 0  # never below zero
         assert b.get(0, 1, "s", timeout=5) is not None
+        a.put(0, 1, "r", make_payload(4, 32 * KIB))
+        a.put(0, 1, "r", make_payload(5, 32 * KIB))  # replaces the unconsumed one
+        assert hint(0) == 1
+        assert b.cleanup("r") and hint(0) == 0
+        with create_connector("shm", _config(namespace)) as c:
+            c.put(0, 1, "c", make_payload(6, 32 * KIB))
+            assert hint(0) == 1
+        assert hint(0) == 0  # c's close freed its unconsumed file payload and lowered the hint
 
 
 def test_a_stale_file_path_hint_delays_but_never_loses_a_file_payload(namespace: str) -> None:

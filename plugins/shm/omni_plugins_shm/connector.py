@@ -568,7 +568,8 @@ class ShmConnector(Connector):
             os.rename(published_path, claim)
         except FileNotFoundError:
             return False
-        free_claimed(self._dir, self._names, claim)
+        if free_claimed(self._dir, self._names, claim) and self._slots is not None:
+            self._slots.files_add(-1)  # a counted file payload is gone: lower the file-path hint
         return True
 
     def _close(self) -> None:
@@ -603,6 +604,8 @@ class ShmConnector(Connector):
                 again = gc.read_header(claim)
                 if again is not None and again.owner == self._owner:
                     unlink_quiet(claim)
+                    if again.counted and self._slots is not None:
+                        self._slots.files_add(-1)
                 else:  # republished by someone else in between: put it back
                     try:
                         os.rename(claim, path)

@@ -39,17 +39,21 @@ log = logging.getLogger(__name__)
 MAX_RECORDS = 1 << 16
 
 
-def free_claimed(directory: str, names: Names, claim: str) -> None:
-    """Free a segment we claimed without reading it: return pooled ones to their owner, unlink the rest."""
+def free_claimed(directory: str, names: Names, claim: str) -> bool:
+    """Free a segment we claimed without reading it: return pooled ones to their owner, unlink the rest.
+
+    True when its header says it was counted in the slot table's file-path hint (the caller lowers it).
+    """
     header = read_header(claim)
+    counted = header is not None and header.counted
     if header is None or not header.pooled:
         unlink_quiet(claim)
-        return
+        return counted
     free = f"{directory}/{names.free(header.owner.token, header.seg_no)}"
     try:
         fd = os.open(claim, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
-        return
+        return counted
     try:
         os.rename(claim, free)
         os.pwrite(fd, bytes([STATE_FREE]), STATE_OFFSET)
@@ -59,6 +63,7 @@ def free_claimed(directory: str, names: Names, claim: str) -> None:
         pass
     finally:
         os.close(fd)
+    return counted
 
 
 def reclaim(directory: str, names: Names, published: str, claim: str, is_ours: Callable[[Owner, int], bool]) -> bool:
