@@ -472,18 +472,21 @@ class StageTransferRuntime:
                 with self._lock:
                     self._delivery.apply_stream_packet(packet)
         with self._lock:  # one hold on a single rank: take the flags and build the report together
-            if packet is None:
-                packet = self._delivery.take_stream_packet(with_payloads=False)
+            if packet is None:  # single rank: one pass over the signalled states
+                woken, finished, metadata, stage_recv, pending = self._delivery.drain_signals()
+            else:
+                woken, finished, metadata = set(packet["woken"]), set(packet["finished"]), dict(packet["metadata"])
+                stage_recv = set()
+                for state in self._registry.signalled():
+                    if state.stage_recv:
+                        stage_recv.add(state.request_id)
+                        state.stage_recv = False
+                pending = self._registry.settle()
             outbox = self._registry.outbox
-            stage_recv = set()
-            for state in self._registry.signalled():
-                if state.stage_recv:
-                    stage_recv.add(state.request_id)
-                    state.stage_recv = False
             signals = ConnectorSignals(
-                chunk_ready=set(packet["woken"]),
-                chunk_finished=set(packet["finished"]),
-                request_metadata=dict(packet["metadata"]),
+                chunk_ready=woken,
+                chunk_finished=finished,
+                request_metadata=metadata,
                 kv_sent=list(outbox.kv_sent),
                 stage_recv=stage_recv,
                 has_pending_kv_work=self._kv.has_pending_work(),
@@ -493,9 +496,10 @@ class StageTransferRuntime:
             outbox.kv_sent.clear()
             outbox.failed.clear()
             outbox.timed_out.clear()
-            if not self._registry.settle() and not len(outbox):
-                self._delivery.ready.clear()
-        if self._receiver is not None and self.worker_type == "generation" and (packet["woken"] or packet["metadata"]):
+            ready = self._delivery.ready
+            if not pending and not len(outbox) and ready.is_set():  # set only under this lock: no race
+                ready.clear()
+        if self._receiver is not None and self.worker_type == "generation" and (woken or metadata):
             self._receiver.notify()  # a request whose flags were drained may take its next chunk now
         return signals
 

@@ -207,6 +207,38 @@ class Delivery:
             self._registry.outbox.dropped_for_followers.clear()
         return {"woken": woken, "finished": finished, "metadata": metadata, "staged": staged, "dropped": dropped}
 
+    def drain_signals(self) -> tuple[set[str], set[str], dict[str, Any], set[str], bool]:
+        """Single rank, lock held: :meth:`take_stream_packet` (without payloads), the ``stage_recv``
+        flags and the settling of the signalled index, in one pass over the signalled states.
+
+        Returns ``(woken, finished, metadata, stage_recv, still_pending)``; ``still_pending``
+        says a state keeps a signal for a later collect (a full payload not yet published).
+        """
+        woken: set[str] = set()
+        finished: set[str] = set()
+        stage_recv: set[str] = set()
+        metadata: dict[str, Any] = {}
+        registry = self._registry
+        pending = False
+        for state in registry.take_signalled():
+            rid = state.request_id
+            if state.wake:
+                woken.add(rid)
+            if state.finish_signal:
+                finished.add(rid)
+                if state.has_cached:
+                    state.merged = None  # the stream is over: release the accumulation buffer
+            if state.metadata is not None:
+                metadata[rid] = state.metadata
+            if state.stage_recv:
+                stage_recv.add(rid)
+            state.wake = state.finish_signal = state.updated = state.stage_recv = False
+            state.metadata = None
+            if state.awaiting_publish:  # the only flag a collect leaves set
+                registry.signal(state)
+                pending = True
+        return woken, finished, metadata, stage_recv, pending
+
     def apply_stream_packet(self, packet: dict[str, Any]) -> None:
         """Follower, lock held: mirror what the leader received."""
         self._apply_drops(packet.get("dropped", ()))

@@ -224,6 +224,13 @@ class RequestRegistry:
     def signalled(self) -> list[RequestState]:
         return [s for s in self._signalled.values() if self._states.get(s.request_id) is s]
 
+    def take_signalled(self) -> list[RequestState]:
+        """The live signalled states, forgetting the index: the caller drains them and re-signals any still pending."""
+        states = self._states
+        live = [s for rid, s in self._signalled.items() if states.get(rid) is s]
+        self._signalled = {}
+        return live
+
     def settle(self) -> bool:
         """Forget states whose signals were all drained; True if any state still has a pending signal."""
         self._signalled = {rid: s for rid, s in self._signalled.items() if s.has_pending_signal() and self._states.get(rid) is s}
