@@ -30,6 +30,8 @@ Modes, measured in the same run, interleaved round by round:
 * ``raw64i``   -- as ``raw64``, but each chunk is put as soon as it is made (the order a
   runtime whose ``send_chunk`` hands the chunk straight to its send thread achieves,
   ``RuntimeTuning.send_handoff_s``): the connector's floor for that order.
+* ``nohandoff`` -- only with ``--ab-handoff``: the runtime with ``RuntimeTuning(send_handoff_s=0)``
+  (``send_chunk`` does not wait for the send thread to take its chunk).
 
 Reported: p50/p99/mean hand-off latency per mode, the ratios runtime/poll5ms and
 runtime/raw, and per-chunk runtime overhead (time spent in ``send_chunk`` on the
@@ -52,7 +54,7 @@ inside ``connector.get`` / ``connector.wait_any``; the model thread, and the par
 of it inside ``recv_chunk`` + ``collect_signals``), counted from the producer's
 first step on.
 
-Usage: ``python3 benchmarks/bench_runtime.py [--quick] [--backend shm|memory] [--json FILE] [--plot FILE.png]``
+Usage: ``python3 benchmarks/bench_runtime.py [--quick] [--backend shm|memory] [--ab-handoff] [--json FILE] [--plot FILE.png]``
 """
 
 from __future__ import annotations
