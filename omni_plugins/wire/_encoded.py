@@ -37,16 +37,24 @@ class Segment:
         self.source = source  # contiguous CPU torch.Tensor (numpy-compatible dtype), C-contiguous np.ndarray, or bytes
 
     def view(self) -> memoryview:
-        """A flat uint8 memoryview over the source's memory (no copy)."""
+        """A flat uint8 memoryview over the source's memory (no copy).
+
+        ``WireFormatError`` if the source no longer has the size the header declares (a tensor resized
+        between ``encode`` and the write).
+        """
         src = self.source
         if type(src) is bytes:
-            return memoryview(src)
-        if isinstance(src, torch.Tensor):
-            src = src.numpy()
-        try:  # C-contiguous with no zero in the shape (empty segments are never viewed)
-            return memoryview(src).cast("B")
-        except (TypeError, ValueError):
-            return memoryview(src.reshape(-1).view(np.uint8))
+            out = memoryview(src)
+        else:
+            if isinstance(src, torch.Tensor):
+                src = src.numpy()
+            try:  # C-contiguous with no zero in the shape (empty segments are never viewed)
+                out = memoryview(src).cast("B")
+            except (TypeError, ValueError):
+                out = memoryview(src.reshape(-1).view(np.uint8))
+        if out.nbytes != self.nbytes:
+            raise WireFormatError(f"a buffer of {self.nbytes} bytes changed size to {out.nbytes} after it was encoded")
+        return out
 
 
 class Encoded:

@@ -197,19 +197,25 @@ def test_encode_into_corner_cases() -> None:
             wire.encode_into({"x": torch.ones(4)}, bytes(1024))  # read-only destination
 
 
-@needs_native
 def test_encode_into_rechecks_a_tensor_resized_during_the_walk() -> None:
     """A call-back (a dict subclass's items()) that resizes a tensor the walk already saw: a typed error, never a read
-    past the tensor's memory."""
-    t = torch.ones(1024)
+    past the tensor's memory (both implementations; ``Encoded.buffers()`` too)."""
 
-    class Shrinks(dict):  # type: ignore[type-arg]
-        def items(self):  # type: ignore[no-untyped-def]
-            t.resize_(4)
-            return super().items()
+    def shrinking() -> dict[str, Any]:
+        t = torch.ones(1024)
 
-    with _codec.use("native"), pytest.raises(WireFormatError, match="changed shape"):
-        wire.native_encode_into()({"t": t, "d": Shrinks(a=1)}, wire.DEFAULT_LIMITS, bytearray(1 << 16))
+        class Shrinks(dict):  # type: ignore[type-arg]
+            def items(self):  # type: ignore[no-untyped-def]
+                t.resize_(4)
+                return super().items()
+
+        return {"t": t, "d": Shrinks(a=1)}
+
+    for impl in ("native", "python") if NATIVE_BUILT else ("python",):
+        with _codec.use(impl), pytest.raises(WireFormatError, match="changed"):
+            wire.encode_into(shrinking(), bytearray(1 << 16))
+        with _codec.use(impl), pytest.raises(WireFormatError, match="changed"):
+            wire.encode(shrinking()).buffers()
 
 
 @needs_native

@@ -156,8 +156,10 @@ class ShmConnector(Connector):
         if got >= 0:
             return _put_ok((True, got, None))
         enc = wire.encode(data)  # raises WireFormatError for what the compiled encoder declined
-        if got == DEFERRED and enc.nbytes <= slots.slot_bytes and slots.put(key, enc.buffers(), enc.nbytes) >= 0:
-            return PutResult(True, enc.nbytes, None)
+        if got == DEFERRED:
+            if enc.nbytes <= slots.slot_bytes and slots.put(key, enc.buffers(), enc.nbytes) >= 0:
+                return PutResult(True, enc.nbytes, None)
+            slots.take(key)  # the file path replaces an unconsumed slot payload of the key (put_obj did so itself)
         # raise the table's file-path hint before publishing (waiting gets of table instances then look at the file path)
         slots.files_add(1)
         try:
