@@ -483,21 +483,26 @@ class StageTransferRuntime:
                         state.stage_recv = False
                 pending = self._registry.settle()
             outbox = self._registry.outbox
+            # hand the outbox's containers over and give it fresh ones (no copy and clear per call)
+            kv_sent, failed, timed_out = outbox.kv_sent, outbox.failed, outbox.timed_out
+            if kv_sent:
+                outbox.kv_sent = []
+            if failed:
+                outbox.failed = set()
+            if timed_out:
+                outbox.timed_out = set()
             signals = ConnectorSignals(
                 chunk_ready=woken,
                 chunk_finished=finished,
                 request_metadata=metadata,
-                kv_sent=list(outbox.kv_sent),
+                kv_sent=kv_sent if kv_sent else [],
                 stage_recv=stage_recv,
                 has_pending_kv_work=self._kv.has_pending_work(),
-                failed=set(outbox.failed),
-                timed_out=set(outbox.timed_out),
+                failed=failed if failed else set(),
+                timed_out=timed_out if timed_out else set(),
             )
-            outbox.kv_sent.clear()
-            outbox.failed.clear()
-            outbox.timed_out.clear()
             ready = self._delivery.ready
-            if not pending and not len(outbox) and ready.is_set():  # set only under this lock: no race
+            if not pending and not outbox.dropped_for_followers and ready.is_set():  # set only under this lock: no race
                 ready.clear()
         if self._receiver is not None and self.worker_type == "generation" and (woken or metadata):
             self._receiver.notify()  # a request whose flags were drained may take its next chunk now

@@ -107,10 +107,12 @@ class Delivery:
         return self.ready.is_set()
 
     def _on_chunk(self, state: RequestState, chunk: Any) -> None:
+        # runs for every chunk on the receive thread: each type test once
+        is_dict = type(chunk) is dict or isinstance(chunk, dict)
         finished = payload_finished(chunk)
-        consumable = payload_is_consumable(chunk) if isinstance(chunk, dict) else chunk is not None
+        consumable = payload_is_consumable(chunk) if is_dict else chunk is not None
         data: Any
-        if isinstance(chunk, dict) and self.worker_type == "ar":
+        if is_dict and self.worker_type == "ar":
             state.merged = data = merge_chunk(state.merged, chunk)  # a new dict: copied into the cache below
         else:
             if self.worker_type == "generation" and not finished:
@@ -119,8 +121,9 @@ class Delivery:
                     logger.debug("request %s: chunk without audio codes ignored", state.request_id)
                     return
             data = chunk
-        if state.has_cached and isinstance(state.cached, dict) and isinstance(data, dict):
-            state.cached.update(data)
+        cached = state.cached
+        if is_dict and state.has_cached and isinstance(cached, dict):
+            cached.update(data)
         else:
             state.set_cached(shallow_copy(data))
         state.updated = True
@@ -178,7 +181,11 @@ class Delivery:
     # -- model thread: streaming mode ----------------------------------------------------
     def ready_payloads(self) -> dict[str, Any]:
         """Lock held: copies of the payloads of requests woken since the last collect."""
-        return {s.request_id: shallow_copy(s.cached) for s in self._registry.signalled() if s.wake and s.has_cached}
+        return {
+            s.request_id: dict(s.cached) if type(s.cached) is dict else shallow_copy(s.cached)
+            for s in self._registry.signalled_iter()
+            if s.wake and s.has_cached
+        }
 
     def take_stream_packet(self, *, with_payloads: bool) -> dict[str, Any]:
         """Lock held: drain wake/finish/metadata flags into a packet.

@@ -116,6 +116,8 @@ class Receiver:
         self._stop = threading.Event()
         self._last_error_log = 0.0
         self._next_expiry = 0.0
+        #: wait-any mode: the registry epoch the waited set reflects (see :meth:`_deliver`)
+        self._epoch = -1
         self.stats = {
             "sweeps": 0,
             "gets": 0,
@@ -280,14 +282,14 @@ class Receiver:
         next_sweep = 0.0
         backoff = t.poll_min_s
         pending: dict[str, tuple[RequestState, int]] = {}
-        epoch = -1
+        self._epoch = -1
         while not self._stop.is_set():
             try:
                 self._expire()
-                if self._wake.is_set() or self._registry.epoch != epoch:
+                if self._wake.is_set() or self._registry.epoch != self._epoch:
                     self._wake.clear()  # registrations made so far are in this plan
                     with self._registry.lock:
-                        epoch = self._registry.epoch
+                        self._epoch = self._registry.epoch
                         pending = {key: (state, index) for state, index, key in self._plan_locked()}
                 if not pending:
                     self._wake.wait(0.05)
@@ -299,7 +301,7 @@ class Receiver:
                     # request quiet; streams that keep arriving are evidently being reported
                     quiet = [(state, index, key) for key, (state, index) in pending.items() if now - state.last_arrival >= _QUIET_S]
                     if quiet:
-                        epoch = -1  # a sweep may move requests on: re-plan
+                        self._epoch = -1  # a sweep may move requests on: re-plan
                         if self._sweep(quiet):
                             continue
                 self.stats["waits"] += 1
@@ -394,7 +396,9 @@ class Receiver:
             return
         cleanup: list[str] = []
         handler = self._handler
-        with self._registry.lock:
+        registry = self._registry
+        with registry.lock:
+            epoch0 = registry.epoch
             for state, index, key, data in taken:
                 if not self._current(state, index):
                     logger.debug("dropping %s: request %s is gone or moved on", key, state.request_id)
@@ -406,6 +410,10 @@ class Receiver:
                     pending.pop(key, None)
                     if state.registered and handler.pollable(state):
                         pending[handler.recv_key(state)] = (state, state.next_recv_chunk)
+            if pending is not None and self._epoch == epoch0:
+                # the epoch moved only by what this hold did (a stream ended, a request dropped), and
+                # ``pending`` already follows it: no re-plan of every receiving request for that
+                self._epoch = registry.epoch
             handler.publish()
         self._cleanup(cleanup)
 

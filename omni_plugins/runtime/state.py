@@ -222,7 +222,12 @@ class RequestRegistry:
         self._signalled[state.request_id] = state
 
     def signalled(self) -> list[RequestState]:
-        return [s for s in self._signalled.values() if self._states.get(s.request_id) is s]
+        return list(self.signalled_iter())
+
+    def signalled_iter(self) -> Iterator[RequestState]:
+        """The live signalled states, without building a list first (lock held, no mutation while iterating)."""
+        states = self._states
+        return (s for rid, s in self._signalled.items() if states.get(rid) is s)
 
     def take_signalled(self) -> list[RequestState]:
         """The live signalled states, forgetting the index: the caller drains them and re-signals any still pending."""
