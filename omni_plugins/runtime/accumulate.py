@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from omni_plugins.runtime.spans import get_span, merge_spans
 
 #: (section, tensor, start, end) groups merged as token spans, not concatenated.
 SPAN_GROUPS: tuple[tuple[str, str, str, str], ...] = (("embed", "decode", "decode_token_start", "decode_token_end"),)
+_NO_SPANS: tuple[tuple[str, str, str], ...] = ()
 #: :data:`SPAN_GROUPS` by section: (tensor, start, end) triples
 _SPANS_BY_SECTION: dict[str, tuple[tuple[str, str, str], ...]] = {
     sec: tuple((t, st, e) for s2, t, st, e in SPAN_GROUPS if s2 == sec) for sec, *_ in SPAN_GROUPS
@@ -84,12 +86,16 @@ class FullPayloadAccumulator:
         return out
 
 
-def override_keys_of(chunk: Mapping[str, Any]) -> set[Any]:
+#: what :func:`override_keys_of` returns for the usual chunk (none named): shared, never mutated
+_NO_OVERRIDES: frozenset[Any] = frozenset()
+
+
+def override_keys_of(chunk: Mapping[str, Any]) -> AbstractSet[Any]:
     """``meta.override_keys`` as a set of top-level keys and ``(section, field)`` tuples."""
     meta = chunk.get("meta")
     raw = meta.get("override_keys") if type(meta) is dict or isinstance(meta, Mapping) else None
     if raw is None:
-        return set()
+        return _NO_OVERRIDES
     out: set[Any] = set()
     if isinstance(raw, (list, tuple)):
         for k in raw:
@@ -132,10 +138,10 @@ def merge_value(old: Any, new: Any) -> Any:
     return new
 
 
-def _merge_section(name: str, old: dict[str, Any], new: Mapping[str, Any], overrides: set[Any]) -> dict[str, Any]:
+def _merge_section(name: str, old: dict[str, Any], new: Mapping[str, Any], overrides: AbstractSet[Any]) -> dict[str, Any]:
     merged = dict(old)
     handled: tuple[str, ...] | set[str] = ()
-    for tkey, skey, ekey in _SPANS_BY_SECTION.get(name, ()):
+    for tkey, skey, ekey in _SPANS_BY_SECTION.get(name, _NO_SPANS):
         if tkey not in new or skey not in new or (name, tkey) in overrides:
             continue  # without a start the new side is no span (``get_span`` would say None)
         new_span = get_span(new, tkey, skey, ekey)
@@ -146,6 +152,10 @@ def _merge_section(name: str, old: dict[str, Any], new: Mapping[str, Any], overr
         merged[tkey], merged[skey], merged[ekey] = span.tensor, span.start, span.end
         handled = {*handled, tkey, skey, ekey}
     is_meta = name == "meta"
+    if not (is_meta or overrides or handled):  # the usual section: every field merges by default
+        for field_name, value in new.items():
+            merged[field_name] = merge_value(merged[field_name], value) if field_name in merged else value
+        return merged
     for field_name, value in new.items():
         if handled and field_name in handled:
             continue

@@ -72,7 +72,8 @@ def payload_finished(payload: Any) -> bool:
         return False
     meta = _section(payload, "meta")
     if "finished" in meta:
-        return _flag(meta["finished"])
+        value = meta["finished"]
+        return value if type(value) is bool else _flag(value)  # runs per chunk: the plain bool needs no call
     if "finished" in payload:
         warn_legacy_key("finished")
         return _flag(payload["finished"])

@@ -100,7 +100,8 @@ class Delivery:
         """Wake the model thread once for everything delivered since the last call (lock held)."""
         if self._ready_due:
             self._ready_due = False
-            self.ready.set()
+            if not self.ready.is_set():  # cleared only under the same lock: no race; set() takes the condition's lock
+                self.ready.set()
 
     def unread(self) -> bool:
         """The model thread has not collected everything published yet (``collect_signals`` clears it)."""

@@ -128,6 +128,7 @@ class Receiver:
             "wait_hits": 0,
             "wait_spurious": 0,
             "wait_empty": 0,
+            "plans": 0,  # wait-any mode: rebuilds of the waited set
             "errors": 0,
         }
         self._thread = threading.Thread(target=self._run_wait_any if self.waits_any else self._run, name=name, daemon=True)
@@ -288,6 +289,7 @@ class Receiver:
                 self._expire()
                 if self._wake.is_set() or self._registry.epoch != self._epoch:
                     self._wake.clear()  # registrations made so far are in this plan
+                    self.stats["plans"] += 1
                     with self._registry.lock:
                         self._epoch = self._registry.epoch
                         pending = {key: (state, index) for state, index, key in self._plan_locked()}
