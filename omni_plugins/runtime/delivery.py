@@ -9,13 +9,13 @@ they can be wire-encoded.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any
 
 from omni_plugins.runtime.accumulate import merge_chunk
 from omni_plugins.runtime.consumable import payload_audio_codes, payload_finished, payload_is_consumable, scheduling_metadata
 from omni_plugins.runtime.state import RequestRegistry, RequestState
+from omni_plugins.runtime.wakeflag import WakeFlag
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class Delivery:
         self._scan = abort_scan_limit
         self._multi_rank = multi_rank
         #: set whenever the model thread has something to pick up (see ``wait_ready``)
-        self.ready = threading.Event()
+        self.ready = WakeFlag()
         #: full payloads arrived and not yet published (read without the lock for a fast path)
         self.unpublished = 0
         self._ready_due = False  # something was delivered since the last publish()
@@ -100,8 +100,7 @@ class Delivery:
         """Wake the model thread once for everything delivered since the last call (lock held)."""
         if self._ready_due:
             self._ready_due = False
-            if not self.ready.is_set():  # cleared only under the same lock: no race; set() takes the condition's lock
-                self.ready.set()
+            self.ready.set()
 
     def unread(self) -> bool:
         """The model thread has not collected everything published yet (``collect_signals`` clears it)."""

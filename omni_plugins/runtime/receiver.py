@@ -273,9 +273,10 @@ class Receiver:
         """Block mode over ``connector.wait_any``: wait on every pending key, take what is reported.
 
         The waited set (next key -> request) is rebuilt only when the set of
-        receiving requests changed (registry ``epoch``) or :meth:`notify` was
-        called; after an arrival only that request's entry moves to its next
-        key. The keys a wait reports are taken one by one; each goes to the
+        receiving requests changed (registry ``epoch``) by another thread or
+        :meth:`notify` was called; after an arrival only that request's entry
+        moves to its next key (or leaves, when its stream ended: this thread's
+        own epoch bumps need no rebuild). The keys a wait reports are taken one by one; each goes to the
         model thread at once if it has read everything before, else with the
         others under one lock hold (see :meth:`_take_reported`).
         """
