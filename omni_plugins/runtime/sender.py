@@ -28,6 +28,7 @@ from typing import Any
 from omni_plugins.contract import Connector
 from omni_plugins.runtime.state import RequestRegistry, RequestState, SendTask
 from omni_plugins.runtime.threads import thread_cpu_seconds
+from omni_plugins.runtime.wakeflag import WakeFlag
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,7 @@ class Sender:
         self._cond = threading.Condition(registry.lock)
         self._handoff_s = handoff_s
         self._handoff: SendTask | None = None  # the task a ``hand_over`` waits for (lock held to read/write)
-        self._handoff_signalled = False  # the signal was released for it (lock held to read/write)
-        self._handoff_signal = threading.Lock()  # held while nobody is to be woken; released to wake the waiter
-        self._handoff_signal.acquire()
+        self._handoff_signal = WakeFlag()  # set (lock held) once that task was taken; cleared by the waiter
         self.put_mean_s = 0.0  # running mean of put durations (written by the send thread only)
         self._ring: deque[RequestState] = deque()
         self._stop = False
@@ -99,7 +98,7 @@ class Sender:
         than ``handoff_s`` on average (then the caller would mostly wait for
         other puts, which is what the send thread is there to spare it) and
         while another thread waits for its own hand-over. The signal is a
-        plain lock released by the send thread: one futex wait and one wake.
+        :class:`WakeFlag`: one futex wait and one wake.
         """
         limit = self._handoff_s
         if limit <= 0 or task.taken or self.put_mean_s > limit or self._stop:
@@ -109,22 +108,19 @@ class Sender:
                 return
             self._handoff = task  # the slot stays ours until we clear it: releases pair with our acquires
         self.stats["handoffs"] += 1
-        woken = self._handoff_signal.acquire(timeout=limit)
+        signal = self._handoff_signal
+        signal.wait(limit)
         with self._cond:
-            if not woken:
-                if self._handoff_signalled:  # released after our timeout (under this lock): take it back
-                    self._handoff_signal.acquire()
-                else:
-                    self.stats["handoff_timeouts"] += 1
+            if not signal.is_set():  # not even set after the timeout (set only under this lock)
+                self.stats["handoff_timeouts"] += 1
+            signal.clear()
             self._handoff = None
-            self._handoff_signalled = False
 
     def _signal_handoff_locked(self) -> None:
         """Send thread (or stop), lock held: wake the ``hand_over`` waiting for a task that was taken (once)."""
         task = self._handoff
-        if task is not None and (task.taken or self._stop) and not self._handoff_signalled:
-            self._handoff_signalled = True
-            self._handoff_signal.release()
+        if task is not None and (task.taken or self._stop):
+            self._handoff_signal.set()  # a no-op when already set
 
     def keys_put(self, state: RequestState) -> list[str]:
         """Every key this stage has put (or is putting) for ``state``."""
