@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from omni_plugins.runtime.accumulate import merge_chunk
@@ -193,21 +194,14 @@ class Delivery:
         ``with_payloads`` (the TP leader in streaming mode) also stages the
         changed payloads and the drops followers must mirror.
         """
-        woken, finished, staged = [], [], {}
+        woken: list[str] = []
+        finished: list[str] = []
+        staged: dict[str, Any] = {}
         metadata: dict[str, Any] = {}
         for state in self._registry.signalled():
             if with_payloads and state.has_cached and (state.updated or state.wake or state.finish_signal or state.metadata is not None):
                 staged[state.request_id] = shallow_copy(state.cached)
-            if state.wake:
-                woken.append(state.request_id)
-            if state.finish_signal:
-                finished.append(state.request_id)
-                if state.has_cached:
-                    state.merged = None  # the stream is over: release the accumulation buffer
-            if state.metadata is not None:
-                metadata[state.request_id] = state.metadata
-            state.wake = state.finish_signal = state.updated = False
-            state.metadata = None
+            _take_flags(state, woken.append, finished.append, metadata)
         dropped: list[list[str]] = []
         if with_payloads:
             dropped = [list(d) for d in self._registry.outbox.dropped_for_followers]
@@ -228,20 +222,11 @@ class Delivery:
         registry = self._registry
         pending = False
         for state in registry.take_signalled():
-            rid = state.request_id
-            if state.wake:
-                woken.add(rid)
-            if state.finish_signal:
-                finished.add(rid)
-                if state.has_cached:
-                    state.merged = None  # the stream is over: release the accumulation buffer
-            if state.metadata is not None:
-                metadata[rid] = state.metadata
             if state.stage_recv:
-                stage_recv.add(rid)
-            state.wake = state.finish_signal = state.updated = state.stage_recv = False
-            state.metadata = None
-            if state.awaiting_publish:  # the only flag a collect leaves set
+                stage_recv.add(state.request_id)
+                state.stage_recv = False
+            _take_flags(state, woken.add, finished.add, metadata)
+            if state.has_pending_signal():  # what a collect leaves set (a full payload not yet published)
                 registry.signal(state)
                 pending = True
         return woken, finished, metadata, stage_recv, pending
@@ -264,3 +249,18 @@ class Delivery:
             state = self._registry.get(rid)
             if state is not None:
                 self._registry.release(state)
+
+
+def _take_flags(state: RequestState, add_woken: Callable[[str], Any], add_finished: Callable[[str], Any], metadata: dict[str, Any]) -> None:
+    """Move ``state``'s wake / finish / metadata signals out (lock held); a finished stream drops its accumulation."""
+    rid = state.request_id
+    if state.wake:
+        add_woken(rid)
+    if state.finish_signal:
+        add_finished(rid)
+        if state.has_cached:
+            state.merged = None  # the stream is over: release the accumulation buffer
+    if state.metadata is not None:
+        metadata[rid] = state.metadata
+    state.wake = state.finish_signal = state.updated = False
+    state.metadata = None
