@@ -152,10 +152,6 @@ def _merge_section(name: str, old: dict[str, Any], new: Mapping[str, Any], overr
         merged[tkey], merged[skey], merged[ekey] = span.tensor, span.start, span.end
         handled = {*handled, tkey, skey, ekey}
     is_meta = name == "meta"
-    if not (is_meta or overrides or handled):  # the usual section: every field merges by default
-        for field_name, value in new.items():
-            merged[field_name] = merge_value(merged[field_name], value) if field_name in merged else value
-        return merged
     for field_name, value in new.items():
         if handled and field_name in handled:
             continue
