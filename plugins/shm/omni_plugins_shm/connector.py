@@ -285,7 +285,7 @@ class ShmConnector(Connector):
                 try:
                     return _got((wire.decode(got), len(got)))
                 except WireFormatError as exc:
-                    raise WireFormatError(f"shm payload for key {key!r} (namespace {self.config.namespace!r}): {exc}") from exc
+                    raise self._payload_error(key, exc) from exc
             if got is None:  # a key the table cannot hold: the file path alone, sleeping on its wake slot
                 if names is None:
                     names = self._key(key)
@@ -522,8 +522,12 @@ class ShmConnector(Connector):
         try:
             data = wire.decode(buf, copy=False)
         except WireFormatError as exc:
-            raise WireFormatError(f"shm payload for key {key!r} (namespace {self.config.namespace!r}): {exc}") from exc
+            raise self._payload_error(key, exc) from exc
         return GetResult(data, n)
+
+    def _payload_error(self, key: str, exc: WireFormatError) -> WireFormatError:
+        """The decoder's error, naming the key and namespace the bad payload came from."""
+        return WireFormatError(f"shm payload for key {key!r} (namespace {self.config.namespace!r}): {exc}")
 
     def _private_copy(self, src: memoryview) -> memoryview:
         """Copy ``src`` into memory this process owns (the owned result)."""
@@ -548,7 +552,7 @@ class ShmConnector(Connector):
         except WireFormatError as exc:
             del anchor
             fin()
-            raise WireFormatError(f"shm payload for key {key!r} (namespace {self.config.namespace!r}): {exc}") from exc
+            raise self._payload_error(key, exc) from exc
         return GetResult(data, n)
 
     # -- cleanup / close --------------------------------------------------------------------
