@@ -69,7 +69,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -200,8 +200,7 @@ def produce(
         _sleep_until(start_at)
         cpu0 = time.process_time()
         send_cpu0 = _thread_cpu(rt, "sender")
-        next_step = time.monotonic()
-        for emitting in schedule(streams, chunks, period, pattern):
+        for emitting in _paced(schedule(streams, chunks, period, pattern), step_s):
             for i in emitting:
                 r = reqs[i]
                 sent[i] += 1
@@ -212,8 +211,6 @@ def produce(
                 rt.send_chunk(r, out)
                 call_cpu += time.thread_time() - c0
                 call_s += time.monotonic() - t0
-            next_step += step_s
-            _sleep_until(next_step)
         rt.wait_sends(60)
         cpu = time.process_time() - cpu0
         send_cpu = _thread_cpu(rt, "sender") - send_cpu0
@@ -263,8 +260,7 @@ def _produce_raw64(
     try:
         _sleep_until(start_at)
         cpu0 = time.process_time()
-        next_step = time.monotonic()
-        for emitting in schedule(streams, chunks, period, pattern):
+        for emitting in _paced(schedule(streams, chunks, period, pattern), step_s):
             # the step's chunks are made first (as the runtime's send_chunk calls make them), then put
             # one after the other: a later chunk's latency includes the puts before it, as with a send thread
             step: list[tuple[str, float, dict]] = []
@@ -281,8 +277,6 @@ def _produce_raw64(
                 t_start = time.monotonic()
                 conn.put(0, 1, key, data)
                 put_trace.append((t0, t_start, time.monotonic()))
-            next_step += step_s
-            _sleep_until(next_step)
         cpu = time.process_time() - cpu0
         release()
     finally:
@@ -295,6 +289,17 @@ def _thread_cpu(rt: StageTransferRuntime, which: str) -> float:
     """CPU seconds of the runtime's send or receive thread so far."""
     value = rt.debug_state()[which].get("cpu_s")
     return float(value) if value is not None else float("nan")
+
+
+def _paced(steps: Iterable[list[int]], step_s: float | None) -> Iterator[list[int]]:
+    """Each step of ``steps`` (the streams emitting in it); after the caller's step, sleep to the next
+    ``step_s`` boundary (``None``: no pause, steps back to back)."""
+    next_step = time.monotonic()
+    for emitting in steps:
+        yield emitting
+        if step_s is not None:
+            next_step += step_s
+            _sleep_until(next_step)
 
 
 def _sleep_until(t: float) -> None:
@@ -388,8 +393,7 @@ def runtime_overhead(streams: int, chunks: int, period: int, pattern: str, step_
     sent = [0] * streams
     model_cpu = 0.0
     recv0 = _thread_cpu(rt, "receiver")
-    next_step = time.monotonic()
-    for emitting in plan:
+    for emitting in _paced(plan, step_s if steps_gap else None):
         for i in emitting:
             sent[i] += 1
             data = {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [time.monotonic()]}, "meta": {"finished": sent[i] == chunks}}
@@ -403,9 +407,6 @@ def runtime_overhead(streams: int, chunks: int, period: int, pattern: str, step_
             sig = rt.collect_signals()
             model_cpu += time.thread_time() - c0
             want -= ready.keys() | sig.chunk_ready  # one delivered between the two calls is reported in the signals
-        if steps_gap:
-            next_step += step_s
-            _sleep_until(next_step)
     recv_cpu = _thread_cpu(rt, "receiver") - recv0
     for rid in ids:
         rt.cleanup_finished_request(rid)
@@ -416,8 +417,7 @@ def runtime_overhead(streams: int, chunks: int, period: int, pattern: str, step_
     sent = [0] * streams
     call_cpu = 0.0
     send0 = _thread_cpu(prt, "sender")
-    next_step = time.monotonic()
-    for emitting in plan:
+    for emitting in _paced(plan, step_s if steps_gap else None):
         for i in emitting:
             sent[i] += 1
             reqs[i].done = sent[i] == chunks
@@ -425,9 +425,6 @@ def runtime_overhead(streams: int, chunks: int, period: int, pattern: str, step_
             c0 = time.thread_time()
             prt.send_chunk(reqs[i], out)
             call_cpu += time.thread_time() - c0
-        if steps_gap:
-            next_step += step_s
-            _sleep_until(next_step)
     prt.wait_sends(30)
     send_cpu = _thread_cpu(prt, "sender") - send0
     for r in reqs:
