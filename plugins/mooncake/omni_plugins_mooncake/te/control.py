@@ -36,7 +36,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 
@@ -46,6 +46,7 @@ from omni_plugins_mooncake.config import parse_host_port
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
+_T = TypeVar("_T")
 _TIMEVAL = struct.Struct("@ll")  # struct timeval
 _RECV_SIZE = 4096  # a reply or request fits; bigger frames take more calls
 MAX_FRAME = 64 * 1024
@@ -337,16 +338,27 @@ class ControlClient:
         self._send_oneway(finish_notice(token))
 
     def _exchange(self, body: bytes) -> bytes:
+        return self._on_channel(self._roundtrip, body)
+
+    def _send_oneway(self, body: bytes) -> None:
+        self._on_channel(Channel.send_body, body)
+
+    def _on_channel(self, op: Callable[[Channel, bytes], _T], body: bytes) -> _T:
+        """``op(channel, body)`` on a pooled connection, which goes back to the pool after it.
+
+        A reused connection that fails is replaced once (the server may have closed it while it was
+        idle); a fresh one that fails, or the replacement failing, is :class:`PeerUnreachableError`.
+        """
         channel, reused = self._checkout()
         try:
-            reply = self._roundtrip(channel, body)
+            result = op(channel, body)
         except (OSError, ConnectionError) as exc:
             channel.close()
             if not reused:
                 raise self._unreachable(exc) from exc
-            channel = self._connect()  # the server may have closed an idle connection: retry once
+            channel = self._connect()
             try:
-                reply = self._roundtrip(channel, body)
+                result = op(channel, body)
             except (OSError, ConnectionError) as exc2:
                 channel.close()
                 raise self._unreachable(exc2) from exc2
@@ -354,23 +366,7 @@ class ControlClient:
             channel.close()
             raise
         self._checkin(channel)
-        return reply
-
-    def _send_oneway(self, body: bytes) -> None:
-        channel, reused = self._checkout()
-        try:
-            channel.send_body(body)
-        except (OSError, ConnectionError) as exc:
-            channel.close()
-            if not reused:
-                raise self._unreachable(exc) from exc
-            channel = self._connect()
-            try:
-                channel.send_body(body)
-            except (OSError, ConnectionError) as exc2:
-                channel.close()
-                raise self._unreachable(exc2) from exc2
-        self._checkin(channel)
+        return result
 
     def close(self) -> None:
         with self._lock:
