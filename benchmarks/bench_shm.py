@@ -415,13 +415,13 @@ def _run_pipe_wire(size: int, n: int, ctl: Connection, data: Connection, payload
 SLOT_FLOORS = {
     "floor_slots_pingpong": "per hop: slot_put (CAS, copy, READY, ring) | slot_take (CAS, copy out, FREE; FUTEX_WAIT while absent)",
     "floor_slots_wire_pingpong": "floor_slots_pingpong + wire.encode/buffers() before each put and wire.decode after each take",
-    "floor_slots_codec_pingpong": "per hop: slot_put_obj (encode_into straight into the slot) | slot_take / slot_take_wait + wire.decode",
+    "floor_slots_codec_pingpong": "per hop: slot_put_obj (the wire C API encodes straight into the slot) | slot_take / slot_take_wait + wire.decode",
 }
 
 
 def _slot_hop_put(conn: Any, key: str, obj: Any, codec: str) -> None:
     if codec == "encode_into":
-        ok = conn._slots.put_obj(key, wire.native_encode_into(), obj)
+        ok = conn._slots.put_obj(key, wire.native_c_api(), obj)
     elif codec:
         enc = wire.encode(obj)
         ok = conn._slots.put(key, enc.buffers(), enc.nbytes)

@@ -13,7 +13,7 @@ the decoder treats every byte as untrusted: see ``docs/wire-format.md``.
 
 from omni_plugins.errors import WireFormatError
 from omni_plugins.wire._alloc import empty_bytes
-from omni_plugins.wire._codec import IMPLEMENTATION, decode, encode, encode_into, native_encode_into
+from omni_plugins.wire._codec import IMPLEMENTATION, decode, encode, encode_into, native_c_api, native_encode_into
 from omni_plugins.wire._dtypes import ALLOWED_NUMPY_DTYPES, ALLOWED_TORCH_DTYPES
 from omni_plugins.wire._encode import OOB_BYTES_THRESHOLD
 from omni_plugins.wire._encoded import Encoded
@@ -36,6 +36,7 @@ __all__ = [
     "empty_bytes",
     "encode",
     "encode_into",
+    "native_c_api",
     "native_encode_into",
     "peek_nbytes",
 ]

@@ -151,6 +151,17 @@ def native_encode_into() -> Any:
     return None if native is None else native.encode_into
 
 
+def native_c_api() -> Any:
+    """The compiled encoder's C API (a ``PyCapsule``) while the native codec is active, else None.
+
+    For extensions that encode straight into memory of their own without Python objects in
+    between (the shm connector's slot table passes it where it takes :func:`native_encode_into`);
+    the capsule's layout is documented in ``_native.c`` (``WireCAPI``, version 1).
+    """
+    native = _native
+    return None if native is None else native.C_API
+
+
 def decode(buffer: Any, *, copy: bool = False, limits: Limits = DEFAULT_LIMITS) -> Any:
     """Decode a message produced by :func:`encode` from any buffer-protocol object.
 

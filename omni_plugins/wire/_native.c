@@ -176,12 +176,28 @@ typedef struct {
     unsigned char stack[1024];
 } WBuf;
 
+/* One buffer-table row of a plain tensor, kept in C until Python objects are needed. */
+typedef struct {
+    PyObject *code;   /* the dtype's code (int) */
+    PyObject *shape;  /* the tensor's shape (torch.Size) */
+    PyObject *source; /* the tensor (or its view as the carrier dtype) */
+    uint64_t off, nbytes;
+} CRow;
+
+#define CROWS_STACK 8
+
 typedef struct {
     WBuf w;
     CLimits lim;
     Py_ssize_t items;
     uint64_t cursor;     /* end of the data section so far */
-    PyObject *table;     /* list of [code, offset, nbytes, shape], created at the first buffer */
+    /* The buffer table: C rows while the walk stays in C; at the first call-back into the Python
+     * encoder (or when an Encoded needs its segments) they become the two lists, which the
+     * _Encoder then shares. */
+    CRow *crows;
+    Py_ssize_t ncrows, capcrows;
+    CRow crow_stack[CROWS_STACK];
+    PyObject *table;     /* list of [code, offset, nbytes, shape], or NULL while the rows are C rows */
     PyObject *segments;  /* list of Segment */
     PyObject *limits;    /* borrowed */
     PyObject *enc;       /* the Python _Encoder, created at the first call-back; shares table and segments */
@@ -411,11 +427,71 @@ static int get_ssize(PyObject *obj, PyObject *name, Py_ssize_t *out) {
     return (*out == -1 && PyErr_Occurred()) ? -1 : 0;
 }
 
+static PyObject *new_slotted(PyObject *type, PyObject *const *names, PyObject *const *values, int n);
+
+/* Append one row to the lists: [code, offset, nbytes, shape] and its Segment. */
+static int append_row(Enc *e, PyObject *code, uint64_t off, uint64_t n, PyObject *shape, PyObject *source) {
+    PyObject *offset = PyLong_FromUnsignedLongLong(off), *nbytes = PyLong_FromUnsignedLongLong(n), *row = NULL, *segment = NULL;
+    int rc = -1;
+    if (offset == NULL || nbytes == NULL || (row = PyList_New(4)) == NULL) goto out;
+    PyList_SET_ITEM(row, 0, Py_NewRef(code));
+    PyList_SET_ITEM(row, 1, Py_NewRef(offset));
+    PyList_SET_ITEM(row, 2, Py_NewRef(nbytes));
+    PyList_SET_ITEM(row, 3, Py_NewRef(shape));
+    {
+        PyObject *names[3] = {s_offset, s_nbytes, s_source}, *values[3] = {offset, nbytes, source};
+        if ((segment = new_slotted(SegmentType, names, values, 3)) == NULL) goto out;
+    }
+    if (PyList_Append(e->table, row) < 0 || PyList_Append(e->segments, segment) < 0) goto out;
+    rc = 0;
+out:
+    Py_XDECREF(offset);
+    Py_XDECREF(nbytes);
+    Py_XDECREF(row);
+    Py_XDECREF(segment);
+    return rc;
+}
+
+static void clear_crows(Enc *e) {
+    for (Py_ssize_t i = 0; i < e->ncrows; i++) {
+        Py_DECREF(e->crows[i].code);
+        Py_DECREF(e->crows[i].shape);
+        Py_DECREF(e->crows[i].source);
+    }
+    e->ncrows = 0;
+}
+
+/* Switch the table to the two lists (moving the C rows there); from then on rows go to the lists. */
 static int ensure_lists(Enc *e) {
     if (e->table != NULL) return 0;
     e->table = PyList_New(0);
     e->segments = PyList_New(0);
-    return (e->table == NULL || e->segments == NULL) ? -1 : 0;
+    if (e->table == NULL || e->segments == NULL) return -1;
+    int rc = 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < e->ncrows; i++) {
+        CRow *r = &e->crows[i];
+        rc = append_row(e, r->code, r->off, r->nbytes, r->shape, r->source);
+    }
+    clear_crows(e);
+    return rc;
+}
+
+static int push_crow(Enc *e, PyObject *code, uint64_t off, uint64_t n, PyObject *shape, PyObject *source) {
+    if (e->ncrows == e->capcrows) {
+        Py_ssize_t ncap = e->capcrows * 2;
+        CRow *nr = e->crows == e->crow_stack ? PyMem_Malloc((size_t)ncap * sizeof(CRow)) : PyMem_Realloc(e->crows, (size_t)ncap * sizeof(CRow));
+        if (nr == NULL) { PyErr_NoMemory(); return -1; }
+        if (e->crows == e->crow_stack) memcpy(nr, e->crow_stack, sizeof(e->crow_stack));
+        e->crows = nr;
+        e->capcrows = ncap;
+    }
+    CRow *r = &e->crows[e->ncrows++];
+    r->code = Py_NewRef(code);
+    r->shape = Py_NewRef(shape);
+    r->source = Py_NewRef(source);
+    r->off = off;
+    r->nbytes = n;
+    return 0;
 }
 
 /* Hand one value to the Python encoder (``_Encoder.walk`` or ``_tensor``) and serialise
@@ -518,31 +594,17 @@ static int e_plain_tensor(Enc *e, PyObject *t) {
         Py_SETREF(source, PyObject_VectorcallMethod(s_view, args, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL));
         if (source == NULL) { Py_DECREF(shape); return -1; }
     }
-    PyObject *nbytes = PyObject_GetAttr(source, s_nbytes);
-    uint64_t n = nbytes == NULL ? 0 : PyLong_AsUnsignedLongLong(nbytes);
+    Py_ssize_t n;
     uint64_t off = (e->cursor + ALIGNMENT - 1) & ~(uint64_t)(ALIGNMENT - 1);
-    PyObject *offset = NULL, *row = NULL, *segment = NULL;
     r = -1;
-    if (nbytes == NULL || PyErr_Occurred() || ensure_lists(e) < 0) goto out;
-    if ((offset = PyLong_FromUnsignedLongLong(off)) == NULL) goto out;
-    if ((row = PyList_New(4)) == NULL) goto out;
-    PyList_SET_ITEM(row, 0, Py_NewRef(PyTuple_GET_ITEM(spec, 0)));
-    PyList_SET_ITEM(row, 1, Py_NewRef(offset));
-    PyList_SET_ITEM(row, 2, Py_NewRef(nbytes));
-    PyList_SET_ITEM(row, 3, Py_NewRef(shape));
-    {
-        PyObject *names[3] = {s_offset, s_nbytes, s_source}, *values[3] = {offset, nbytes, source};
-        if ((segment = new_slotted(SegmentType, names, values, 3)) == NULL) goto out;
-    }
-    if (PyList_Append(e->table, row) < 0 || PyList_Append(e->segments, segment) < 0) goto out;
+    if (get_ssize(source, s_nbytes, &n) < 0 || n < 0) goto out;
+    PyObject *code = PyTuple_GET_ITEM(spec, 0);
+    if ((e->table == NULL ? push_crow(e, code, off, (uint64_t)n, shape, source) : append_row(e, code, off, (uint64_t)n, shape, source)) < 0)
+        goto out;
     e->items += 1;
-    e->cursor = off + n;
+    e->cursor = off + (uint64_t)n;
     r = 1;
 out:
-    Py_XDECREF(nbytes);
-    Py_XDECREF(offset);
-    Py_XDECREF(row);
-    Py_XDECREF(segment);
     Py_DECREF(source);
     Py_DECREF(shape);
     return r;
@@ -618,6 +680,9 @@ static void enc_init(Enc *e, PyObject *limits) {
     e->w.len = PREFIX_SIZE + 1; /* prefix, then the [tree, table] array header */
     e->items = 0;
     e->cursor = 0;
+    e->crows = e->crow_stack;
+    e->ncrows = 0;
+    e->capcrows = CROWS_STACK;
     e->table = NULL;
     e->segments = NULL;
     e->limits = limits;
@@ -627,6 +692,8 @@ static void enc_init(Enc *e, PyObject *limits) {
 static void enc_clear(Enc *e) {
     if (e->w.buf != e->w.stack) PyMem_Free(e->w.buf);
     Py_XDECREF(e->enc);
+    clear_crows(e);
+    if (e->crows != e->crow_stack) PyMem_Free(e->crows);
     Py_XDECREF(e->table);
     Py_XDECREF(e->segments);
 }
@@ -648,11 +715,14 @@ static int enc_run(Enc *e, PyObject *obj, Head *out) {
     if (e_walk(e, obj, 0) < 0) goto refuse;
     if (e->table != NULL) {
         if (w_plain(&e->w, e->table, 0) < 0) goto refuse;
-    } else {
-        unsigned char *p = wb_take(&e->w, 1);
-        if (!p) goto refuse;
-        p[0] = 0x90;
-        if (ensure_lists(e) < 0) return -1;
+    } else { /* the C rows, exactly as w_plain writes the lists */
+        if (w_container(&e->w, (size_t)e->ncrows, 0) < 0) goto refuse;
+        for (Py_ssize_t i = 0; i < e->ncrows; i++) {
+            const CRow *r = &e->crows[i];
+            if (w_container(&e->w, 4, 0) < 0 || w_long(&e->w, r->code) < 0 || w_uint(&e->w, r->off) < 0 || w_uint(&e->w, r->nbytes) < 0 ||
+                w_plain(&e->w, r->shape, 2) < 0)
+                goto refuse;
+        }
     }
     size_t hlen = e->w.len - PREFIX_SIZE;
     if (hlen > (size_t)e->lim.max_header_bytes || hlen > 0xFFFFFFFFu) goto refuse;
@@ -697,6 +767,7 @@ static PyObject *native_encode(PyObject *self, PyObject *const *args, Py_ssize_t
         result = rc > 0 ? Py_NewRef(Py_None) : NULL;
         goto done;
     }
+    if (ensure_lists(&e) < 0) goto done; /* the Encoded holds the Segment list */
     head = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)hd.data_start);
     if (head == NULL) goto done;
     write_head((unsigned char *)PyBytes_AS_STRING(head), &e, &hd);
@@ -753,6 +824,17 @@ static int copy_source(unsigned char *dst, PyObject *source, Py_ssize_t nbytes) 
 static int write_message(unsigned char *dst, const Enc *e, const Head *hd) {
     write_head(dst, e, hd);
     uint64_t data_start = hd->data_start, total = hd->total, cursor = data_start;
+    if (e->table == NULL) { /* C rows: in order, offsets from the walk */
+        for (Py_ssize_t i = 0; i < e->ncrows; i++) {
+            const CRow *r = &e->crows[i];
+            uint64_t start = data_start + r->off;
+            memset(dst + cursor, 0, (size_t)(start - cursor));
+            if (r->nbytes && copy_source(dst + start, r->source, (Py_ssize_t)r->nbytes) < 0) return -1;
+            cursor = start + r->nbytes;
+        }
+        memset(dst + cursor, 0, (size_t)(total - cursor));
+        return 0;
+    }
     Py_ssize_t n = PyList_GET_SIZE(e->segments);
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *seg = PyList_GET_ITEM(e->segments, i);
@@ -777,8 +859,28 @@ static int write_message(unsigned char *dst, const Enc *e, const Head *hd) {
     return 0;
 }
 
+/* encode_into for C callers (the C_API capsule): the message length (written to dst only if it
+ * fits in cap bytes), ENCODE_DEFER to let the Python encoder decide, or -1 with an exception. */
+#define ENCODE_DEFER (-2)
+
+static long long encode_into_raw(PyObject *obj, PyObject *limits, unsigned char *dst, Py_ssize_t cap) {
+    if (!configured) { PyErr_SetString(PyExc_RuntimeError, "omni_plugins.wire._native is not configured"); return -1; }
+    Enc e;
+    enc_init(&e, limits);
+    long long result;
+    Head hd;
+    int rc = enc_run(&e, obj, &hd);
+    if (rc != 0)
+        result = rc > 0 ? ENCODE_DEFER : -1;
+    else if (hd.total <= (uint64_t)cap && write_message(dst, &e, &hd) < 0)
+        result = -1;
+    else
+        result = (long long)hd.total;
+    enc_clear(&e);
+    return result;
+}
+
 static PyObject *native_encode_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (!configured) { PyErr_SetString(PyExc_RuntimeError, "omni_plugins.wire._native is not configured"); return NULL; }
     if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "encode_into(obj, limits, dest)"); return NULL; }
     Py_buffer dest;
     if (PyObject_GetBuffer(args[2], &dest, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
@@ -786,22 +888,22 @@ static PyObject *native_encode_into(PyObject *self, PyObject *const *args, Py_ss
         PyErr_Clear();
         return Py_NewRef(Py_None); /* let the Python path raise its error */
     }
-    Enc e;
-    enc_init(&e, args[1]);
-    PyObject *result = NULL;
-    Head hd;
-    int rc = enc_run(&e, args[0], &hd);
-    if (rc != 0) {
-        result = rc > 0 ? Py_NewRef(Py_None) : NULL;
-    } else if (hd.total <= (uint64_t)dest.len && write_message((unsigned char *)dest.buf, &e, &hd) < 0) {
-        result = NULL;
-    } else {
-        result = PyLong_FromUnsignedLongLong(hd.total);
-    }
-    enc_clear(&e);
+    long long n = encode_into_raw(args[0], args[1], (unsigned char *)dest.buf, dest.len);
     PyBuffer_Release(&dest);
-    return result;
+    if (n == ENCODE_DEFER) return Py_NewRef(Py_None);
+    return n < 0 ? NULL : PyLong_FromLongLong(n);
 }
+
+/* The C API other extensions call without Python objects in between (PyCapsule C_API_NAME):
+ * the shm slot table encodes straight into a slot with it. Layout and version are fixed;
+ * a caller checks ``version`` and falls back to the Python-level encode_into otherwise. */
+#define C_API_NAME "omni_plugins.wire._native.C_API"
+typedef struct {
+    int version; /* 1 */
+    long long (*encode_into)(PyObject *obj, PyObject *limits, unsigned char *dst, Py_ssize_t cap);
+} WireCAPI;
+
+static const WireCAPI c_api = {1, encode_into_raw};
 
 /* ================================================================== decoder */
 
@@ -1537,6 +1639,13 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (m == NULL) return NULL;
     DEFER = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
     if (DEFER == NULL || PyModule_AddObjectRef(m, "DEFER", DEFER) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *capsule = PyCapsule_New((void *)&c_api, C_API_NAME, NULL);
+    int added = capsule == NULL ? -1 : PyModule_AddObjectRef(m, "C_API", capsule);
+    Py_XDECREF(capsule);
+    if (added < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -25,7 +25,7 @@ from omni_plugins_shm.testing import (
     slot_crash_worker,
 )
 
-from omni_plugins import create_connector
+from omni_plugins import create_connector, wire
 from omni_plugins.errors import ConnectorError, WireFormatError
 from omni_plugins.testing import ConnectorContract
 
@@ -140,6 +140,28 @@ def test_put_encodes_straight_into_the_slot_and_both_encoders_stay_tested(namesp
         with pytest.raises(WireFormatError):
             a.put(0, 1, "bad", {"x": object()})
         assert _busy(a) == [] and _published_files(namespace) == []
+
+
+@pytest.mark.skipif(wire.IMPLEMENTATION != "native", reason="the compiled codec is not built")
+def test_put_obj_takes_the_c_api_or_a_python_level_encoder_alike(namespace: str) -> None:
+    """``put_obj`` with the wire encoder's C API (the connector's choice) and with the Python-level ``encode_into``
+    (any callable of that signature) store the same bytes, decline alike (too big: -1; refused: DEFERRED) and
+    leave no reserved slot behind."""
+    payload = make_payload(3, 4 * KIB)
+    with create_connector("shm", _config(namespace)) as a:
+        table = a._slots  # type: ignore[attr-defined]
+        stored = []
+        for encoder in (wire.native_c_api(), wire.native_encode_into()):
+            assert table.put_obj("k", encoder, payload) == wire.encode(payload).nbytes
+            got = table.take("k")
+            assert isinstance(got, bytearray)
+            stored.append(bytes(got))
+            assert table.put_obj("big", encoder, {"x": torch.zeros(1 << 20, dtype=torch.uint8)}) == slots.TOO_BIG
+            assert table.put_obj("odd", encoder, {"x": object()}) == slots.DEFERRED
+            assert _busy(a) == []
+        assert stored[0] == stored[1] == wire.encode(payload).to_bytes()
+        with pytest.raises(TypeError):
+            table.put_obj(7, wire.native_c_api(), payload)  # a key must be a str
 
 
 def test_a_bigger_put_of_an_unconsumed_key_replaces_its_slot_payload(namespace: str) -> None:

@@ -197,6 +197,31 @@ def test_encode_into_corner_cases() -> None:
             wire.encode_into({"x": torch.ones(4)}, bytes(1024))  # read-only destination
 
 
+def test_many_tensors_and_a_call_back_after_them() -> None:
+    """More buffer rows than the encoder keeps on its stack, then values the Python encoder handles (its rows move
+    to the shared lists mid-walk): the same bytes as the Python encoder, from encode and encode_into."""
+    many = [torch.full((i + 1,), float(i)) for i in range(20)]
+    for obj in (
+        {"many": many},
+        {"many": many, "after": [np.arange(3), torch.ones(4)[::2], torch.ones(2, requires_grad=True), torch.ones(3)]},
+        [torch.ones(2), b"z" * 5000, torch.zeros(3, dtype=torch.int64), np.ones((2, 2))[:, 0], *many],
+    ):
+        assert_encode_into_matches(obj)
+        if NATIVE_BUILT:
+            assert_encoders_agree(obj)
+
+
+@needs_native
+def test_c_api_capsule_follows_the_active_implementation() -> None:
+    import types
+
+    capsule = wire.native_c_api()
+    assert type(capsule).__name__ == "PyCapsule" and "omni_plugins.wire._native.C_API" in repr(capsule)
+    with _codec.use("python"):
+        assert wire.native_c_api() is None and wire.native_encode_into() is None
+    assert isinstance(wire.native_encode_into(), types.BuiltinFunctionType)
+
+
 def test_encode_into_rechecks_a_tensor_resized_during_the_walk() -> None:
     """A call-back (a dict subclass's items()) that resizes a tensor the walk already saw: a typed error, never a read
     past the tensor's memory (both implementations; ``Encoded.buffers()`` too)."""
@@ -552,6 +577,7 @@ def test_no_reference_or_memory_leaks() -> None:
     mutated[30] ^= 0xFF  # inside the header: checksum mismatch
     dup = seal(b"\x92\x82\xa1a\xc7\x00\x01\xa1a\x01\x91\x94\x09\x00\x04\x91\x01", bytes(64))  # deferred to Python
     bad_table = seal(b"\x92\xc7\x00\x01\x91\x94\x09\x01\x04\x91\x01", bytes(64))
+    many = {"t": [torch.ones(4)] * 12, "after": [np.ones(2)]}  # C rows (more than the stack holds), then a call-back
     watched = [wire._encode.REF, wire._encode.TUPLE, torch.float32, torch.bfloat16, np.dtype(np.float32), _codec._DEFER, None, True]
 
     def exercise() -> None:
@@ -559,6 +585,8 @@ def test_no_reference_or_memory_leaks() -> None:
             wire.encode(payload)
             wire.encode_into(payload, bytearray(len(good)))
             wire.encode_into(payload, bytearray(10))
+            wire.encode_into(many, bytearray(1 << 14))  # more rows than the encoder's stack holds
+            wire.encode(many)
             wire.decode(bytearray(good))
             wire.decode(readonly, copy=True)
             for message in (mutated, dup, bad_table, good[:100]):
@@ -566,7 +594,7 @@ def test_no_reference_or_memory_leaks() -> None:
                     wire.decode(message)
                 except WireFormatError:
                     pass
-            for refused in ({"a": [object()]}, {"k": 2**65}, {1: 2}):
+            for refused in ({"a": [object()]}, {"k": 2**65}, {1: 2}, {"t": [torch.ones(4)] * 12, "x": object()}):
                 for call in (wire.encode, lambda obj: wire.encode_into(obj, bytearray(64))):
                     try:
                         call(refused)

@@ -81,7 +81,9 @@ class ShmConnector(Connector):
             raise ConfigError(f"shm connector: shm_dir {self._dir!r} is not a directory")
         self._names = Names(self.config.namespace)
         self._owner = Owner.new()
+        self._pid = self._owner.pid  # the creating process: the hot paths compare CurrentPid.value with it
         self._token = self._owner.token
+        self._views = self.config.zero_copy
         if self.config.reclaim_on_start:
             report = gc.collect(self.config.namespace, shm_dir=self._dir)
             if report.removed:
@@ -141,8 +143,23 @@ class ShmConnector(Connector):
             )
 
     # -- put ----------------------------------------------------------------------------
+    def put(self, from_stage: Any, to_stage: Any, key: str, data: Any) -> PutResult:
+        """:meth:`Connector.put`; with the slot table the hot path is one C call and no further frame.
+
+        The checks ``Connector.put`` and ``_put`` make (open, same process, no ttl due) are the
+        condition here; anything else takes the general path.
+        """
+        slots = self._slots
+        if slots is None or self._closed or self._expiry is not None or CurrentPid.value != self._pid:
+            return super().put(from_stage, to_stage, key, data)
+        encoder = wire.native_c_api()
+        got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
+        if got >= 0:
+            return _put_ok((True, got, None))
+        return self._put_declined(slots, key, data, got, None)
+
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
-        if CurrentPid.value != self._owner.pid:
+        if CurrentPid.value != self._pid:
             self._check_process()
         expiry = self._expiry
         if expiry is not None and expiry.due():
@@ -151,10 +168,14 @@ class ShmConnector(Connector):
         if slots is None:
             return self._put_file(key, wire.encode(data), expiry, None)
         # the slot table: one C call (reserve, encode straight into the slot, replace, publish, ring)
-        encoder = wire.native_encode_into()
+        encoder = wire.native_c_api()
         got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
         if got >= 0:
             return _put_ok((True, got, None))
+        return self._put_declined(slots, key, data, got, expiry)
+
+    def _put_declined(self, slots: SlotTable, key: str, data: Any, got: int, expiry: Expiry | None) -> PutResult:
+        """``put`` after the slot table's ``put_obj`` declined (``got`` < 0): the Python encoder, then a slot or the file path."""
         enc = wire.encode(data)  # raises WireFormatError for what the compiled encoder declined
         if got == DEFERRED:
             if enc.nbytes <= slots.slot_bytes and slots.put(key, enc.buffers(), enc.nbytes) >= 0:
@@ -220,11 +241,15 @@ class ShmConnector(Connector):
             return False
 
     # -- get ----------------------------------------------------------------------------
-    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+    def get(self, from_stage: Any, to_stage: Any, key: str, *, timeout: float | None = None) -> GetResult | None:
+        """:meth:`Connector.get`; with the slot table a payload already there costs one C call and a decode."""
         slots = self._slots
-        if slots is not None and CurrentPid.value == self._owner.pid:  # the hot path, one frame less
-            return self._get_slots(slots, key, timeout, self.config.zero_copy)
-        return self._get_impl(key, timeout, self.config.zero_copy)
+        if slots is None or self._closed or self._views or CurrentPid.value != self._pid:
+            return super().get(from_stage, to_stage, key, timeout=timeout)
+        return self._get_slots(slots, key, timeout, False)
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        return self._get_impl(key, timeout, self._views)
 
     def get_views(self, from_stage: Any, to_stage: Any, key: str, *, timeout: float | None = None) -> GetResult | None:
         """Like :meth:`get` but tensors are zero-copy views over shared memory.

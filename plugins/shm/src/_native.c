@@ -511,18 +511,109 @@ PyDoc_STRVAR(slot_put_obj_doc,
              "(or without UTF-8 bytes) or the encoding does not fit, -2 if no bucket is free (both after replacing an unconsumed payload of the\n"
              "key: the file path takes over), -3 if encode_into returned None (the Python encoder decides).");
 
+/* The C entry point of omni_plugins.wire's compiled encoder (its C_API capsule; same layout there). */
+#define WIRE_C_API_NAME "omni_plugins.wire._native.C_API"
+#define WIRE_ENCODE_DEFER (-2)
+typedef struct {
+    int version; /* 1 */
+    long long (*encode_into)(PyObject *obj, PyObject *limits, unsigned char *dst, Py_ssize_t cap);
+} WireCAPI;
+
+/* Positional arguments of the METH_FASTCALL hot calls (bound by functools.partial, which calls
+ * them without building a tuple). Integers are taken modulo 2**64 like PyArg_ParseTuple's K / k. */
+static int
+fast_args(const char *fname, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs == want)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)", fname, want, nargs);
+    return -1;
+}
+
+static int
+arg_u64(PyObject *o, unsigned long long *out)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "an integer is required (got %.100s)", Py_TYPE(o)->tp_name);
+        return -1;
+    }
+    *out = PyLong_AsUnsignedLongLongMask(o);
+    return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int
+arg_str(PyObject *o)
+{
+    if (PyUnicode_Check(o))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "key must be str, not %.100s", Py_TYPE(o)->tp_name);
+    return -1;
+}
+
+/* Encode payload into dst (cap bytes) with the wire encoder: its C API when `encoder` is that
+ * capsule, else the Python-level encode_into(obj, limits, <memoryview of dst>) of `owner`'s export.
+ * Returns the message length (written only if <= cap), WIRE_ENCODE_DEFER, or -1 with an exception. */
+static long long
+encode_into_slot(PyObject *encoder, PyObject *payload, PyObject *limits, PyObject *owner, char *dst, Py_ssize_t at, Py_ssize_t cap)
+{
+    if (PyCapsule_CheckExact(encoder)) {
+        const WireCAPI *api = PyCapsule_GetPointer(encoder, WIRE_C_API_NAME);
+        if (api == NULL)
+            return -1;
+        if (api->version != 1) {
+            PyErr_Format(PyExc_RuntimeError, "omni_plugins.wire C API version %d (this extension knows 1)", api->version);
+            return -1;
+        }
+        return api->encode_into(payload, limits, (unsigned char *)dst, cap);
+    }
+    /* the destination: a memoryview of the table object (an export of the mapping while it lives) */
+    PyObject *whole = PyMemoryView_FromObject(owner), *dest = NULL, *got = NULL;
+    if (whole != NULL) {
+        dest = PySequence_GetSlice(whole, at, at + cap);
+        Py_DECREF(whole);
+    }
+    if (dest == NULL)
+        return -1;
+    PyObject *cargs[3] = {payload, limits, dest};
+    got = PyObject_Vectorcall(encoder, cargs, 3, NULL);
+    PyObject *et, *ev, *tb;
+    PyErr_Fetch(&et, &ev, &tb); /* the encoder's error (if any) survives the release */
+    PyObject *rel = PyObject_CallMethodNoArgs(dest, s_release); /* BufferError if the encoder kept an export */
+    Py_DECREF(dest);
+    if (rel == NULL) {
+        Py_XDECREF(got);
+        Py_XDECREF(et);
+        Py_XDECREF(ev);
+        Py_XDECREF(tb);
+        return -1;
+    }
+    Py_DECREF(rel);
+    PyErr_Restore(et, ev, tb);
+    if (got == NULL)
+        return -1;
+    if (got == Py_None) {
+        Py_DECREF(got);
+        return WIRE_ENCODE_DEFER;
+    }
+    long long nbytes = PyLong_AsLongLong(got);
+    Py_DECREF(got);
+    if (nbytes == -1 && PyErr_Occurred())
+        return -1;
+    return nbytes < 0 ? cap + 1 : nbytes; /* a negative length from a foreign encoder: treat as "does not fit" */
+}
+
 static PyObject *
-native_slot_put_obj(PyObject *self, PyObject *args)
+native_slot_put_obj(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *obj, *encoder, *payload, *limits, *wake, *key;
     const char *k;
     Py_ssize_t n;
-    unsigned long long writing, ready, claimer, start;
-    unsigned long tag;
+    unsigned long long writing, ready, claimer, start, tag;
     table_t t;
-    if (!PyArg_ParseTuple(args, "OKKKkKOOUOO:slot_put_obj", &obj, &writing, &ready, &claimer, &tag, &start, &wake, &limits, &key, &encoder,
-                          &payload))
+    if (fast_args("slot_put_obj", nargs, 11) < 0 || arg_u64(args[1], &writing) < 0 || arg_u64(args[2], &ready) < 0 ||
+        arg_u64(args[3], &claimer) < 0 || arg_u64(args[4], &tag) < 0 || arg_u64(args[5], &start) < 0 || arg_str(args[8]) < 0)
         return NULL;
+    obj = args[0], wake = args[6], limits = args[7], key = args[8], encoder = args[9], payload = args[10];
     if ((k = utf8_key(key, &n)) == NULL)
         return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
     if (table_open(obj, &t) < 0)
@@ -542,48 +633,16 @@ native_slot_put_obj(PyObject *self, PyObject *args)
             return PyLong_FromLong(-2);
         }
     }
-    /* the destination: a memoryview of the table object (an export of the mapping while it lives) */
-    PyObject *whole = PyMemoryView_FromObject(obj), *dest = NULL, *got = NULL;
-    if (whole != NULL) {
-        Py_ssize_t at = (Py_ssize_t)(s + SLOT_HDR - t.base);
-        dest = PySequence_GetSlice(whole, at, at + (Py_ssize_t)t.slot_bytes);
-        Py_DECREF(whole);
-    }
-    if (dest != NULL) {
-        PyObject *cargs[3] = {payload, limits, dest};
-        got = PyObject_Vectorcall(encoder, cargs, 3, NULL);
-        PyObject *et, *ev, *tb;
-        PyErr_Fetch(&et, &ev, &tb); /* the encoder's error (if any) survives the release */
-        PyObject *rel = PyObject_CallMethodNoArgs(dest, s_release); /* BufferError if the encoder kept an export */
-        Py_DECREF(dest);
-        if (rel == NULL) {
-            Py_CLEAR(got);
-            Py_XDECREF(et);
-            Py_XDECREF(ev);
-            Py_XDECREF(tb);
-        } else {
-            Py_DECREF(rel);
-            PyErr_Restore(et, ev, tb);
-        }
-    }
-    long long nbytes = -1;
-    if (got != NULL && got != Py_None) {
-        nbytes = PyLong_AsLongLong(got);
-        if (nbytes == -1 && PyErr_Occurred())
-            Py_CLEAR(got);
-    }
-    if (got == NULL || got == Py_None || nbytes < 0 || (uint64_t)nbytes > t.slot_bytes) {
+    long long nbytes = encode_into_slot(encoder, payload, limits, obj, s + SLOT_HDR, (Py_ssize_t)(s + SLOT_HDR - t.base), (Py_ssize_t)t.slot_bytes);
+    if (nbytes < 0 || (uint64_t)nbytes > t.slot_bytes) {
         __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
-        if (got != NULL && got != Py_None)
+        if (nbytes >= 0)
             replace_ready(&t, h, k, n, claimer); /* too big: the file path publishes it */
         PyBuffer_Release(&t.view);
-        if (got == NULL)
+        if (nbytes == -1)
             return NULL;
-        int none = got == Py_None;
-        Py_DECREF(got);
-        return PyLong_FromLong(none ? -3 : -1);
+        return PyLong_FromLong(nbytes == WIRE_ENCODE_DEFER ? -3 : -1);
     }
-    Py_DECREF(got);
     replace_ready(&t, h, k, n, claimer);
     publish(s, h, k, n, (Py_ssize_t)nbytes, tag, start, ready);
     PyBuffer_Release(&t.view);
@@ -635,18 +694,24 @@ take_once(table_t *t, uint32_t *seq, uint64_t claimer, const char *k, Py_ssize_t
 /* slot_take: one look. slot_take_wait: first sleep up to `seconds` while the key's wake slot still reads
  * `expected` (the seq an earlier slot_take read before its look and the caller's file-path check), then look. */
 static PyObject *
-take(PyObject *args, int waits)
+take(PyObject *const *args, Py_ssize_t nargs, int waits)
 {
     PyObject *obj, *wake, *key;
     const char *k;
     Py_ssize_t n;
-    unsigned long long claimer;
-    unsigned long expected = 0;
+    unsigned long long claimer, expected = 0;
     double seconds = 0.0;
     table_t t;
-    if (waits ? !PyArg_ParseTuple(args, "OKOUkd:slot_take_wait", &obj, &claimer, &wake, &key, &expected, &seconds)
-              : !PyArg_ParseTuple(args, "OKOU:slot_take", &obj, &claimer, &wake, &key))
+    if (fast_args(waits ? "slot_take_wait" : "slot_take", nargs, waits ? 6 : 4) < 0 || arg_u64(args[1], &claimer) < 0 || arg_str(args[3]) < 0)
         return NULL;
+    obj = args[0], wake = args[2], key = args[3];
+    if (waits) {
+        if (arg_u64(args[4], &expected) < 0)
+            return NULL;
+        seconds = PyFloat_AsDouble(args[5]);
+        if (seconds == -1.0 && PyErr_Occurred())
+            return NULL;
+    }
     if (!(seconds >= 0.0 && seconds <= 86400.0)) {
         PyErr_SetString(PyExc_ValueError, "seconds must be in [0, 86400]");
         return NULL;
@@ -686,9 +751,9 @@ take(PyObject *args, int waits)
 }
 
 static PyObject *
-native_slot_take(PyObject *self, PyObject *args)
+native_slot_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return take(args, 0);
+    return take(args, nargs, 0);
 }
 
 PyDoc_STRVAR(slot_take_wait_doc,
@@ -697,9 +762,9 @@ PyDoc_STRVAR(slot_take_wait_doc,
              "a sleep that ran out its time has 1 << 33 added. (wake.sleep + slot_take in one call: the hot wait.)");
 
 static PyObject *
-native_slot_take_wait(PyObject *self, PyObject *args)
+native_slot_take_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return take(args, 1);
+    return take(args, nargs, 1);
 }
 
 PyDoc_STRVAR(slot_files_doc,
@@ -850,9 +915,9 @@ static PyMethodDef methods[] = {
     {"wait", futex_wait, METH_VARARGS, wait_doc},
     {"wake_slot", native_wake_slot, METH_VARARGS, wake_slot_doc},
     {"slot_put", native_slot_put, METH_VARARGS, slot_put_doc},
-    {"slot_put_obj", native_slot_put_obj, METH_VARARGS, slot_put_obj_doc},
-    {"slot_take", native_slot_take, METH_VARARGS, slot_take_doc},
-    {"slot_take_wait", native_slot_take_wait, METH_VARARGS, slot_take_wait_doc},
+    {"slot_put_obj", (PyCFunction)(void (*)(void))native_slot_put_obj, METH_FASTCALL, slot_put_obj_doc},
+    {"slot_take", (PyCFunction)(void (*)(void))native_slot_take, METH_FASTCALL, slot_take_doc},
+    {"slot_take_wait", (PyCFunction)(void (*)(void))native_slot_take_wait, METH_FASTCALL, slot_take_wait_doc},
     {"slot_files", native_slot_files, METH_VARARGS, slot_files_doc},
     {"slot_present", native_slot_present, METH_VARARGS, slot_present_doc},
     {"slot_scan", native_slot_scan, METH_VARARGS, slot_scan_doc},
