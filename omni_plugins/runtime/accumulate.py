@@ -124,9 +124,12 @@ def merge_value(old: Any, new: Any) -> Any:
         return old + new
     if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
         if _same_trailing_dims(old.shape, new.shape):
-            if not (old.is_cpu and new.is_cpu) and new.device != old.device:
-                new = new.to(old.device)
-            return torch.cat((old, new))
+            try:  # the devices are compared only when cat refuses (each torch call is cold code per chunk)
+                return torch.cat((old, new))
+            except RuntimeError:
+                if new.device == old.device:
+                    raise
+            return torch.cat((old, new.to(old.device)))
         return new
     if isinstance(old, list) and isinstance(new, list):
         return old + new

@@ -130,6 +130,31 @@ def payload_is_consumable(payload: Any) -> bool:
     return False
 
 
+def chunk_flags(chunk: dict[str, Any]) -> tuple[bool, bool]:
+    """``(payload_finished(chunk), payload_is_consumable(chunk))`` of a dict chunk in one pass.
+
+    Runs for every received chunk: the usual layout (a plain ``meta`` dict
+    with ``finished``, a plain ``embed`` dict with a ``decode`` tensor) is
+    read directly; anything else takes the two general predicates (legacy
+    keys, other sections), so the answers are always theirs.
+    """
+    meta = chunk.get("meta")
+    if type(meta) is dict and "finished" in meta:
+        value = meta["finished"]
+        finished = value if type(value) is bool else _flag(value)
+    else:
+        finished = payload_finished(chunk)
+    embed = chunk.get("embed")
+    if type(embed) is dict:
+        decode = embed.get("decode")
+        if type(decode) is torch.Tensor:
+            # payload_is_consumable's ``ndim == 0 or (numel() > 0 and shape[0] > 0)`` from one call into
+            # torch (each is cold code at the chunk rhythm): no dim, or none of them 0
+            shape = decode.shape
+            return finished, not shape or 0 not in shape
+    return finished, payload_is_consumable(chunk)
+
+
 def scheduling_metadata(payload: Any) -> dict[str, Any]:
     """The few fields a scheduler needs: prompt length, audio codes, left context."""
     out: dict[str, Any] = {}

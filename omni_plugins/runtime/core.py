@@ -296,8 +296,8 @@ class StageTransferRuntime:
         with self._lock:
             index = state.next_send_chunk
             state.next_send_chunk += 1
-            task = self._sender.enqueue_locked(state, f"{state.external_id}_{self.stage_id}_{index}", payload)
-        self._sender.hand_over(task)
+            signal = self._sender.enqueue_locked(state, f"{state.external_id}_{self.stage_id}_{index}", payload, hand_over=True)
+        self._sender.hand_over(signal)
 
     def send_chunk(self, request: Any, pooling_output: Any = None) -> bool:
         """Streaming mode: build this step's chunk on the caller's thread and enqueue it.

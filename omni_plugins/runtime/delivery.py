@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_plugins.runtime.accumulate import merge_chunk
-from omni_plugins.runtime.consumable import payload_audio_codes, payload_finished, payload_is_consumable, scheduling_metadata
+from omni_plugins.runtime.consumable import chunk_flags, payload_audio_codes, payload_is_consumable, scheduling_metadata
 from omni_plugins.runtime.state import RequestRegistry, RequestState
 from omni_plugins.runtime.wakeflag import WakeFlag
 
@@ -108,10 +108,12 @@ class Delivery:
         return self.ready.is_set()
 
     def _on_chunk(self, state: RequestState, chunk: Any) -> None:
-        # runs for every chunk on the receive thread: each type test once
+        # runs for every chunk on the receive thread: each type test once, both predicates in one pass
         is_dict = type(chunk) is dict or isinstance(chunk, dict)
-        finished = payload_finished(chunk)
-        consumable = payload_is_consumable(chunk) if is_dict else chunk is not None
+        if is_dict:
+            finished, consumable = chunk_flags(chunk)
+        else:
+            finished, consumable = False, chunk is not None  # what payload_finished says of a non-dict
         data: Any
         if is_dict and self.worker_type == "ar":
             state.merged = data = merge_chunk(state.merged, chunk)  # a new dict: copied into the cache below

@@ -287,7 +287,9 @@ class Receiver:
         self._epoch = -1
         while not self._stop.is_set():
             try:
-                self._expire()
+                now = time.monotonic()
+                if now >= self._next_expiry:
+                    self._expire()
                 if self._wake.is_set() or self._registry.epoch != self._epoch:
                     self._wake.clear()  # registrations made so far are in this plan
                     self.stats["plans"] += 1
@@ -297,7 +299,6 @@ class Receiver:
                 if not pending:
                     self._wake.wait(0.05)
                     continue
-                now = time.monotonic()
                 if now >= next_sweep:
                     next_sweep = now + _SAFETY_SWEEP_S
                     # only requests that received nothing for a while: a missed notification leaves its
@@ -342,19 +343,22 @@ class Receiver:
         """
         taken: list[tuple[RequestState, int, str, Any]] = []
         found = False
+        unread = self._handler.unread
+        stop = self._stop
         for key in keys:
             item = pending.get(key)
-            if item is None or self._stop.is_set():
+            if item is None or stop.is_set():
                 continue
             got = self._take(item[0], item[1], key, timeout=None)
             if got is _ABSENT:
                 continue
             found = True
             taken.append((item[0], item[1], key, got))
-            if not self._handler.unread():
+            if not unread():
                 self._deliver(taken, pending)
                 taken = []
-        self._deliver(taken, pending)
+        if taken:
+            self._deliver(taken, pending)
         return found
 
     def _fetch(self, state: RequestState, index: int, key: str, *, timeout: float | None) -> bool:
@@ -403,7 +407,7 @@ class Receiver:
         with registry.lock:
             epoch0 = registry.epoch
             for state, index, key, data in taken:
-                if not self._current(state, index):
+                if not (state.registered and state.next_recv_chunk == index and registry.get(state.request_id) is state):
                     logger.debug("dropping %s: request %s is gone or moved on", key, state.request_id)
                 elif data is _UNDECODABLE:
                     cleanup += handler.on_failure(state, timed_out=False)
@@ -418,10 +422,8 @@ class Receiver:
                 # ``pending`` already follows it: no re-plan of every receiving request for that
                 self._epoch = registry.epoch
             handler.publish()
-        self._cleanup(cleanup)
-
-    def _current(self, state: RequestState, index: int) -> bool:
-        return state.registered and state.next_recv_chunk == index and self._registry.get(state.request_id) is state
+        if cleanup:
+            self._cleanup(cleanup)
 
 
 #: :meth:`Receiver._take` results that are not payloads

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from _thread import allocate_lock as _allocate_lock
 from collections import deque
 from typing import Any
 
@@ -58,10 +59,13 @@ class Sender:
         self._from, self._to = from_stage, to_stage
         self.max_retries = max_retries
         self._backoff = retry_backoff_s
-        self._cond = threading.Condition(registry.lock)
+        self._lock = registry.lock  # entered directly: ``with`` on the Condition adds a Python frame per hold
+        self._cond = threading.Condition(registry.lock)  # only ``wait_idle`` waits on it
+        self._idle_waiters = 0  # ``wait_idle`` callers (lock held to read/write): completions notify only then
+        self._work = WakeFlag()  # set (lock held) to wake the idle send thread; cleared by it (lock held)
         self._handoff_s = handoff_s
         self._handoff: SendTask | None = None  # the task a ``hand_over`` waits for (lock held to read/write)
-        self._handoff_signal = WakeFlag()  # set (lock held) once that task was taken; cleared by the waiter
+        self._handoff_signal: Any = None  # that wait's lock: held by the waiter's side, released once the task was taken
         self.put_mean_s = 0.0  # running mean of put durations (written by the send thread only)
         self._ring: deque[RequestState] = deque()
         self._stop = False
@@ -74,11 +78,16 @@ class Sender:
 
     # -- model thread ---------------------------------------------------------
     def enqueue(self, state: RequestState, key: str, data: Any) -> None:
-        with self._cond:
+        with self._lock:
             self.enqueue_locked(state, key, data)
 
-    def enqueue_locked(self, state: RequestState, key: str, data: Any) -> SendTask:
-        """:meth:`enqueue` with the registry lock already held; returns the queued task."""
+    def enqueue_locked(self, state: RequestState, key: str, data: Any, *, hand_over: bool = False) -> Any:
+        """:meth:`enqueue` with the registry lock already held.
+
+        ``hand_over``: also claim the hand-over slot for this task when a
+        hand-over is due (see :meth:`hand_over`); returns the signal to pass
+        to :meth:`hand_over`, or None (no wait).
+        """
         task = SendTask(key, data)
         state.send_queue.append(task)
         state.in_flight += 1
@@ -87,40 +96,41 @@ class Sender:
             self._ring.append(state)
         if self._idle:  # busy: it takes this task in its next round without a wake-up
             self._idle = False
-            self._cond.notify()
-        return task
+            self._work.set()  # one lock release (a Condition's notify walks its waiter list in Python)
+        if not hand_over or self._handoff is not None or self._handoff_s <= 0 or self.put_mean_s > self._handoff_s or self._stop:
+            return None
+        signal = _allocate_lock()
+        signal.acquire()  # released by the send thread once it took ``task``
+        self._handoff, self._handoff_signal = task, signal
+        self.stats["handoffs"] += 1
+        return signal
 
-    def hand_over(self, task: SendTask) -> None:
-        """Model thread, no lock held: wait up to ``handoff_s`` until the send thread has taken ``task``.
+    def hand_over(self, signal: Any) -> None:
+        """Model thread, no lock held: wait up to ``handoff_s`` until the send thread has taken the task
+        whose :meth:`enqueue_locked` returned ``signal`` (None: no wait).
 
         Waiting lets go of the GIL, so the send thread starts the put now
-        rather than after the caller's step. Skipped while puts take longer
-        than ``handoff_s`` on average (then the caller would mostly wait for
-        other puts, which is what the send thread is there to spare it) and
-        while another thread waits for its own hand-over. The signal is a
-        :class:`WakeFlag`: one futex wait and one wake.
+        rather than after the caller's step. Not claimed while puts take
+        longer than ``handoff_s`` on average (then the caller would mostly
+        wait for other puts, which is what the send thread is there to spare
+        it) and while another thread waits for its own hand-over (one slot).
+        The signal is a fresh lock, held until the send thread releases it:
+        one futex wait and one wake, and no lock round after a wait that
+        ended in time (the send thread freed the slot when it released it).
         """
-        limit = self._handoff_s
-        if limit <= 0 or task.taken or self.put_mean_s > limit or self._stop:
+        if signal is None or signal.acquire(True, self._handoff_s):
             return
-        with self._cond:
-            if task.taken or self._handoff is not None:
-                return
-            self._handoff = task  # the slot stays ours until we clear it: releases pair with our acquires
-        self.stats["handoffs"] += 1
-        signal = self._handoff_signal
-        signal.wait(limit)
-        with self._cond:
-            if not signal.is_set():  # not even set after the timeout (set only under this lock)
+        with self._lock:
+            if self._handoff_signal is signal:  # still ours: not taken in time
                 self.stats["handoff_timeouts"] += 1
-            signal.clear()
-            self._handoff = None
+                self._handoff = self._handoff_signal = None
 
     def _signal_handoff_locked(self) -> None:
         """Send thread (or stop), lock held: wake the ``hand_over`` waiting for a task that was taken (once)."""
         task = self._handoff
         if task is not None and (task.taken or self._stop):
-            self._handoff_signal.set()  # a no-op when already set
+            self._handoff_signal.release()
+            self._handoff = self._handoff_signal = None
 
     def keys_put(self, state: RequestState) -> list[str]:
         """Every key this stage has put (or is putting) for ``state``."""
@@ -143,12 +153,16 @@ class Sender:
     def wait_idle(self, timeout: float) -> bool:
         """Block until no task is queued or in flight (tests, orderly shutdown)."""
         deadline = time.monotonic() + timeout
-        with self._cond:
-            while any(s.in_flight for s in self._registry) or self._ring:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(min(left, 0.01))
+        with self._lock:
+            self._idle_waiters += 1
+            try:
+                while any(s.in_flight for s in self._registry) or self._ring:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(min(left, 0.01))
+            finally:
+                self._idle_waiters -= 1
         return True
 
     def cpu_seconds(self) -> float | None:
@@ -156,8 +170,9 @@ class Sender:
         return thread_cpu_seconds(self._thread)
 
     def stop(self, timeout: float) -> None:
-        with self._cond:
+        with self._lock:
             self._stop = True
+            self._work.set()
             self._cond.notify_all()
             self._signal_handoff_locked()
         self._thread.join(timeout)
@@ -196,32 +211,57 @@ class Sender:
         return picked
 
     def _run(self) -> None:
+        """Per lock round: book the previous round's puts, take the next due tasks (or sleep), put them.
+
+        Booking and taking share one hold: a round costs one lock round trip, not two.
+        """
+        lock = self._lock
+        picked: list[tuple[RequestState, SendTask]] = []
+        results: list[bool] = []
         while True:
-            with self._cond:
-                picked: list[tuple[RequestState, SendTask]] = []
-                while not self._stop:
-                    picked = self._next_tasks()
-                    if picked:
-                        break
-                    self.stats["sleeps"] += 1
-                    self._idle = True
-                    self._cond.wait(self._backoff if self._ring else 0.1)
-                    self._idle = False
-                if self._stop:
-                    return
+            purge: list[str] = []
+            with lock:
+                if picked:
+                    for (state, task), ok in zip(picked, results, strict=True):
+                        purge += self._done(state) if ok or state.purge_sent else self._retry_or_drop(state, task)
+                    if self._idle_waiters:
+                        self._cond.notify_all()
+                # keys to free go first (outside the lock), then the next tasks are taken
+                picked = [] if purge else self._take_locked()
+            if purge:
+                self.purge(purge)
+                continue
+            if not picked:
+                return  # stopped
+            self.stats["rounds"] += 1
+            results = [self._put(state, task) for state, task in picked]
+
+    def _take_locked(self) -> list[tuple[RequestState, SendTask]]:
+        """Lock held: the next due tasks, marked taken (sleeping until there are some); [] once stopped."""
+        picked: list[tuple[RequestState, SendTask]] = []
+        while not self._stop:
+            picked = self._next_tasks()
+            if picked:
                 for _, task in picked:
                     task.taken = True
                 if self._handoff is not None:
                     self._signal_handoff_locked()
-            self.stats["rounds"] += 1
-            results = [self._put(state, task) for state, task in picked]
-            purge: list[str] = []
-            with self._cond:
-                for (state, task), ok in zip(picked, results, strict=True):
-                    purge += self._done(state) if ok or state.purge_sent else self._retry_or_drop(state, task)
-                self._cond.notify_all()
-            if purge:
-                self.purge(purge)
+                return picked
+            self._sleep_locked()
+        return []
+
+    def _sleep_locked(self) -> None:
+        """Lock held: wait for work (an enqueue sets ``_work``), a due retry or stop; the lock is let go meanwhile."""
+        self.stats["sleeps"] += 1
+        self._idle = True
+        lock, work = self._lock, self._work
+        lock.release()  # held exactly once here: ``_run`` is the only holder on this thread
+        try:
+            work.wait(self._backoff if self._ring else 0.1)
+        finally:
+            lock.acquire()
+        self._idle = False
+        work.clear()
 
     def _put(self, state: RequestState, task: SendTask) -> bool:
         started = time.monotonic()

@@ -1,9 +1,9 @@
 """A set/clear flag another thread can sleep on: :class:`threading.Event` without its condition variable.
 
 The receive thread sets it once per delivery and the model thread clears it
-once per collect, both under the registry lock (``Delivery.ready``); the send
-thread sets one when it takes a chunk a ``send_chunk`` waits to hand over
-(``Sender.hand_over``). ``Event.set`` takes the
+once per collect, both under the registry lock (``Delivery.ready``); the idle
+send thread sleeps on one that ``enqueue`` sets (``Sender._work``, instead of a
+``Condition`` wait and notify). ``Event.set`` takes the
 condition's lock and walks a waiter list in Python (~15 us of CPU per
 delivery at the 64-stream bench rhythm, caches cold); here the flag is a
 lock that is held while the flag is clear, so ``set`` is one ``release``

@@ -98,3 +98,14 @@ def test_span_merge_edge_cases() -> None:
     assert get_span({"decode": torch.ones(3, 1), "s": 0, "e": 5}, "decode", "s", "e") is None  # length mismatch
     tensor_offsets = get_span({"decode": torch.ones(3, 1), "s": torch.tensor(4)}, "decode", "s", "e")
     assert tensor_offsets is not None and (tensor_offsets.start, tensor_offsets.end) == (4, 7)
+
+
+def test_merge_value_moves_a_chunk_on_another_device_to_the_accumulation() -> None:
+    """cat refuses tensors on two devices; the merge then moves the new one to the accumulation's
+    device (the meta device stands in for an accelerator here) and concatenates."""
+    from omni_plugins.runtime.accumulate import merge_value
+
+    old = torch.ones(2, 3, device="meta")
+    merged = merge_value(old, torch.ones(1, 3))
+    assert merged.device == old.device and merged.shape == (3, 3)
+    assert merge_value(torch.ones(2, 3), torch.ones(1, 4)).shape == (1, 4)  # trailing dims differ: replaced

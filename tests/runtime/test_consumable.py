@@ -70,3 +70,26 @@ def test_legacy_flat_keys_accepted_with_one_time_warning(caplog: pytest.LogCaptu
 
 def test_nested_wins_over_legacy() -> None:
     assert scheduling_metadata({"meta": {"next_stage_prompt_len": 1}, "next_stage_prompt_len": 2})["next_stage_prompt_len"] == 1
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"meta": {"finished": True}, "embed": {"decode": torch.ones(1, 4)}},
+        {"meta": {"finished": False}, "embed": {"decode": torch.ones(0, 4)}},
+        {"meta": {"finished": torch.tensor([1])}, "embed": {"decode": torch.tensor(3.0)}},
+        {"meta": {"finished": False}, "embed": {"decode": torch.ones(2, 0)}},  # no elements, first dim > 0
+        {"meta": {}, "embed": {"decode": torch.ones(3)}},
+        {"finished": True, "embed": {"decode": torch.ones(1, 2)}},  # legacy flat finished
+        {"meta": {"finished": True}, "codes": {"audio": [1]}},
+        {"meta": {"finished": False}, "embed": {"decode_token_start": 0, "decode_token_end": 8}},
+        {"meta": {"finished": False}, "embed": {"decode": [1, 2]}},  # not a tensor: the general predicate
+        {"embed": {"decode": None}, "ids": {"prompt": [1]}},
+        {"meta": "not a section", "embed": "neither"},
+        {},
+    ],
+)
+def test_chunk_flags_agree_with_the_two_predicates(payload: dict) -> None:
+    from omni_plugins.runtime.consumable import chunk_flags
+
+    assert chunk_flags(payload) == (payload_finished(payload), payload_is_consumable(payload))
