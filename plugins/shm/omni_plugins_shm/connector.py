@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 _put_ok = functools.partial(tuple.__new__, PutResult)
 _got = functools.partial(tuple.__new__, GetResult)
 
+#: ``_get_slots``'s "no look made yet" (its caller may hand in the result of a first ``take``)
+_LOOK = object()
 #: owned copies at least this large go to recycled (huge-page) private mappings; smaller ones to a bytearray
 _PRIVATE_MIN = 256 << 10
 _PUT_RETRIES = 4
@@ -246,7 +248,17 @@ class ShmConnector(Connector):
         slots = self._slots
         if slots is None or self._closed or self._views or CurrentPid.value != self._pid:
             return super().get(from_stage, to_stage, key, timeout=timeout)
-        return self._get_slots(slots, key, timeout, False)
+        try:
+            got = slots.take(key)
+        except ValueError as exc:
+            self._slot_invalid(key, exc)
+            return None
+        if type(got) is bytearray:
+            try:
+                return _got((wire.decode(got), len(got)))
+            except WireFormatError as exc:
+                raise self._payload_error(key, exc) from exc
+        return self._get_slots(slots, key, timeout, False, got)
 
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
         return self._get_impl(key, timeout, self._views)
@@ -280,7 +292,9 @@ class ShmConnector(Connector):
             self._notifier.forget(names.published_bytes)
         return self._consume(claim, key, names.digest, zero_copy)
 
-    def _get_slots(self, slots: SlotTable, key: str, timeout: float | None, zero_copy: bool) -> GetResult | None:
+    def _get_slots(
+        self, slots: SlotTable, key: str, timeout: float | None, zero_copy: bool, got: object = _LOOK
+    ) -> GetResult | None:
         """``get`` with the slot table: the table first, then the file path, then sleep on the key's wake slot.
 
         ``take`` reads the wake slot's seq before it looks, and both paths' puts ring that slot after
@@ -288,7 +302,7 @@ class ShmConnector(Connector):
         ``take_wait``, which looks again after it) returns at once. A waiting get claims on the file path
         (a ``rename``) only when the table's file-path hint says a file payload may be waiting, and after
         every sleep that ran out its slice (a lost ring, a hint gone stale under ``gc --all``); a
-        non-blocking get always looks there.
+        non-blocking get always looks there. ``got``: the result of a first ``take`` the caller made.
         """
         names: KeyNames | None = None  # the file path's names: only needed when the table has nothing
         waits = timeout is not None and timeout > 0
@@ -298,14 +312,12 @@ class ShmConnector(Connector):
         seq = 0
         wait = 0.0
         while True:
-            try:
-                got = slots.take_wait(key, seq, wait) if slept else slots.take(key)
-            except ValueError as exc:
-                if self._closed:
-                    return None  # another thread closed the connector (and its mappings) meanwhile
-                raise ConnectorError(
-                    f"shm slot for key {key!r} in {self._pubdir} (namespace {self.config.namespace!r}) is invalid: {exc}"
-                ) from exc
+            if got is _LOOK:
+                try:
+                    got = slots.take_wait(key, seq, wait) if slept else slots.take(key)
+                except ValueError as exc:
+                    self._slot_invalid(key, exc)
+                    return None
             if type(got) is bytearray:
                 try:
                     return _got((wire.decode(got), len(got)))
@@ -327,7 +339,7 @@ class ShmConnector(Connector):
                     always_files = seq >= TIMED_OUT
                     fresh = self._current_slots(slots)  # woken, and the table has nothing: replaced under us (gc --all)?
                     if fresh is not slots:
-                        slots, slept = fresh, False
+                        slots, slept, got = fresh, False, _LOOK
                         continue
                 files = always_files or bool(seq & FILES)
                 seq &= SEQ_MASK
@@ -349,6 +361,13 @@ class ShmConnector(Connector):
                 return None
             wait = min(remaining, SLICE)
             slept = True
+            got = _LOOK
+
+    def _slot_invalid(self, key: str, exc: ValueError) -> None:
+        """A ``take`` that raised: the error, unless another thread closed the connector (and its mappings) meanwhile."""
+        if self._closed:
+            return None
+        raise ConnectorError(f"shm slot for key {key!r} in {self._pubdir} (namespace {self.config.namespace!r}) is invalid: {exc}") from exc
 
     def _current_slots(self, slots: SlotTable) -> SlotTable:
         """``slots``, or a freshly opened table if ``gc --all`` removed it while we waited (checked after each sleep).
