@@ -267,6 +267,24 @@ def test_ttl_expires_slot_payloads_and_gc_ttl(namespace: str) -> None:
         assert len(report.removed) == 1 and _busy(a) == []
 
 
+def test_expiry_and_gc_ttl_lower_the_file_path_hint(namespace: str) -> None:
+    """A counted file payload freed by the producer's ttl or by gc --ttl takes its count off the hint (a hint left
+    high would cost every waiting get of the namespace a rename per sleep)."""
+    with create_connector("shm", _config(namespace, ttl_seconds=0.2)) as a, create_connector("shm", _config(namespace)) as b:
+        hint = b._slots.files_add  # type: ignore[attr-defined]
+        a.put(0, 1, "old", make_payload(1, 32 * KIB))
+        assert hint(0) == 1
+        time.sleep(0.5)
+        a.put(0, 1, "fresh", make_payload(2, KIB))  # this put reclaims the expired file payload
+        assert a.health()["expired"] == 1 and hint(0) == 0
+        assert b.get(0, 1, "fresh") is not None and b.get(0, 1, "old") is None
+        b.put(0, 1, "other", make_payload(3, 32 * KIB))  # b has no ttl: gc --ttl frees it from outside
+        assert hint(0) == 1
+        time.sleep(0.3)
+        assert len(collect_expired(namespace, 0.2).removed) == 1
+        assert hint(0) == 0 and _published_files(namespace) == []
+
+
 def test_wait_any_sees_slot_and_file_arrivals(namespace: str, spawn: Any) -> None:
     config = _config(namespace)
     with create_connector("shm", config) as conn:
@@ -360,14 +378,17 @@ def test_sigkilled_producer_ready_slots_are_reclaimed(namespace: str, spawn: Any
     with create_connector("shm", config) as conn:
         conn.put(0, 1, "live", make_payload(1, KIB))
         ready, hold = spawn.Queue(), spawn.Event()  # never set: the producer hangs until killed
-        proc = spawn.Process(target=producer_worker, args=(config, [("dead-0", 2, KIB), ("dead-1", 3, KIB)], ready, hold))
+        work = [("dead-0", 2, KIB), ("dead-1", 3, KIB), ("dead-file", 4, 32 * KIB)]  # the last one: the file path
+        proc = spawn.Process(target=producer_worker, args=(config, work, ready, hold))
         proc.start()
-        assert ready.get(timeout=120) == 2
+        assert ready.get(timeout=120) == 3
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(JOIN)
-        assert len(_busy(conn)) == 3
+        assert len(_busy(conn)) == 3 and len(_published_files(namespace)) == 1
+        assert conn._slots.files_add(0) == 1  # type: ignore[attr-defined]
         gc.collect(namespace)
-        assert [i.key for i in _busy(conn)] == [b"live"]
+        assert [i.key for i in _busy(conn)] == [b"live"] and _published_files(namespace) == []
+        assert conn._slots.files_add(0) == 0  # type: ignore[attr-defined]  # gc lowered the file-path hint
         out = spawn.Queue()
         consumer = spawn.Process(target=consumer_worker, args=(config, [("live", 1, KIB)], out))
         consumer.start()

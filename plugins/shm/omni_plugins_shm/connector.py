@@ -237,10 +237,13 @@ class ShmConnector(Connector):
 
         claim = self._path(self._names.claimed(self._token, next(self._claim_numbers)))
         try:
-            return reclaim(self._dir, self._names, rec.path, claim, is_ours)
+            freed, counted = reclaim(self._dir, self._names, rec.path, claim, is_ours)
         except OSError as exc:
             log.warning("shm ttl: cannot reclaim %s: %s", rec.path, exc)
             return False
+        if counted and self._slots is not None:
+            self._slots.files_add(-1)  # a counted file payload is gone: lower the file-path hint
+        return freed
 
     # -- get ----------------------------------------------------------------------------
     def get(self, from_stage: Any, to_stage: Any, key: str, *, timeout: float | None = None) -> GetResult | None:

@@ -66,28 +66,28 @@ def free_claimed(directory: str, names: Names, claim: str) -> bool:
     return counted
 
 
-def reclaim(directory: str, names: Names, published: str, claim: str, is_ours: Callable[[Owner, int], bool]) -> bool:
+def reclaim(directory: str, names: Names, published: str, claim: str, is_ours: Callable[[Owner, int], bool]) -> tuple[bool, bool]:
     """Claim ``published`` to ``claim`` and free it if ``is_ours(owner, seg_no)`` says it is the expired payload.
 
     Anything else found there (a newer put of the key) is put back, unless an even newer put took
     the name meanwhile (then ours is the older one and is freed: a newer put replaces an older).
-    True if a payload was freed.
+    Returns ``(freed, counted)``: whether a payload was freed, and whether it was counted in the slot
+    table's file-path hint (the caller lowers the hint).
     """
     try:
         os.rename(published, claim)
     except FileNotFoundError:
-        return False
+        return False, False
     header = read_header(claim)
     if header is not None and not is_ours(header.owner, header.seg_no):
         try:
             rename_noreplace(claim, published)
-            return False
+            return False, False
         except FileExistsError:
             pass
         except FileNotFoundError:
-            return False
-    free_claimed(directory, names, claim)
-    return True
+            return False, False
+    return True, free_claimed(directory, names, claim)
 
 
 @dataclass(slots=True)
@@ -182,7 +182,9 @@ def collect_expired(namespace: str | None, ttl: float, *, shm_dir: str = DEFAULT
             continue
         names = Names(ns)
         pub = os.path.join(shm_dir, d)
-        freed = slots.expire(os.path.join(pub, names.slots()), ttl, time.time(), dry_run)
+        table = os.path.join(pub, names.slots())
+        freed = slots.expire(table, ttl, time.time(), dry_run)
+        counted = 0
         report.removed += [f"{names.slots()}[slot]"] * freed
         try:
             with os.scandir(pub) as it:
@@ -204,11 +206,14 @@ def collect_expired(namespace: str | None, ttl: float, *, shm_dir: str = DEFAULT
             if not dry_run:
                 claim = f"{shm_dir}/{names.claimed(me, next(numbers))}"
                 try:
-                    if not reclaim(shm_dir, names, path, claim, lambda owner, no: True):
-                        continue
+                    done, was_counted = reclaim(shm_dir, names, path, claim, lambda owner, no: True)
                 except OSError as exc:
                     report.errors.append(f"{name}: {exc}")
                     continue
+                if not done:
+                    continue
+                counted += was_counted
             report.removed.append(name)
             report.bytes_freed += st.st_blocks * 512
+        slots.lower_files_hint(table, counted)
     return report

@@ -112,6 +112,15 @@ def _garbage(directory: str, name: str, live: _Liveness) -> bool:
     return False
 
 
+def _counted_in(directory: str, name: str) -> str | None:
+    """The slot table whose file-path hint counts the published payload ``name`` (None if it is not counted)."""
+    parsed = parse_name(name)
+    if parsed is None or parsed.kind not in (PUBLISHED, HASHED):
+        return None
+    header = read_header(os.path.join(directory, name))
+    return os.path.join(directory, Names(parsed.namespace).slots()) if header is not None and header.counted else None
+
+
 def _is_wake(name: str) -> bool:
     parsed = parse_name(name)
     return parsed is not None and parsed.kind == WAKE
@@ -180,6 +189,7 @@ def collect(namespace: str | None = None, *, shm_dir: str = DEFAULT_SHM_DIR, for
     except FileNotFoundError:
         return report
     live = _Liveness(shm_dir)
+    counted: dict[str, int] = {}  # slot table path -> counted file payloads removed (its file-path hint goes down)
     for directory, name in entries:
         path = os.path.join(directory, name)
         try:
@@ -199,13 +209,18 @@ def collect(namespace: str | None = None, *, shm_dir: str = DEFAULT_SHM_DIR, for
                 continue
             size = os.stat(path).st_blocks * 512
             if not dry_run:
+                table = _counted_in(directory, name)
                 os.unlink(path)
+                if table is not None:
+                    counted[table] = counted.get(table, 0) + 1
             report.removed.append(name)
             report.bytes_freed += size
         except FileNotFoundError:
             continue  # consumed or freed meanwhile
         except OSError as exc:
             report.errors.append(f"{name}: {exc}")
+    for table, n in counted.items():
+        slots.lower_files_hint(table, n)
     if not dry_run:
         for d in dirs:
             try:

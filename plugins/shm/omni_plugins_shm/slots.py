@@ -293,6 +293,31 @@ def reclaim(path: str, dry_run: bool = False) -> tuple[int, bool]:
         os.close(fd)
 
 
+def lower_files_hint(path: str, count: int) -> None:
+    """Lower the file-path hint of the table at ``path`` by ``count`` (gc freed that many counted file payloads).
+
+    A hint left too high costs every waiting get of the namespace a ``rename`` per sleep for the table's
+    life; a missing or foreign table is left alone.
+    """
+    native = wakeslots._futex
+    if native is None or count <= 0:
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        mm = _map(path, fd, os.fstat(fd))
+    except ConnectorError:
+        return
+    finally:
+        os.close(fd)
+    try:
+        native.slot_files(mm, -count)
+    finally:
+        mm.close()
+
+
 def expire(path: str, seconds: float, now: float, dry_run: bool = False) -> int:
     """gc --ttl: free READY slots published more than ``seconds`` before ``now`` (any producer)."""
     native = wakeslots._futex
