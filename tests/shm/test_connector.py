@@ -148,7 +148,7 @@ def test_zero_copy_views_pin_the_segment_until_the_last_view_dies(pair: Any, nam
 def test_zero_copy_config_makes_get_return_views(namespace: str) -> None:
     with (
         create_connector("shm", {"namespace": namespace, "slot_count": 0}) as producer,
-        create_connector("shm", {"namespace": namespace, "zero_copy": True}) as consumer,
+        create_connector("shm", {"namespace": namespace, "slot_count": 0, "zero_copy": True}) as consumer,
     ):
         producer.put(0, 1, "k", make_payload(1, 64 * KIB))
         got = consumer.get(0, 1, "k")

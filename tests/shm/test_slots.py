@@ -26,7 +26,7 @@ from omni_plugins_shm.testing import (
 )
 
 from omni_plugins import create_connector, wire
-from omni_plugins.errors import ConnectorError, WireFormatError
+from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
 from omni_plugins.testing import ConnectorContract
 
 pytestmark = pytest.mark.skipif(not wakeslots.available(), reason="the slot table needs the C extension")
@@ -162,6 +162,35 @@ def test_put_obj_takes_the_c_api_or_a_python_level_encoder_alike(namespace: str)
         assert stored[0] == stored[1] == wire.encode(payload).to_bytes()
         with pytest.raises(TypeError):
             table.put_obj(7, wire.native_c_api(), payload)  # a key must be a str
+
+
+def test_an_instance_of_the_other_hand_off_mode_is_refused_at_construction(namespace: str) -> None:
+    """With and without the slot table instances cannot see each other's small payloads: whichever starts second
+    fails with a ConfigError naming the namespace and the settings, and leaves nothing behind."""
+    from omni_plugins_shm import modes
+
+    for first, second in ((_config(namespace), _config(namespace, slot_count=0)), (_config(namespace, slot_count=0), _config(namespace))):
+        with create_connector("shm", first) as a:
+            with pytest.raises(ConfigError, match=rf"shm namespace '{namespace}'.*slot_count=.*process\(es\) \[{os.getpid()}\]"):
+                create_connector("shm", second)
+            with create_connector("shm", first) as b:  # the same mode is fine
+                assert a.put(0, 1, "k", make_payload(1, KIB)).ok and b.get(0, 1, "k", timeout=5) is not None
+            pub = a._pubdir  # type: ignore[attr-defined]
+            assert len(os.listdir(pub)) == 2 + (first.get("slot_count", 1) != 0)  # a's marker, wake file (+ table)
+        assert not os.path.exists(pub)
+    # a marker still empty (a live instance that has not decided yet) or of a dead process does not count
+    with create_connector("shm", _config(namespace)) as a:
+        me = a._owner  # type: ignore[attr-defined]
+        pub, names = a._pubdir, Names(namespace)  # type: ignore[attr-defined]
+        undecided = os.path.join(pub, names.marker(me._replace(tag=me.tag ^ 1).token))
+        dead = os.path.join(pub, names.marker("1-1-00000001"))
+        open(undecided, "wb").close()
+        with open(dead, "wb") as fh:
+            fh.write(modes.FILES)
+        with create_connector("shm", _config(namespace)) as b:
+            assert b.get(0, 1, "none") is None
+        assert not os.path.exists(dead)  # b's start-up gc removed the dead marker
+        os.unlink(undecided)
 
 
 def test_a_bigger_put_of_an_unconsumed_key_replaces_its_slot_payload(namespace: str) -> None:

@@ -230,8 +230,9 @@ def test_blocked_get_is_woken_and_ignores_other_keys(namespace: str, futex_wait:
 
 
 def test_producer_without_the_extension_still_rings(namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Mixed installs: a pure-Python producer bumps the slot and FUTEX_WAKEs through ctypes."""
-    with create_connector("shm", {"namespace": namespace}) as consumer:
+    """Mixed installs: a pure-Python producer bumps the slot and FUTEX_WAKEs through ctypes (the consumer runs
+    without the slot table too: a namespace has one hand-off mode)."""
+    with create_connector("shm", {"namespace": namespace, "slot_count": 0}) as consumer:
         monkeypatch.setattr(wakeslots, "_futex", None)
         with create_connector("shm", {"namespace": namespace}) as producer:
             monkeypatch.undo()

@@ -32,7 +32,7 @@ import torch
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
-from omni_plugins_shm import gc, pubdir, wakeslots
+from omni_plugins_shm import gc, modes, pubdir, wakeslots
 from omni_plugins_shm.config import ShmConfig
 from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
 from omni_plugins_shm.naming import HASHED, PUBLISHED, WAKE_ANY_SLOT, KeyNames, Names, parse_name
@@ -98,10 +98,15 @@ class ShmConnector(Connector):
         self._pubdir = self._path(self._names.publish_dir)
         self._marker = pubdir.create_marker(self._pubdir, self._names.marker(self._token))
         wake: wakeslots.WakeFile | None = None
+        table: SlotTable | None = None
         try:
             wake = wakeslots.WakeFile.open(self._pubdir, self._names.wake(), pubdir.ensure, self.config.futex_wait)
-            self._slots: SlotTable | None = self._open_slots(wake) if self.config.slot_count > 0 and wake.futex_waits else None
+            table = self._open_slots(wake) if self.config.slot_count > 0 and wake.futex_waits else None
+            self._check_mode(table is not None, wake)
+            self._slots: SlotTable | None = table
         except BaseException:
+            if table is not None:
+                table.close()
             if wake is not None:
                 wake.close()
             unlink_quiet(self._marker)
@@ -127,6 +132,24 @@ class ShmConnector(Connector):
         self._claim_numbers = itertools.count()
         ttl = self.config.ttl_seconds
         self._expiry = Expiry(ttl, self._reclaim_expired) if ttl > 0 else None
+
+    def _check_mode(self, with_table: bool, wake: wakeslots.WakeFile) -> None:
+        """Declare this instance's hand-off mode in its marker; ConfigError if a live instance of the namespace uses the other."""
+        mode = modes.TABLE if with_table else modes.FILES
+        modes.declare(self._marker, mode)
+        pids = modes.others(self._pubdir, self._names, self._marker, mode)
+        if not pids:
+            return
+        why = (
+            f"slot_count={self.config.slot_count}, futex_wait={self.config.futex_wait}"
+            + ("" if wake.futex_waits or not self.config.futex_wait else ", C extension omni_plugins_shm._native not built")
+        )
+        raise ConfigError(
+            f"shm namespace {self.config.namespace!r}: this instance {'uses' if with_table else 'does not use'} the slot table "
+            f"({why}) but live instance(s) in process(es) {sorted(set(pids))} {'do not' if with_table else 'do'}; small payloads "
+            "put by one kind would be invisible to the other. Give every instance of a namespace the same slot_count and "
+            "futex_wait (the defaults everywhere are fine)"
+        )
 
     def _open_slots(self, wake: wakeslots.WakeFile) -> SlotTable:
         """Open (or create) the namespace's slot table with this instance's geometry (ringing ``wake``)."""
