@@ -230,6 +230,13 @@ native_rename_noreplace(PyObject *self, PyObject *args)
 #define FILES_BIT ((uint64_t)1 << 32)
 #define TIMED_OUT_BIT ((uint64_t)1 << 33)
 #define SLOT_HDR 256
+/* slot header fields (offsets from the slot's start; the layout above) */
+#define SLOT_HASH_OFF 8
+#define SLOT_KEYLEN_OFF 16
+#define SLOT_LEN_OFF 20
+#define SLOT_TIME_OFF 24
+#define SLOT_TAG_OFF 32
+#define SLOT_START_OFF 40
 #define SLOT_KEY_OFF 64
 #define SLOT_KEY_MAX (SLOT_HDR - SLOT_KEY_OFF)
 #define S_FREE 0
@@ -309,8 +316,8 @@ slot_has_key(char *s, uint64_t h, const char *k, Py_ssize_t n)
 {
     uint64_t sh;
     uint32_t sn;
-    memcpy(&sh, s + 8, 8);
-    memcpy(&sn, s + 16, 4);
+    memcpy(&sh, s + SLOT_HASH_OFF, 8);
+    memcpy(&sn, s + SLOT_KEYLEN_OFF, 4);
     return sh == h && (Py_ssize_t)sn == n && memcmp(s + SLOT_KEY_OFF, k, (size_t)n) == 0;
 }
 
@@ -427,12 +434,12 @@ publish(char *s, uint64_t h, const char *k, Py_ssize_t n, Py_ssize_t nbytes, uns
     uint32_t n32 = (uint32_t)n, len32 = (uint32_t)nbytes, tag32 = (uint32_t)tag;
     uint64_t st64 = (uint64_t)start;
     double now = now_realtime();
-    memcpy(s + 8, &h, 8);
-    memcpy(s + 16, &n32, 4);
-    memcpy(s + 20, &len32, 4);
-    memcpy(s + 24, &now, 8);
-    memcpy(s + 32, &tag32, 4);
-    memcpy(s + 40, &st64, 8);
+    memcpy(s + SLOT_HASH_OFF, &h, 8);
+    memcpy(s + SLOT_KEYLEN_OFF, &n32, 4);
+    memcpy(s + SLOT_LEN_OFF, &len32, 4);
+    memcpy(s + SLOT_TIME_OFF, &now, 8);
+    memcpy(s + SLOT_TAG_OFF, &tag32, 4);
+    memcpy(s + SLOT_START_OFF, &st64, 8);
     memcpy(s + SLOT_KEY_OFF, k, (size_t)n);
     __atomic_store_n(slot_state(s), ready, __ATOMIC_SEQ_CST);
 }
@@ -672,7 +679,7 @@ take_once(table_t *t, uint32_t *seq, uint64_t claimer, const char *k, Py_ssize_t
             if ((w & 0xFF) != S_READY || !slot_has_key(s, h, k, n) || !claim_ready(s, w, claimer, h, k, n))
                 continue;
             uint32_t len;
-            memcpy(&len, s + 20, 4);
+            memcpy(&len, s + SLOT_LEN_OFF, 4);
             if ((uint64_t)len > t->slot_bytes) {
                 __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
                 PyErr_Format(PyExc_ValueError, "slot %ld is corrupt: payload length %u > slot size %llu; freed it",
@@ -854,9 +861,9 @@ native_slot_scan(PyObject *self, PyObject *args)
             continue;
         uint32_t tag, kn;
         double when;
-        memcpy(&tag, s + 32, 4);
-        memcpy(&when, s + 24, 8);
-        memcpy(&kn, s + 16, 4);
+        memcpy(&tag, s + SLOT_TAG_OFF, 4);
+        memcpy(&when, s + SLOT_TIME_OFF, 8);
+        memcpy(&kn, s + SLOT_KEYLEN_OFF, 4);
         if (kn > SLOT_KEY_MAX)
             kn = 0;
         PyObject *item = Py_BuildValue("(IKkdy#)", i, (unsigned long long)w, (unsigned long)tag, when, s + SLOT_KEY_OFF, (Py_ssize_t)kn);
