@@ -100,7 +100,8 @@ class Receiver:
         self._connector = connector
         self._registry = registry
         self._handler = handler
-        self._from, self._to = from_stage, to_stage
+        #: the stage ids as the connector's get takes them (``Connector.get`` would ``str()`` each per call)
+        self._edge = (str(from_stage), str(to_stage))
         self._tuning = tuning
         mode = tuning.arrival
         if mode == "auto":
@@ -373,7 +374,7 @@ class Receiver:
         """The connector I/O of one arrival (no lock held): the payload, ``_UNDECODABLE`` or ``_ABSENT``."""
         self.stats["gets"] += 1
         try:
-            result = self._connector.get(self._from, self._to, key, timeout=timeout)
+            result = self._connector.get(*self._edge, key, timeout=timeout)
         except WireFormatError:
             logger.error("payload under %s cannot be decoded; request %s reported failed", key, state.request_id, exc_info=True)
             self._cleanup_one(key)

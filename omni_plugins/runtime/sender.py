@@ -57,6 +57,8 @@ class Sender:
         self._connector = connector
         self._registry = registry
         self._from, self._to = from_stage, to_stage
+        #: the stage ids as the connector's put takes them (``Connector.put`` would ``str()`` each per call)
+        self._edge = (str(from_stage), str(to_stage))
         self.max_retries = max_retries
         self._backoff = retry_backoff_s
         self._lock = registry.lock  # entered directly: ``with`` on the Condition adds a Python frame per hold
@@ -266,7 +268,7 @@ class Sender:
     def _put(self, state: RequestState, task: SendTask) -> bool:
         started = time.monotonic()
         try:
-            result = self._connector.put(self._from, self._to, task.key, task.data)
+            result = self._connector.put(*self._edge, task.key, task.data)
             ok = bool(result.ok)
             if not ok:
                 logger.warning("put of %s failed: %s", task.key, (result.metadata or {}).get("error", "backend refused"))

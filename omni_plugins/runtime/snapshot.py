@@ -45,6 +45,8 @@ def _snapshot_dict(d: dict[Any, Any]) -> dict[Any, Any]:
             out[k] = _snapshot_dict(v)
         elif cls is torch.Tensor and not v.requires_grad:
             out[k] = v.clone()
+        elif cls is list and _LEAVES.issuperset(map(type, v)):  # e.g. token ids or timestamps
+            out[k] = list(v)
         else:
             out[k] = snapshot_payload(v)
     return out
