@@ -26,6 +26,10 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
 - ``shm_pingpong_polling``: ``shm_pingpong`` with futex waits off and inotify disabled in both
   processes, i.e. the connector's last fallback (sleep 0.2 ms doubling to 20 ms between claim
   attempts): what waiting by inotify instead of polling buys.
+- ``pipe_raw_pingpong`` (context): the same round trip of raw bytes with bare ``os.write`` / ``os.read`` on
+  the same connection's descriptor (a socket pair: ``multiprocessing.Pipe``), without ``Connection``'s
+  framing and its Python frames: the stricter transport-only baseline (the target is against
+  ``pipe_pingpong``, the Python-level pipe a stage would use).
 - ``pipe_wire_pingpong``: the pipe round trip carrying the same payload encoded and decoded with
   ``omni_plugins.wire`` each way (the transport-only comparison: same codec cost as ``shm``).
 - ``floor_pingpong``: the floor of the connector's protocol (with the C extension) -- the same
@@ -168,6 +172,11 @@ def _child(ctl: Connection, data: Connection) -> None:
             for _ in range(n):
                 msg = data.recv_bytes()
                 data.send_bytes(msg)
+        elif kind == "pipe_raw_pingpong":
+            fd = data.fileno()
+            for _ in range(n):
+                msg = _read_exactly(fd, size)
+                os.write(fd, msg)
         elif kind == "pipe_wire_pingpong":
             from omni_plugins import wire
 
@@ -396,6 +405,30 @@ def _run_pipe(size: int, n: int, ctl: Connection, data: Connection) -> list[floa
     return times
 
 
+def _read_exactly(fd: int, size: int) -> bytes:
+    """``size`` bytes from a stream descriptor (a socket pair may deliver a message in pieces)."""
+    got = os.read(fd, size)
+    while len(got) < size:
+        more = os.read(fd, size - len(got))
+        if not more:
+            raise SystemExit("pipe_raw_pingpong: peer closed")
+        got += more
+    return got
+
+
+def _run_pipe_raw(size: int, n: int, ctl: Connection, data: Connection) -> list[float]:
+    ctl.send(("pipe_raw_pingpong", size, n, ""))
+    msg, fd = os.urandom(size), data.fileno()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        os.write(fd, msg)
+        _read_exactly(fd, size)
+        times.append(time.perf_counter() - t0)
+    assert ctl.recv() == "done"
+    return times
+
+
 def _run_pipe_wire(size: int, n: int, ctl: Connection, data: Connection, payload: torch.Tensor) -> list[float]:
     from omni_plugins import wire
 
@@ -532,6 +565,8 @@ def _batch(kind: str, size: int, n: int, ctl: Connection, data: Connection, payl
         return _run_raw(kind, size, n, ctl, data, payload)
     if kind == "pipe_pingpong":
         return _run_pipe(size, n, ctl, data)
+    if kind == "pipe_raw_pingpong":
+        return _run_pipe_raw(size, n, ctl, data)
     if kind in FLOOR_PROTOCOL:
         return _run_floor(kind, size, n, ctl)
     if kind in SLOT_FLOORS:
@@ -552,7 +587,7 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
     for size in sizes:
         kinds = ["raw", "raw_fresh", "shm", "shm_views"]
         if size <= PINGPONG_MAX:
-            kinds += ["pipe_pingpong", "pipe_wire_pingpong", "floor_inotify_pingpong", "shm_pingpong_inotify", "shm_pingpong_polling"]
+            kinds += ["pipe_pingpong", "pipe_raw_pingpong", "pipe_wire_pingpong", "floor_inotify_pingpong", "shm_pingpong_inotify", "shm_pingpong_polling"]
             if _has_native():  # the C extension's protocol (else shm_pingpong is the inotify path again)
                 kinds += ["floor_pingpong", "floor_cas_pingpong", *SLOT_FLOORS, "shm_pingpong_slots", "shm_pingpong_files"]
             kinds += ["shm_pingpong"]
@@ -592,6 +627,7 @@ def measure(sizes: list[int], quick: bool, rounds: int) -> dict[str, Any]:
             entry["codec_us"] = _codec_us(payloads.get(int(size_key), torch.randn(int(size_key) // 4)))
             entry["roundtrip_ratio_vs_pipe"] = entry["shm_pingpong"]["median_s"] / entry["pipe_pingpong"]["median_s"]
             entry["roundtrip_ratio_vs_pipe_wire"] = entry["shm_pingpong"]["median_s"] / entry["pipe_wire_pingpong"]["median_s"]
+            entry["roundtrip_ratio_vs_pipe_raw"] = entry["shm_pingpong"]["median_s"] / entry["pipe_raw_pingpong"]["median_s"]
             entry["roundtrip_polling_vs_inotify"] = entry["shm_pingpong_polling"]["median_s"] / entry["shm_pingpong_inotify"]["median_s"]
             entry["roundtrip_futex_vs_inotify"] = entry["shm_pingpong"]["median_s"] / entry["shm_pingpong_inotify"]["median_s"]
             floor = entry.get("floor_pingpong", entry["floor_inotify_pingpong"])
@@ -636,6 +672,9 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
             if f"roundtrip_{mode}_vs_pipe" in small:
                 out[f"roundtrip_4KiB_{mode}_vs_pipe"] = _entry(small[f"roundtrip_{mode}_vs_pipe"], what)
         out["roundtrip_4KiB_vs_pipe_with_wire_codec"] = _entry(small["roundtrip_ratio_vs_pipe_wire"], "(context)")
+        out["roundtrip_4KiB_vs_raw_pipe_syscalls"] = _entry(
+            small["roundtrip_ratio_vs_pipe_raw"], "(context: bare os.write/os.read on the same socket pair, raw bytes, no codec)"
+        )
         out["roundtrip_4KiB_polling_vs_inotify"] = _entry(small["roundtrip_polling_vs_inotify"], "(context)")
         out["roundtrip_4KiB_futex_vs_inotify"] = _entry(small["roundtrip_futex_vs_inotify"], "(context: C extension's wake)")
         out["roundtrip_4KiB_floor_vs_pipe"] = _entry(
