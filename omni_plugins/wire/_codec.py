@@ -58,6 +58,7 @@ def _load_native() -> ModuleType | None:
         from_numpy=torch.from_numpy,
         copy_out=copy_out,
         from_readonly=_dec._from_readonly,
+        torch_frombuffer=torch.frombuffer,
         crc32=zlib.crc32,
         Segment=Segment,
         strided=torch.strided,

@@ -108,6 +108,29 @@ def test_file_path_hint_counts_unconsumed_file_payloads(namespace: str) -> None:
         assert hint(0) == 0  # c's close freed its unconsumed file payload and lowered the hint
 
 
+def test_take_or_wait_looks_sleeps_and_looks_again(namespace: str) -> None:
+    """The blocking get's one C call: a hit at once; a miss sleeps on the seq its look read (a put from another
+    thread wakes it and the second look takes the payload); a sleep that runs out marks the miss TIMED_OUT; with
+    the file-path hint up it returns the miss at once (the caller looks at the file path)."""
+    with create_connector("shm", _config(namespace)) as a:
+        table = a._slots  # type: ignore[attr-defined]
+        a.put(0, 1, "k", make_payload(1, KIB))
+        got = table.take_or_wait("k", 5.0)
+        assert isinstance(got, bytearray) and payload_matches(wire.decode(got), 1, KIB)
+        timer = threading.Timer(0.2, lambda: a.put(0, 1, "late", make_payload(2, KIB)))
+        timer.start()
+        got = table.take_or_wait("late", 30.0)  # woken by the put, not by the 30 s bound
+        timer.join()
+        assert isinstance(got, bytearray) and payload_matches(wire.decode(got), 2, KIB)
+        miss = table.take_or_wait("never", 0.05)
+        assert isinstance(miss, int) and miss & slots.TIMED_OUT and not miss & slots.FILES
+        table.files_add(1)
+        miss = table.take_or_wait("never", 30.0)  # no sleep (nobody rings: a sleep would run out and say so)
+        assert isinstance(miss, int) and miss & slots.FILES and not miss & slots.TIMED_OUT
+        table.files_add(-1)
+        assert table.take_or_wait("\ud800", 1.0) is None  # a key without UTF-8 bytes: the file path's
+
+
 def test_a_stale_file_path_hint_delays_but_never_loses_a_file_payload(namespace: str) -> None:
     """A hint that reads 0 while a file payload waits (a gc --all replaced the table): a non-blocking get still
     finds it, a waiting get finds it after one sleep slice, and wait_any after its slice."""

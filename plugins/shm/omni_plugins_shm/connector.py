@@ -275,7 +275,13 @@ class ShmConnector(Connector):
         if slots is None or self._closed or self._views or CurrentPid.value != self._pid:
             return super().get(from_stage, to_stage, key, timeout=timeout)
         try:
-            got = slots.take(key)
+            if timeout is not None and timeout > 0:
+                # the first look, a sleep while no file payload may be waiting, and a second look: one C call
+                deadline = time.monotonic() + timeout
+                got = slots.take_or_wait(key, timeout if timeout < SLICE else SLICE)
+                waits = True
+            else:
+                got, deadline, waits = slots.take(key), -1.0, False
         except ValueError as exc:
             self._slot_invalid(key, exc)
             return None
@@ -284,7 +290,9 @@ class ShmConnector(Connector):
                 return _got((wire.decode(got), len(got)))
             except WireFormatError as exc:
                 raise self._payload_error(key, exc) from exc
-        return self._get_slots(slots, key, timeout, False, got)
+        # take_or_wait slept before a miss without the file-path bit (a key the table cannot hold: no sleep, None)
+        slept = waits and type(got) is int and not got & FILES
+        return self._get_slots(slots, key, timeout, False, got, slept, deadline)
 
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
         return self._get_impl(key, timeout, self._views)
@@ -319,7 +327,14 @@ class ShmConnector(Connector):
         return self._consume(claim, key, names.digest, zero_copy)
 
     def _get_slots(
-        self, slots: SlotTable, key: str, timeout: float | None, zero_copy: bool, got: object = _LOOK
+        self,
+        slots: SlotTable,
+        key: str,
+        timeout: float | None,
+        zero_copy: bool,
+        got: object = _LOOK,
+        slept: bool = False,
+        deadline: float = -1.0,
     ) -> GetResult | None:
         """``get`` with the slot table: the table first, then the file path, then sleep on the key's wake slot.
 
@@ -328,15 +343,14 @@ class ShmConnector(Connector):
         ``take_wait``, which looks again after it) returns at once. A waiting get claims on the file path
         (a ``rename``) only when the table's file-path hint says a file payload may be waiting, and after
         every sleep that ran out its slice (a lost ring, a hint gone stale under ``gc --all``); a
-        non-blocking get always looks there. ``got``: the result of a first ``take`` the caller made.
+        non-blocking get always looks there. ``got``: the result of a first look the caller made (``take``, or
+        ``take_or_wait`` with ``slept`` telling whether it slept before that miss, and ``deadline`` its clock).
         """
         names: KeyNames | None = None  # the file path's names: only needed when the table has nothing
         waits = timeout is not None and timeout > 0
-        deadline = -1.0  # set at the first miss (a hit needs no clock)
         always_files = not waits
-        slept = False
         seq = 0
-        wait = 0.0
+        wait = SLICE if slept else 0.0
         while True:
             if got is _LOOK:
                 try:

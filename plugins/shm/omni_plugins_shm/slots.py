@@ -87,6 +87,10 @@ class SlotTable:
     #: check), then :attr:`take`; a miss after a sleep that ran out its time has :data:`TIMED_OUT` added. One C
     #: call for the wait and the look after it (the hot path of a blocked ``get``).
     take_wait: Callable[[str, int, float], bytearray | int | None]
+    #: ``take_or_wait(key, seconds)``: :attr:`take`; on a miss while the file-path hint is 0, sleep up to
+    #: ``seconds`` on the seq that look read and look once more (its miss then has :data:`TIMED_OUT` added if
+    #: the sleep ran out). A blocking get's first look, sleep and second look in one C call.
+    take_or_wait: Callable[[str, float], bytearray | int | None]
     #: ``put_obj(key, encoder, data)``: encode ``data`` straight into a slot with ``encoder`` (the compiled
     #: encoder's C API, ``omni_plugins.wire.native_c_api()``, called with the slot's address; or a Python-level
     #: ``encode_into(obj, limits, dest)`` such as ``native_encode_into()``, called with a memoryview of the
@@ -113,6 +117,7 @@ class SlotTable:
         self.claimer = state_word(owner.pid, owner.start, CLAIMED)
         self.take = functools.partial(native.slot_take, mm, self.claimer, wake)
         self.take_wait = functools.partial(native.slot_take_wait, mm, self.claimer, wake)
+        self.take_or_wait = functools.partial(native.slot_take_or_wait, mm, self.claimer, wake)
         self.put_obj = functools.partial(native.slot_put_obj, mm, self.writing, self.ready, self.claimer, self.tag, self.start, wake, DEFAULT_LIMITS)
 
     @classmethod

@@ -698,24 +698,40 @@ take_once(table_t *t, uint32_t *seq, uint64_t claimer, const char *k, Py_ssize_t
     return NULL;
 }
 
-/* slot_take: one look. slot_take_wait: first sleep up to `seconds` while the key's wake slot still reads
- * `expected` (the seq an earlier slot_take read before its look and the caller's file-path check), then look. */
-static PyObject *
-take(PyObject *const *args, Py_ssize_t nargs, int waits)
+enum { TAKE = 0, TAKE_WAIT = 1, TAKE_OR_WAIT = 2 };
+
+/* sleep while *seq == expected (GIL released); 1 if it ran out its time, 0 if woken, -1 on a signal handler's error */
+static int
+take_sleep(uint32_t *seq, uint32_t expected, double seconds)
 {
+    int err;
+    long rc = futex_sleep(seq, expected, seconds, &err);
+    if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0)
+        return -1;
+    return rc == -1 && err == ETIMEDOUT;
+}
+
+/* slot_take: one look. slot_take_wait: first sleep up to `seconds` while the key's wake slot still reads
+ * `expected` (the seq an earlier slot_take read before its look and the caller's file-path check), then look.
+ * slot_take_or_wait: look; on a miss without the file-path bit, sleep on the seq read before it, then look again. */
+static PyObject *
+take(PyObject *const *args, Py_ssize_t nargs, int mode)
+{
+    static const char *const fname[] = {"slot_take", "slot_take_wait", "slot_take_or_wait"};
+    static const Py_ssize_t want[] = {4, 6, 5};
     PyObject *obj, *wake, *key;
     const char *k;
     Py_ssize_t n;
     unsigned long long claimer, expected = 0;
     double seconds = 0.0;
     table_t t;
-    if (fast_args(waits ? "slot_take_wait" : "slot_take", nargs, waits ? 6 : 4) < 0 || arg_u64(args[1], &claimer) < 0 || arg_str(args[3]) < 0)
+    if (fast_args(fname[mode], nargs, want[mode]) < 0 || arg_u64(args[1], &claimer) < 0 || arg_str(args[3]) < 0)
         return NULL;
     obj = args[0], wake = args[2], key = args[3];
-    if (waits) {
-        if (arg_u64(args[4], &expected) < 0)
-            return NULL;
-        seconds = PyFloat_AsDouble(args[5]);
+    if (mode == TAKE_WAIT && arg_u64(args[4], &expected) < 0)
+        return NULL;
+    if (mode != TAKE) {
+        seconds = PyFloat_AsDouble(args[nargs - 1]);
         if (seconds == -1.0 && PyErr_Occurred())
             return NULL;
     }
@@ -734,21 +750,24 @@ take(PyObject *const *args, Py_ssize_t nargs, int waits)
             PyBuffer_Release(&wv);
         return NULL;
     }
-    uint64_t timed_out = 0;
-    if (waits && seq != NULL && seconds > 0.0) {
-        /* both mappings stay exported meanwhile (a close cannot unmap them) */
-        int err;
-        long rc = futex_sleep(seq, (uint32_t)expected, seconds, &err);
-        if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0) {
-            PyBuffer_Release(&t.view);
-            PyBuffer_Release(&wv);
-            return NULL;
-        }
-        if (rc == -1 && err == ETIMEDOUT)
-            timed_out = TIMED_OUT_BIT;
+    /* both mappings stay exported while we sleep (a close cannot unmap them) */
+    uint64_t timed_out = 0, miss = 0;
+    int slept = 0;
+    PyObject *out = NULL;
+    if (mode == TAKE_WAIT && seq != NULL && seconds > 0.0) {
+        if ((slept = take_sleep(seq, (uint32_t)expected, seconds)) < 0)
+            goto done;
+        timed_out = slept ? TIMED_OUT_BIT : 0;
     }
-    uint64_t miss = 0;
-    PyObject *out = take_once(&t, seq, claimer, k, n, &miss);
+    out = take_once(&t, seq, claimer, k, n, &miss);
+    if (mode == TAKE_OR_WAIT && out == NULL && !PyErr_Occurred() && seq != NULL && seconds > 0.0 && !(miss & FILES_BIT)) {
+        /* a miss with no file payload to look for: sleep on the seq read before the look, then look again */
+        if ((slept = take_sleep(seq, (uint32_t)miss, seconds)) < 0)
+            goto done;
+        timed_out = slept ? TIMED_OUT_BIT : 0;
+        out = take_once(&t, seq, claimer, k, n, &miss);
+    }
+done:
     PyBuffer_Release(&t.view);
     if (seq != NULL)
         PyBuffer_Release(&wv);
@@ -760,7 +779,7 @@ take(PyObject *const *args, Py_ssize_t nargs, int waits)
 static PyObject *
 native_slot_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return take(args, nargs, 0);
+    return take(args, nargs, TAKE);
 }
 
 PyDoc_STRVAR(slot_take_wait_doc,
@@ -771,7 +790,20 @@ PyDoc_STRVAR(slot_take_wait_doc,
 static PyObject *
 native_slot_take_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return take(args, nargs, 1);
+    return take(args, nargs, TAKE_WAIT);
+}
+
+PyDoc_STRVAR(slot_take_or_wait_doc,
+             "slot_take_or_wait(table, claimer, wake, key, seconds) -> bytearray | int | None\n\n"
+             "slot_take; if that misses and the file-path hint is 0, sleep up to seconds on the seq it read before\n"
+             "looking (GIL released) and look once more: a blocking get's first look, its sleep and the look after it\n"
+             "in one call. The miss is slot_take's (+ 1 << 33 when the sleep ran out its time); a miss with the\n"
+             "file-path bit set is returned without sleeping.");
+
+static PyObject *
+native_slot_take_or_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return take(args, nargs, TAKE_OR_WAIT);
 }
 
 PyDoc_STRVAR(slot_files_doc,
@@ -925,6 +957,7 @@ static PyMethodDef methods[] = {
     {"slot_put_obj", (PyCFunction)(void (*)(void))native_slot_put_obj, METH_FASTCALL, slot_put_obj_doc},
     {"slot_take", (PyCFunction)(void (*)(void))native_slot_take, METH_FASTCALL, slot_take_doc},
     {"slot_take_wait", (PyCFunction)(void (*)(void))native_slot_take_wait, METH_FASTCALL, slot_take_wait_doc},
+    {"slot_take_or_wait", (PyCFunction)(void (*)(void))native_slot_take_or_wait, METH_FASTCALL, slot_take_or_wait_doc},
     {"slot_files", native_slot_files, METH_VARARGS, slot_files_doc},
     {"slot_present", native_slot_present, METH_VARARGS, slot_present_doc},
     {"slot_scan", native_slot_scan, METH_VARARGS, slot_scan_doc},
