@@ -19,6 +19,7 @@ from omni_plugins_shm.naming import Names
 from omni_plugins_shm.testing import (
     consumer_worker,
     make_payload,
+    namespace_segments,
     payload_matches,
     pipeline_consumer_worker,
     producer_worker,
@@ -185,6 +186,24 @@ def test_put_obj_takes_the_c_api_or_a_python_level_encoder_alike(namespace: str)
         assert stored[0] == stored[1] == wire.encode(payload).to_bytes()
         with pytest.raises(TypeError):
             table.put_obj(7, wire.native_c_api(), payload)  # a key must be a str
+
+
+def test_a_table_that_cannot_be_set_up_is_not_left_behind(namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A C extension older than the Python module (no ``slot_take_or_wait``): construction fails with the error and
+    the table, its lock and the rest of the namespace are gone (an earlier version left the table file)."""
+    real = wakeslots._futex
+
+    class Older:
+        def __getattr__(self, name: str) -> Any:
+            if name == "slot_take_or_wait":
+                raise AttributeError(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(wakeslots, "_futex", Older())
+    with pytest.raises(AttributeError, match="slot_take_or_wait"):
+        create_connector("shm", _config(namespace))
+    monkeypatch.undo()
+    assert namespace_segments(namespace) == []
 
 
 def test_an_instance_of_the_other_hand_off_mode_is_refused_at_construction(namespace: str) -> None:

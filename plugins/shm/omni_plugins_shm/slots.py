@@ -135,7 +135,12 @@ class SlotTable:
                 raise  # open_locked tries again (the new table, or one a racing instance linked first)
 
         path, fd, mm = wakeslots.open_locked(directory, name, ensure_dir, create, _map, "slot table")
-        return cls(path, fd, mm, owner, wake)
+        try:
+            return cls(path, fd, mm, owner, wake)
+        except BaseException:  # e.g. an extension older than this module: leave no table (or lock) behind
+            mm.close()
+            _close_locked(path, fd)
+            raise
 
     # -- hot path (one C call each) ------------------------------------------------------
     def put(self, key: str, buffers: list[memoryview], nbytes: int) -> int:
