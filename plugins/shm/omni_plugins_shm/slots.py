@@ -28,7 +28,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from omni_plugins.errors import ConnectorError
-from omni_plugins.wire import DEFAULT_LIMITS
 from omni_plugins_shm import wakeslots
 from omni_plugins_shm.proc import Owner, running_start_time
 
@@ -101,6 +100,9 @@ class SlotTable:
     put_obj: Callable[[str, Any, Any], int]
 
     def __init__(self, path: str, fd: int, mm: mmap.mmap, owner: Owner, wake: mmap.mmap | None) -> None:
+        # imported here: the wire codec imports torch (2 s), which gc and its CLI (this module's functions) never need
+        from omni_plugins.wire import DEFAULT_LIMITS
+
         native = wakeslots._futex
         assert native is not None
         self._native = native
