@@ -305,6 +305,20 @@ def reclaim(path: str, dry_run: bool = False) -> tuple[int, bool]:
         os.close(fd)
 
 
+def _map_existing(path: str) -> mmap.mmap | None:
+    """The table at ``path`` mapped read-write for gc's one-off edits; None if it is missing or not a valid table of ours."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        return _map(path, fd, os.fstat(fd))
+    except ConnectorError:
+        return None
+    finally:
+        os.close(fd)  # the mapping outlives the descriptor
+
+
 def lower_files_hint(path: str, count: int) -> None:
     """Lower the file-path hint of the table at ``path`` by ``count`` (gc freed that many counted file payloads).
 
@@ -314,16 +328,9 @@ def lower_files_hint(path: str, count: int) -> None:
     native = wakeslots._futex
     if native is None or count <= 0:
         return
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
+    mm = _map_existing(path)
+    if mm is None:
         return
-    try:
-        mm = _map(path, fd, os.fstat(fd))
-    except ConnectorError:
-        return
-    finally:
-        os.close(fd)
     try:
         native.slot_files(mm, -count)
     finally:
@@ -335,34 +342,27 @@ def expire(path: str, seconds: float, now: float, dry_run: bool = False) -> int:
     native = wakeslots._futex
     if native is None:
         return 0
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
+    mm = _map_existing(path)
+    if mm is None:
         return 0
     freed = 0
     me = Owner.new()
     claimer = state_word(me.pid, me.start, CLAIMED)
     try:
-        mm = _map(path, fd, os.fstat(fd))
-        try:
-            for item in native.slot_scan(mm):
-                info = SlotInfo(*item)
-                if word_kind(info.word) != READY or now - info.published <= seconds:
-                    continue
-                if dry_run:
+        for item in native.slot_scan(mm):
+            info = SlotInfo(*item)
+            if word_kind(info.word) != READY or now - info.published <= seconds:
+                continue
+            if dry_run:
+                freed += 1
+            elif native.slot_cas(mm, info.slot, info.word, claimer):
+                # claimed: re-read its age (the producer may have republished the slot in between)
+                again = [SlotInfo(*x) for x in native.slot_scan(mm) if x[0] == info.slot]
+                if again and now - again[0].published > seconds:
+                    native.slot_cas(mm, info.slot, claimer, FREE)
                     freed += 1
-                elif native.slot_cas(mm, info.slot, info.word, claimer):
-                    # claimed: re-read its age (the producer may have republished the slot in between)
-                    again = [SlotInfo(*x) for x in native.slot_scan(mm) if x[0] == info.slot]
-                    if again and now - again[0].published > seconds:
-                        native.slot_cas(mm, info.slot, claimer, FREE)
-                        freed += 1
-                    else:
-                        native.slot_cas(mm, info.slot, claimer, info.word)
-        finally:
-            mm.close()
-    except ConnectorError:
-        return 0
+                else:
+                    native.slot_cas(mm, info.slot, claimer, info.word)
     finally:
-        os.close(fd)
+        mm.close()
     return freed
