@@ -167,25 +167,25 @@ def test_put_encodes_straight_into_the_slot_and_both_encoders_stay_tested(namesp
 
 
 @pytest.mark.skipif(wire.IMPLEMENTATION != "native", reason="the compiled codec is not built")
-def test_put_obj_takes_the_c_api_or_a_python_level_encoder_alike(namespace: str) -> None:
-    """``put_obj`` with the wire encoder's C API (the connector's choice) and with the Python-level ``encode_into``
-    (any callable of that signature) store the same bytes, decline alike (too big: -1; refused: DEFERRED) and
-    leave no reserved slot behind."""
+def test_put_obj_encodes_through_the_c_api(namespace: str) -> None:
+    """``put_obj`` with the wire encoder's C API stores ``encode``'s bytes, declines a too big encoding (-1) and a
+    payload the compiled encoder refuses (DEFERRED) leaving no reserved slot behind, and takes nothing else as
+    its encoder."""
     payload = make_payload(3, 4 * KIB)
     with create_connector("shm", _config(namespace)) as a:
         table = a._slots  # type: ignore[attr-defined]
-        stored = []
-        for encoder in (wire.native_c_api(), wire.native_encode_into()):
-            assert table.put_obj("k", encoder, payload) == wire.encode(payload).nbytes
-            got = table.take("k")
-            assert isinstance(got, bytearray)
-            stored.append(bytes(got))
-            assert table.put_obj("big", encoder, {"x": torch.zeros(1 << 20, dtype=torch.uint8)}) == slots.TOO_BIG
-            assert table.put_obj("odd", encoder, {"x": object()}) == slots.DEFERRED
-            assert _busy(a) == []
-        assert stored[0] == stored[1] == wire.encode(payload).to_bytes()
+        encoder = wire.native_c_api()
+        assert table.put_obj("k", encoder, payload) == wire.encode(payload).nbytes
+        got = table.take("k")
+        assert isinstance(got, bytearray) and bytes(got) == wire.encode(payload).to_bytes()
+        assert table.put_obj("big", encoder, {"x": torch.zeros(1 << 20, dtype=torch.uint8)}) == slots.TOO_BIG
+        assert table.put_obj("odd", encoder, {"x": object()}) == slots.DEFERRED
+        assert _busy(a) == []
+        with pytest.raises(TypeError, match="native_c_api"):
+            table.put_obj("k", wire.native_encode_into(), payload)  # a Python-level encoder is not an encoder here
+        assert _busy(a) == []
         with pytest.raises(TypeError):
-            table.put_obj(7, wire.native_c_api(), payload)  # a key must be a str
+            table.put_obj(7, encoder, payload)  # a key must be a str
 
 
 def test_a_table_that_cannot_be_set_up_is_not_left_behind(namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,9 +91,8 @@ class SlotTable:
     #: the sleep ran out). A blocking get's first look, sleep and second look in one C call.
     take_or_wait: Callable[[str, float], bytearray | int | None]
     #: ``put_obj(key, encoder, data)``: encode ``data`` straight into a slot with ``encoder`` (the compiled
-    #: encoder's C API, ``omni_plugins.wire.native_c_api()``, called with the slot's address; or a Python-level
-    #: ``encode_into(obj, limits, dest)`` such as ``native_encode_into()``, called with a memoryview of the
-    #: slot), replace an unconsumed payload of the key, publish and ring:
+    #: encoder's C API, ``omni_plugins.wire.native_c_api()``, called with the slot's address; anything else is a
+    #: ``TypeError``), replace an unconsumed payload of the key, publish and ring:
     #: one C call, no :class:`~omni_plugins.wire.Encoded`. The encoded size, or :data:`TOO_BIG` (key or encoding
     #: too big, or a key without UTF-8 bytes: take the file path), :data:`NO_SLOT` (no free bucket: file path) or
     #: :data:`DEFERRED` (the compiled encoder declined: encode in Python). Bound like :attr:`take`.

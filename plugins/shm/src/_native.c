@@ -387,8 +387,6 @@ claim_ready(char *s, uint64_t w, uint64_t me, uint64_t h, const char *k, Py_ssiz
     return 0;
 }
 
-static PyObject *s_release; /* "release", interned at import */
-
 /* the UTF-8 bytes of key; NULL without an exception when it has none (lone surrogates: the table cannot hold it) */
 static const char *
 utf8_key(PyObject *key, Py_ssize_t *n)
@@ -511,12 +509,12 @@ fail:
 }
 
 PyDoc_STRVAR(slot_put_obj_doc,
-             "slot_put_obj(table, writing, ready, claimer, tag, start, wake, limits, key, encode_into, obj) -> int\n\n"
+             "slot_put_obj(table, writing, ready, claimer, tag, start, wake, limits, key, encoder, obj) -> int\n\n"
              "slot_put with the encoding written straight into the slot: reserve a FREE bucket (CAS FREE->writing),\n"
-             "call encode_into(obj, limits, <memoryview of the slot's payload area>) (omni_plugins.wire's compiled\n"
-             "encode_into), replace a READY slot of the same key, publish, ring. Returns the encoded size; -1 if the key\n"
+             "encode obj into the slot's payload area with encoder (omni_plugins.wire.native_c_api(): the compiled\n"
+             "encoder's C API), replace a READY slot of the same key, publish, ring. Returns the encoded size; -1 if the key\n"
              "(or without UTF-8 bytes) or the encoding does not fit, -2 if no bucket is free (both after replacing an unconsumed payload of the\n"
-             "key: the file path takes over), -3 if encode_into returned None (the Python encoder decides).");
+             "key: the file path takes over), -3 if the compiled encoder declined (the Python encoder decides).");
 
 /* The C entry point of omni_plugins.wire's compiled encoder (its C_API capsule; same layout there). */
 #define WIRE_C_API_NAME "omni_plugins.wire._native.C_API"
@@ -557,56 +555,23 @@ arg_str(PyObject *o)
     return -1;
 }
 
-/* Encode payload into dst (cap bytes) with the wire encoder: its C API when `encoder` is that
- * capsule, else the Python-level encode_into(obj, limits, <memoryview of dst>) of `owner`'s export.
+/* Encode payload into dst (cap bytes) through the wire encoder's C API (`encoder`: its capsule).
  * Returns the message length (written only if <= cap), WIRE_ENCODE_DEFER, or -1 with an exception. */
 static long long
-encode_into_slot(PyObject *encoder, PyObject *payload, PyObject *limits, PyObject *owner, char *dst, Py_ssize_t at, Py_ssize_t cap)
+encode_into_slot(PyObject *encoder, PyObject *payload, PyObject *limits, char *dst, Py_ssize_t cap)
 {
-    if (PyCapsule_CheckExact(encoder)) {
-        const WireCAPI *api = PyCapsule_GetPointer(encoder, WIRE_C_API_NAME);
-        if (api == NULL)
-            return -1;
-        if (api->version != 1) {
-            PyErr_Format(PyExc_RuntimeError, "omni_plugins.wire C API version %d (this extension knows 1)", api->version);
-            return -1;
-        }
-        return api->encode_into(payload, limits, (unsigned char *)dst, cap);
-    }
-    /* the destination: a memoryview of the table object (an export of the mapping while it lives) */
-    PyObject *whole = PyMemoryView_FromObject(owner), *dest = NULL, *got = NULL;
-    if (whole != NULL) {
-        dest = PySequence_GetSlice(whole, at, at + cap);
-        Py_DECREF(whole);
-    }
-    if (dest == NULL)
-        return -1;
-    PyObject *cargs[3] = {payload, limits, dest};
-    got = PyObject_Vectorcall(encoder, cargs, 3, NULL);
-    PyObject *et, *ev, *tb;
-    PyErr_Fetch(&et, &ev, &tb); /* the encoder's error (if any) survives the release */
-    PyObject *rel = PyObject_CallMethodNoArgs(dest, s_release); /* BufferError if the encoder kept an export */
-    Py_DECREF(dest);
-    if (rel == NULL) {
-        Py_XDECREF(got);
-        Py_XDECREF(et);
-        Py_XDECREF(ev);
-        Py_XDECREF(tb);
+    if (!PyCapsule_CheckExact(encoder)) {
+        PyErr_Format(PyExc_TypeError, "encoder must be omni_plugins.wire.native_c_api(), not %.100s", Py_TYPE(encoder)->tp_name);
         return -1;
     }
-    Py_DECREF(rel);
-    PyErr_Restore(et, ev, tb);
-    if (got == NULL)
+    const WireCAPI *api = PyCapsule_GetPointer(encoder, WIRE_C_API_NAME);
+    if (api == NULL)
         return -1;
-    if (got == Py_None) {
-        Py_DECREF(got);
-        return WIRE_ENCODE_DEFER;
+    if (api->version != 1) {
+        PyErr_Format(PyExc_RuntimeError, "omni_plugins.wire C API version %d (this extension knows 1)", api->version);
+        return -1;
     }
-    long long nbytes = PyLong_AsLongLong(got);
-    Py_DECREF(got);
-    if (nbytes == -1 && PyErr_Occurred())
-        return -1;
-    return nbytes < 0 ? cap + 1 : nbytes; /* a negative length from a foreign encoder: treat as "does not fit" */
+    return api->encode_into(payload, limits, (unsigned char *)dst, cap);
 }
 
 static PyObject *
@@ -640,7 +605,7 @@ native_slot_put_obj(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             return PyLong_FromLong(-2);
         }
     }
-    long long nbytes = encode_into_slot(encoder, payload, limits, obj, s + SLOT_HDR, (Py_ssize_t)(s + SLOT_HDR - t.base), (Py_ssize_t)t.slot_bytes);
+    long long nbytes = encode_into_slot(encoder, payload, limits, s + SLOT_HDR, (Py_ssize_t)t.slot_bytes);
     if (nbytes < 0 || (uint64_t)nbytes > t.slot_bytes) {
         __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
         if (nbytes >= 0)
@@ -973,7 +938,5 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    if ((s_release = PyUnicode_InternFromString("release")) == NULL)
-        return NULL;
     return PyModule_Create(&module);
 }
