@@ -825,35 +825,31 @@ static int copy_source(unsigned char *dst, PyObject *source, Py_ssize_t nbytes) 
 static int write_message(unsigned char *dst, const Enc *e, const Head *hd) {
     write_head(dst, e, hd);
     uint64_t data_start = hd->data_start, total = hd->total, cursor = data_start;
-    if (e->table == NULL) { /* C rows: in order, offsets from the walk */
-        for (Py_ssize_t i = 0; i < e->ncrows; i++) {
-            const CRow *r = &e->crows[i];
-            uint64_t start = data_start + r->off;
-            memset(dst + cursor, 0, (size_t)(start - cursor));
-            if (r->nbytes && copy_source(dst + start, r->source, (Py_ssize_t)r->nbytes) < 0) return -1;
-            cursor = start + r->nbytes;
-        }
-        memset(dst + cursor, 0, (size_t)(total - cursor));
-        return 0;
-    }
-    Py_ssize_t n = PyList_GET_SIZE(e->segments);
+    int c_rows = e->table == NULL; /* the walk stayed in C: its rows, else the Segment list */
+    Py_ssize_t n = c_rows ? e->ncrows : PyList_GET_SIZE(e->segments);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *seg = PyList_GET_ITEM(e->segments, i);
         Py_ssize_t off, nbytes;
-        if (get_ssize(seg, s_offset, &off) < 0 || get_ssize(seg, s_nbytes, &nbytes) < 0) return -1;
+        PyObject *source;
+        if (c_rows) {
+            const CRow *r = &e->crows[i];
+            off = (Py_ssize_t)r->off;
+            nbytes = (Py_ssize_t)r->nbytes;
+            source = Py_NewRef(r->source);
+        } else {
+            PyObject *seg = PyList_GET_ITEM(e->segments, i);
+            if (get_ssize(seg, s_offset, &off) < 0 || get_ssize(seg, s_nbytes, &nbytes) < 0) return -1;
+            if ((source = PyObject_GetAttr(seg, s_source)) == NULL) return -1;
+        }
         uint64_t start = (uint64_t)data_start + (uint64_t)off;
         if (off < 0 || nbytes < 0 || start < cursor || start + (uint64_t)nbytes > total) {
+            Py_DECREF(source);
             PyErr_SetString(WireFormatError, "encoder segments are out of order (internal error)");
             return -1;
         }
         memset(dst + cursor, 0, (size_t)(start - cursor));
-        if (nbytes) {
-            PyObject *source = PyObject_GetAttr(seg, s_source);
-            if (source == NULL) return -1;
-            int rc = copy_source(dst + start, source, nbytes);
-            Py_DECREF(source);
-            if (rc < 0) return -1;
-        }
+        int rc = nbytes ? copy_source(dst + start, source, nbytes) : 0;
+        Py_DECREF(source);
+        if (rc < 0) return -1;
         cursor = start + (uint64_t)nbytes;
     }
     memset(dst + cursor, 0, (size_t)(total - cursor));
