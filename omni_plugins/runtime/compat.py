@@ -47,7 +47,10 @@ class RequestPayloadView(_View, MutableMapping[str, Any]):
     """``ext_id -> accumulated received chunks`` ("ar" workers)."""
 
     def __getitem__(self, key: str) -> Any:
-        merged = self._state(key).merged
+        with self._registry.lock:
+            state = self._state(key)
+            state.settle_cached()  # joins what the lazy merge left pending, in the sections ``merged`` shares
+            merged = state.merged
         if merged is None:
             raise KeyError(key)
         return merged

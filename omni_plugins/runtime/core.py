@@ -442,7 +442,7 @@ class StageTransferRuntime:
         """The runner's cached payload of a request (not removed)."""
         with self._lock:
             state = self._registry.get(req_id)
-            return state.cached if state is not None else None
+            return state.settle_cached() if state is not None else None
 
     def pop_local_stage_payload(self, req_id: str) -> Any:
         """Consume the cached payload. Generation workers must do this before their next chunk is fetched."""

@@ -116,7 +116,10 @@ class Delivery:
             finished, consumable = False, chunk is not None  # what payload_finished says of a non-dict
         data: Any
         if is_dict and self.worker_type == "ar":
-            state.merged = data = merge_chunk(state.merged, chunk)  # a new dict: copied into the cache below
+            # a new dict (copied into the cache below); tensors to concatenate are left pending: joined
+            # once, on the thread that reads the payload (``RequestState.settle_cached``)
+            state.merged = data = merge_chunk(state.merged, chunk, lazy=True)
+            state.pending_cat = True
         else:
             if self.worker_type == "generation" and not finished:
                 codes = payload_audio_codes(chunk)
@@ -185,7 +188,7 @@ class Delivery:
     def ready_payloads(self) -> dict[str, Any]:
         """Lock held: copies of the payloads of requests woken since the last collect."""
         return {
-            s.request_id: dict(s.cached) if type(s.cached) is dict else shallow_copy(s.cached)
+            s.request_id: dict(cached) if type(cached := s.settle_cached()) is dict else shallow_copy(cached)
             for s in self._registry.signalled_iter()
             if s.wake and s.has_cached
         }
@@ -202,7 +205,7 @@ class Delivery:
         metadata: dict[str, Any] = {}
         for state in self._registry.signalled():
             if with_payloads and state.has_cached and (state.updated or state.wake or state.finish_signal or state.metadata is not None):
-                staged[state.request_id] = shallow_copy(state.cached)
+                staged[state.request_id] = shallow_copy(state.settle_cached())
             _take_flags(state, woken.append, finished.append, metadata)
         dropped: list[list[str]] = []
         if with_payloads:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_plugins.runtime.accumulate import FullPayloadAccumulator
+from omni_plugins.runtime.accumulate import FullPayloadAccumulator, resolve_pending
 
 
 class KVPhase(enum.Enum):
@@ -72,6 +72,8 @@ class RequestState:
     merged: dict[str, Any] | None = None  # "ar" accumulation of received chunks
     cached: Any = None  # local stage payload (the runner's copy)
     has_cached: bool = False
+    #: the "ar" merge left tensors to join in ``cached``'s sections (see :meth:`settle_cached`)
+    pending_cat: bool = False
 
     # -- pending signals (drained by collect_signals) -------------------
     metadata: dict[str, Any] | None = None
@@ -89,8 +91,23 @@ class RequestState:
     def set_cached(self, payload: Any) -> None:
         self.cached, self.has_cached = payload, True
 
+    def settle_cached(self) -> Any:
+        """``cached`` with the tensors the receive thread's lazy merge left pending joined (lock held).
+
+        Every read of ``cached`` or ``merged`` outside the merge goes through here. The
+        joined tensors replace the pending ones in place, in the section dicts ``cached``
+        and ``merged`` share, so each is joined once.
+        """
+        if self.pending_cat:
+            self.pending_cat = False
+            resolve_pending(self.cached)
+            if self.merged is not None:
+                resolve_pending(self.merged)  # normally the same section dicts: nothing left to join
+        return self.cached
+
     def pop_cached(self) -> Any:
-        payload, self.cached, self.has_cached = self.cached, None, False
+        payload = self.settle_cached()
+        self.cached, self.has_cached = None, False
         return payload
 
     def clear_receive(self) -> None:
@@ -98,7 +115,7 @@ class RequestState:
         self.registered = False
         self.deadline = None
         self.merged = None
-        self.cached, self.has_cached = None, False
+        self.cached, self.has_cached, self.pending_cat = None, False, False
         self.metadata = None
         self.wake = self.finish_signal = self.updated = self.awaiting_publish = self.stage_recv = False
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 
-from omni_plugins.runtime.accumulate import FullPayloadAccumulator, merge_chunk
+from omni_plugins.runtime.accumulate import FullPayloadAccumulator, PendingCat, merge_chunk, resolve_pending
 from omni_plugins.runtime.spans import Span, get_span, merge_spans
 
 
@@ -65,7 +67,12 @@ def test_merge_chunk_concat_extend_and_nested() -> None:
 
 def test_merge_chunk_finished_and_override_keys_replace() -> None:
     a = {"meta": {"finished": False}, "codes": {"audio": [1, 2]}, "lst": [1], "ids": {"output": [1]}}
-    b = {"meta": {"finished": True, "override_keys": [["codes", "audio"], "lst"]}, "codes": {"audio": [9]}, "lst": [2], "ids": {"output": [2]}}
+    b = {
+        "meta": {"finished": True, "override_keys": [["codes", "audio"], "lst"]},
+        "codes": {"audio": [9]},
+        "lst": [2],
+        "ids": {"output": [2]},
+    }
     m = merge_chunk(a, b)
     assert m["meta"]["finished"] is True
     assert m["codes"]["audio"] == [9]
@@ -109,3 +116,80 @@ def test_merge_value_moves_a_chunk_on_another_device_to_the_accumulation() -> No
     merged = merge_value(old, torch.ones(1, 3))
     assert merged.device == old.device and merged.shape == (3, 3)
     assert merge_value(torch.ones(2, 3), torch.ones(1, 4)).shape == (1, 4)  # trailing dims differ: replaced
+
+
+def _random_chunk(rng: random.Random) -> dict:
+    """A chunk drawn from the layouts the merge treats differently (spans, overrides, shapes, types)."""
+    chunk: dict = {}
+    if rng.random() < 0.8:
+        embed: dict = {"decode": torch.randn(rng.choice((0, 1, 2)), rng.choice((3, 3, 3, 4)))}
+        if rng.random() < 0.25:  # a token span: rows [start, start + n)
+            start = rng.randrange(0, 6)
+            embed["decode_token_start"] = start
+            if rng.random() < 0.5:
+                embed["decode_token_end"] = start + embed["decode"].shape[0]
+        if rng.random() < 0.3:
+            embed["prefill"] = torch.randn(1, 2) if rng.random() < 0.8 else torch.tensor(1.0)
+        chunk["embed"] = embed
+    if rng.random() < 0.5:
+        chunk["codes"] = {"audio": torch.randint(0, 9, (rng.choice((1, 2)), 2))}
+    if rng.random() < 0.5:
+        chunk["ids"] = {"output": [rng.randrange(9)], "mixed": torch.ones(1, 2) if rng.random() < 0.5 else [1]}
+    if rng.random() < 0.3:
+        chunk["top"] = torch.randn(1, 2)
+    meta: dict = {"finished": rng.random() < 0.1}
+    if rng.random() < 0.15:
+        meta["override_keys"] = [rng.choice((["embed", "decode"], ["ids", "output"], "top", "embed"))]
+    chunk["meta"] = meta
+    return chunk
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+def test_lazy_merge_resolves_to_exactly_the_eager_merge() -> None:
+    """Differential: 300 random streams, each read at random points (resolve) or never until the end."""
+    rng = random.Random(7)
+    for _ in range(300):
+        eager = lazy = None
+        for _ in range(rng.randrange(1, 9)):
+            chunk = _random_chunk(rng)
+            eager = merge_chunk(eager, chunk)
+            lazy = merge_chunk(lazy, chunk, lazy=True)
+            if rng.random() < 0.3:  # the model thread reads in between
+                resolve_pending(lazy)
+                assert _same(lazy, eager)
+        resolve_pending(lazy)
+        assert _same(lazy, eager)
+
+
+def test_lazy_merge_leaves_tensors_pending_and_inputs_untouched() -> None:
+    a = {"embed": {"decode": torch.zeros(1, 2)}, "meta": {"finished": False}, "codes": {"audio": torch.zeros(1, 2)}}
+    b = {"embed": {"decode": torch.ones(1, 2)}, "meta": {"finished": False}, "codes": {"audio": torch.ones(1, 2)}}
+    m = merge_chunk(merge_chunk(None, a), b, lazy=True)
+    m = merge_chunk(m, b, lazy=True)
+    pending = m["embed"]["decode"]
+    assert isinstance(pending, PendingCat) and len(pending.parts) == 3
+    assert isinstance(m["codes"]["audio"], torch.Tensor) and m["codes"]["audio"].shape == (3, 2)  # read per chunk: eager
+    assert a["embed"]["decode"].shape == (1, 2) and b["embed"]["decode"].shape == (1, 2)
+    resolve_pending(m)
+    assert m["embed"]["decode"][:, 0].tolist() == [0, 1, 1]
+
+
+def test_pending_cat_moves_parts_on_another_device_and_drops_one_that_cannot_join() -> None:
+    accumulated = torch.ones(2, 3, device="meta")
+    joined = PendingCat([accumulated, torch.ones(1, 3)]).resolve()
+    assert joined.device == accumulated.device and joined.shape == (3, 3)
+    # a part cat refuses even on one device (here: a sparse tensor) is dropped, as the eager merge drops that chunk
+    odd = torch.ones(1, 3).to_sparse()
+    kept = PendingCat([torch.zeros(1, 3), odd, torch.ones(1, 3)]).resolve()
+    assert kept.shape == (2, 3) and kept[:, 0].tolist() == [0, 1]

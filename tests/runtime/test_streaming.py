@@ -43,6 +43,34 @@ def test_ar_stream_accumulates_and_finishes(runtimes: list, namespace: str) -> N
     assert "ext-1" not in c.request_payload
 
 
+def test_chunks_merged_while_nobody_reads_are_joined_for_every_reader(runtimes: list, namespace: str) -> None:
+    """The receive thread leaves concatenations pending (PendingCat); every way the runner reads the
+    payload -- recv_chunk, request_payload, get/pop_local_stage_payload -- sees the joined tensors."""
+    from omni_plugins.runtime.accumulate import PendingCat
+
+    p, c = _pair(runtimes, namespace)
+    c.register_chunk_recv(Req("r"))
+    req = Req("r")
+    for step in range(4):
+        p.send_chunk(req, {"embed": {"decode": torch.full((1, 2), float(step))}, "codes": {"audio": torch.full((1, 1), step)}})
+    state = c._registry.get("r")
+    wait_until(lambda: state.next_recv_chunk == 4)
+    with c._lock:
+        assert type(state.cached["embed"]["decode"]) is PendingCat  # four chunks, no cat yet
+        assert state.cached["codes"]["audio"].shape == (4, 1)  # codes feed the scheduling metadata: merged at once
+    rows = [0.0, 1.0, 2.0, 3.0]
+    assert c.recv_chunk()["r"]["embed"]["decode"][:, 0].tolist() == rows
+    assert c.request_payload["r"]["embed"]["decode"][:, 0].tolist() == rows
+    sig = c.collect_signals()
+    assert sig.request_metadata["r"]["code_predictor_codes"][:, 0].tolist() == [0, 1, 2, 3]
+    p.send_chunk(req, {"embed": {"decode": torch.full((1, 2), 4.0)}})
+    wait_until(lambda: state.next_recv_chunk == 5)
+    assert c.get_local_stage_payload("r")["embed"]["decode"][:, 0].tolist() == [*rows, 4.0]
+    p.send_chunk(req, {"embed": {"decode": torch.full((1, 2), 5.0)}})
+    wait_until(lambda: state.next_recv_chunk == 6)
+    assert c.pop_local_stage_payload("r")["embed"]["decode"][:, 0].tolist() == [*rows, 4.0, 5.0]
+
+
 def test_recv_chunk_returns_copies_of_ready_payloads(runtimes: list, namespace: str) -> None:
     p, c = _pair(runtimes, namespace)
     c.register_chunk_recv(Req("r", "r"))
