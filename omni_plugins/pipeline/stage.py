@@ -189,7 +189,9 @@ class StageRunner:
             # followers recv_chunk() is always empty; they read what the leader broadcast in collect_signals().
             got = self.rt.recv_chunk() if self.leader else {}
             signals = self.rt.collect_signals()
-            for rid in (signals.chunk_ready | signals.chunk_finished) - set(got):  # arrived between the two calls
+            # arrived between the two calls; a finished stream is read from the cache even when recv_chunk
+            # returned it, since its last chunk may have landed in between (an "ar" accumulation only grows)
+            for rid in (signals.chunk_ready - got.keys()) | signals.chunk_finished:
                 got[rid] = self.rt.get_local_stage_payload(rid)
             for rid, payload in got.items():
                 req = self.requests.get(rid)

@@ -197,9 +197,9 @@ class StreamConsumer:
                 out.rows = int(decode.shape[0]) if isinstance(decode, torch.Tensor) else out.rows
         for rid in signals.chunk_finished:
             out = self.outcomes.setdefault(rid, Outcome())
-            payload = ready.get(rid)
-            if payload is None:
-                payload = self.rt.get_local_stage_payload(rid)
+            # the cache, not ``ready``: the finishing chunk may have landed between recv_chunk and
+            # collect_signals (it is reported, and the runner reads it from the local cache)
+            payload = self.rt.get_local_stage_payload(rid)
             out.error = verify_merged(rid, payload, self.expected_chunks.get(rid, -1))
             out.status = "finished"
             self.rt.cleanup_finished_request(rid)
