@@ -2,7 +2,9 @@
 thread -> the chunk visible to ``recv_chunk`` on the consumer's model thread.
 
 Setup: ``--streams`` concurrent streaming requests (default 64), ``--chunks`` chunks
-each. The producer's model thread runs steps of ``--step-ms``; a stream emits a
+each. A chunk's clock starts after its tensor was made (the model's output exists before the
+hand-off; until session 6 it started before, so every latency included a ``torch.ones``: ~5 us
+hot, up to ~130 us for the first chunk after a pause). The producer's model thread runs steps of ``--step-ms``; a stream emits a
 chunk every ``--period`` steps. ``--pattern staggered`` (default) gives stream ``i``
 phase ``i % period``, as when requests reach their chunk boundaries at different
 tokens; ``--pattern burst`` makes every stream emit in the same step (``period``
@@ -176,8 +178,9 @@ def produce(
             _sleep_until(start_at)
             cpu0 = time.process_time()
             for k in range(RAW_ITEMS):
+                x = torch.ones(1, chunk_floats)  # the model's output exists before the hand-off starts
                 t0 = time.monotonic()
-                conn.put(0, 1, f"raw_0_{k}", {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [t0]}})
+                conn.put(0, 1, f"raw_0_{k}", {"embed": {"decode": x}, "ts": {"send": [t0]}})
                 time.sleep(step_s / 4)
             cpu = time.process_time() - cpu0
             release()
@@ -219,8 +222,9 @@ def produce(
                 r = reqs[i]
                 sent[i] += 1
                 r.done = sent[i] == chunks
+                x = torch.ones(1, chunk_floats)  # the model's output: made before the hand-off starts
                 t0 = time.monotonic()
-                out = {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [t0]}}
+                out = {"embed": {"decode": x}, "ts": {"send": [t0]}}
                 if traced:
                     c0 = time.thread_time()
                     rt.send_chunk(r, out)
@@ -284,8 +288,9 @@ def _produce_raw64(
             # one after the other: a later chunk's latency includes the puts before it, as with a send thread
             step: list[tuple[str, float, dict]] = []
             for i in emitting:
+                x = torch.ones(1, chunk_floats)  # as in the runtime modes: made before the hand-off starts
                 t0 = time.monotonic()
-                data = {"embed": {"decode": torch.ones(1, chunk_floats)}, "ts": {"send": [t0]}, "meta": {"finished": sent[i] + 1 == chunks}}
+                data = {"embed": {"decode": x}, "ts": {"send": [t0]}, "meta": {"finished": sent[i] + 1 == chunks}}
                 step.append((f"raw64{i}_0_{sent[i]}", t0, data))
                 sent[i] += 1
                 if interleave:
