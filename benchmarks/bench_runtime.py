@@ -540,12 +540,12 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
             else:
                 ready = rt.recv_chunk()
                 t_ready = time.monotonic()
+            n_new = len(lat)
             for rid, payload in ready.items():
                 sends = payload["ts"]["send"]
                 for t0 in sends[seen[rid] :]:
                     lat.append(t_ready - t0)
                     ready_at.append((t0, t_ready))
-                bar.update(len(sends) - seen[rid])
                 seen[rid] = len(sends)
             if traced:
                 c_sig = time.thread_time()
@@ -562,8 +562,8 @@ def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, 
                     sends = rt.get_local_stage_payload(rid)["ts"]["send"]
                     lat.extend(t_late - t0 for t0 in sends[seen[rid] :])
                     ready_at.extend((t0, t_late) for t0 in sends[seen[rid] :])
-                    bar.update(len(sends) - seen[rid])
                     seen[rid] = len(sends)
+            bar.update(len(lat) - n_new)  # once per wake: the bar is display, its update cold code
             finished |= sig.chunk_finished
             model_s += time.monotonic() - t_wake
         cpu = time.process_time() - cpu0
