@@ -121,6 +121,18 @@ futex_sleep(uint32_t *seq, uint32_t expected, double seconds, int *err)
     return rc;
 }
 
+/* futex_sleep with its outcome read: 1 if it ran out its time, 0 if woken (or interrupted by a signal whose
+ * handler did not raise: callers re-check and loop), -1 with the handler's exception set */
+static int
+sleep_checked(uint32_t *seq, uint32_t expected, double seconds)
+{
+    int err;
+    long rc = futex_sleep(seq, expected, seconds, &err);
+    if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0)
+        return -1;
+    return rc == -1 && err == ETIMEDOUT;
+}
+
 static PyObject *
 futex_wait(PyObject *self, PyObject *args)
 {
@@ -140,14 +152,11 @@ futex_wait(PyObject *self, PyObject *args)
         seconds = 86400.0;
     if (slot(obj, off, &view, &seq) < 0)
         return NULL;
-    int err;
-    long rc = futex_sleep(seq, (uint32_t)expected, seconds, &err);
+    int timed_out = sleep_checked(seq, (uint32_t)expected, seconds);
     PyBuffer_Release(&view);
-    if (rc == -1 && err == ETIMEDOUT)
-        Py_RETURN_FALSE;
-    if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0)
+    if (timed_out < 0)
         return NULL;
-    Py_RETURN_TRUE;
+    return PyBool_FromLong(!timed_out);
 }
 
 PyDoc_STRVAR(cas_doc,
@@ -665,17 +674,6 @@ take_once(table_t *t, uint32_t *seq, uint64_t claimer, const char *k, Py_ssize_t
 
 enum { TAKE = 0, TAKE_WAIT = 1, TAKE_OR_WAIT = 2 };
 
-/* sleep while *seq == expected (GIL released); 1 if it ran out its time, 0 if woken, -1 on a signal handler's error */
-static int
-take_sleep(uint32_t *seq, uint32_t expected, double seconds)
-{
-    int err;
-    long rc = futex_sleep(seq, expected, seconds, &err);
-    if (rc == -1 && err == EINTR && PyErr_CheckSignals() < 0)
-        return -1;
-    return rc == -1 && err == ETIMEDOUT;
-}
-
 /* slot_take: one look. slot_take_wait: first sleep up to `seconds` while the key's wake slot still reads
  * `expected` (the seq an earlier slot_take read before its look and the caller's file-path check), then look.
  * slot_take_or_wait: look; on a miss without the file-path bit, sleep on the seq read before it, then look again. */
@@ -720,14 +718,14 @@ take(PyObject *const *args, Py_ssize_t nargs, int mode)
     int slept = 0;
     PyObject *out = NULL;
     if (mode == TAKE_WAIT && seq != NULL && seconds > 0.0) {
-        if ((slept = take_sleep(seq, (uint32_t)expected, seconds)) < 0)
+        if ((slept = sleep_checked(seq, (uint32_t)expected, seconds)) < 0)
             goto done;
         timed_out = slept ? TIMED_OUT_BIT : 0;
     }
     out = take_once(&t, seq, claimer, k, n, &miss);
     if (mode == TAKE_OR_WAIT && out == NULL && !PyErr_Occurred() && seq != NULL && seconds > 0.0 && !(miss & FILES_BIT)) {
         /* a miss with no file payload to look for: sleep on the seq read before the look, then look again */
-        if ((slept = take_sleep(seq, (uint32_t)miss, seconds)) < 0)
+        if ((slept = sleep_checked(seq, (uint32_t)miss, seconds)) < 0)
             goto done;
         timed_out = slept ? TIMED_OUT_BIT : 0;
         out = take_once(&t, seq, claimer, k, n, &miss);
