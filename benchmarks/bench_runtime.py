@@ -24,6 +24,9 @@ Modes, measured in the same run, interleaved round by round:
   ``recv_chunk`` and ``collect_signals``. Its legs and CPU splits explain the
   ``runtime`` numbers; the probes themselves cost the threads some
   microseconds per chunk, which queue up in a burst (compare the two p50s).
+* ``noanticipate`` -- the runtime with ``RuntimeTuning(anticipate_s=0)``: the receive thread
+  sleeps until each burst arrives instead of busy-polling from 1 ms before it is due
+  (``omni_plugins.runtime.rhythm``; session 7). Measured like ``runtime`` (no probes).
 * ``poll5ms``  -- the same runtime forced to a fixed 5 ms poll (the reference's behaviour).
 * ``park1``    -- the previous block mode (``RuntimeTuning(wait_any=False)``):
   sweeps plus a blocking ``get`` parked on the one predicted next key.
@@ -90,10 +93,10 @@ from omni_plugins.runtime import RuntimeTuning, StageTransferRuntime
 
 BUILDER = "bench_runtime.passthrough"
 RAW_ITEMS = 200  # single-stream put -> blocking get samples per round
-MODES = ("runtime", "traced", "poll5ms", "park1", "raw", "raw64", "raw64i")
+MODES = ("runtime", "noanticipate", "traced", "poll5ms", "park1", "raw", "raw64", "raw64i")
 #: modes whose hand-off is measured with no probe in its path (the headline); every other runtime
 #: mode wraps put/get/wait_any and reads thread clocks per call (legs and CPU splits)
-CLEAN_MODES = ("runtime",)
+CLEAN_MODES = ("runtime", "noanticipate")
 RAW64_MODES = ("raw64", "raw64i")
 
 
@@ -122,6 +125,8 @@ def tuning_for(mode: str) -> RuntimeTuning:
         return RuntimeTuning()
     if mode == "nohandoff":
         return RuntimeTuning(send_handoff_s=0.0)
+    if mode == "noanticipate":
+        return RuntimeTuning(anticipate_s=0.0)
     return RuntimeTuning(wait_any=False) if mode == "park1" else RuntimeTuning()
 
 
@@ -859,6 +864,11 @@ def main() -> None:
         "p50_runtime_vs_raw64i_same_traffic": ratio(rt["p50_ms"], raw64i["p50_ms"]),
         "p50_runtime_vs_nohandoff": ratio(rt["p50_ms"], report["modes"].get("nohandoff", {}).get("p50_ms")),
         "p50_runtime_vs_traced": ratio(rt["p50_ms"], report["modes"].get("traced", {}).get("p50_ms")),
+        "p50_runtime_vs_noanticipate": ratio(rt["p50_ms"], report["modes"].get("noanticipate", {}).get("p50_ms")),
+        "p99_runtime_vs_noanticipate": ratio(rt["p99_ms"], report["modes"].get("noanticipate", {}).get("p99_ms")),
+        "consumer_cpu_runtime_vs_noanticipate": ratio(
+            rt["consumer_cpu_us_per_chunk"], report["modes"].get("noanticipate", {}).get("consumer_cpu_us_per_chunk")
+        ),
         "p99_runtime_vs_raw64i_same_traffic": ratio(rt["p99_ms"], raw64i["p99_ms"]),
         # CPU per chunk (robust to machine load): runtime vs the bare connector put/get
         "consumer_cpu_runtime_vs_raw": ratio(rt["consumer_cpu_us_per_chunk"], raw["consumer_cpu_us_per_chunk"]),

@@ -55,6 +55,10 @@ class Capabilities:
             still react to news of its own (a new key to wait for) at once.
             Without it ``interrupt_wait`` does nothing and a wait ends at its
             bound: a runtime should then keep its bound short.
+        poll_any: :meth:`Connector.poll_any` busy-polls (no sleep, a core
+            burnt, the GIL let go) instead of sleeping like ``wait_any``. Without
+            it ``poll_any`` is ``wait_any``, so a runtime should not wake up
+            early to poll.
     """
 
     blocking_get: bool = False
@@ -64,6 +68,7 @@ class Capabilities:
     consume_on_get: bool = True
     wait_any: bool = False
     interrupt_wait: bool = False
+    poll_any: bool = False
 
 
 #: fallback ``wait_any`` without an existence check sleeps at most this long per call
@@ -114,6 +119,22 @@ class Connector(abc.ABC):
         if not keys:
             return []
         return self._wait_any(keys, max(0.0, float(timeout)))
+
+    def poll_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        """:meth:`wait_any` that busy-polls instead of sleeping (with ``capabilities.poll_any``).
+
+        For waits of a millisecond or two right before an arrival the caller
+        expects: a sleeping waiter's CPU goes idle, and on a virtual machine
+        the wake-up and the code after it then run cold (several times slower
+        than warm); a poll keeps the core busy and the caches warm. It burns
+        that core meanwhile (the GIL is let go, so other threads run), so the
+        caller bounds how often and how long it polls. ``interrupt_wait`` ends
+        a poll as it ends a wait. Without the capability this is ``wait_any``.
+        """
+        self._check_open()
+        if not keys:
+            return []
+        return self._poll_any(keys, max(0.0, float(timeout)))
 
     def interrupt_wait(self) -> None:
         """Make the ``wait_any`` blocked in this instance return early (thread-safe).
@@ -198,6 +219,10 @@ class Connector(abc.ABC):
         None (the default) means the connector has no such check.
         """
         return None
+
+    def _poll_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        """Primitive of :meth:`poll_any`; connectors with ``capabilities.poll_any`` override it."""
+        return self._wait_any(keys, timeout)
 
     def _interrupt_wait(self) -> None:
         """Primitive of :meth:`interrupt_wait` for connectors with ``capabilities.interrupt_wait``."""

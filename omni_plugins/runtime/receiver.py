@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from omni_plugins.contract import Connector
 from omni_plugins.errors import WireFormatError
+from omni_plugins.runtime.rhythm import ArrivalRhythm
 from omni_plugins.runtime.state import RequestRegistry, RequestState
 from omni_plugins.runtime.threads import thread_cpu_seconds
 from omni_plugins.runtime.tuning import RuntimeTuning
@@ -59,6 +60,8 @@ _WAIT_ANY_INTERRUPTIBLE_S = 0.1
 _SAFETY_SWEEP_S = 1.0
 #: ... over the requests that received nothing (nor registered) for this long
 _QUIET_S = 0.5
+#: wait-any mode: an arrival after this much silence starts a new burst (see :mod:`rhythm`)
+_BURST_GAP_S = 0.002
 
 
 class ArrivalHandler(Protocol):
@@ -113,6 +116,15 @@ class Receiver:
         #: wait-any mode over a connector whose waits notify() can cut short: long waits, no idle wake-ups
         self.interrupts = self.waits_any and connector.capabilities.interrupt_wait
         self._wait_bound = _WAIT_ANY_INTERRUPTIBLE_S if self.interrupts else _WAIT_ANY_MAX_S
+        #: wait-any mode over a connector that can busy-poll: poll right before each expected burst
+        self.rhythm: ArrivalRhythm | None = None
+        if self.waits_any and connector.capabilities.poll_any and tuning.anticipate_s > 0:
+            self.rhythm = ArrivalRhythm(
+                lead_s=tuning.anticipate_s,
+                after_s=tuning.anticipate_after_s,
+                burst_gap_s=_BURST_GAP_S,
+                max_duty=tuning.anticipate_max_duty,
+            )
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_error_log = 0.0
@@ -130,6 +142,8 @@ class Receiver:
             "wait_spurious": 0,
             "wait_empty": 0,
             "plans": 0,  # wait-any mode: rebuilds of the waited set
+            "polls": 0,  # wait-any mode: busy-polls before an expected burst (``RuntimeTuning.anticipate_s``)
+            "poll_hits": 0,  # ... that saw an arrival
             "errors": 0,
         }
         self._thread = threading.Thread(target=self._run_wait_any if self.waits_any else self._run, name=name, daemon=True)
@@ -311,7 +325,7 @@ class Receiver:
                             continue
                 self.stats["waits"] += 1
                 try:
-                    ready = self._connector.wait_any(list(pending), min(self._wait_bound, max(next_sweep - now, 0.0)))
+                    ready = self._wait(list(pending), min(self._wait_bound, max(next_sweep - now, 0.0)), now)
                 except Exception:  # a backend failure: keep going (deadlines still fire), log at most once a second
                     self.stats["errors"] += 1
                     if now - self._last_error_log > 1.0:
@@ -332,6 +346,23 @@ class Receiver:
             except Exception:  # never let the thread die
                 logger.exception("receive loop error")
                 self._stop.wait(t.poll_max_s)
+
+    def _wait(self, keys: list[str], bound: float, now: float) -> list[str]:
+        """``connector.wait_any`` up to ``bound``; with a learnt rhythm, ``poll_any`` through the window of the next burst."""
+        rhythm = self.rhythm
+        window = None if rhythm is None else rhythm.window(now)
+        if window is None:
+            ready = self._connector.wait_any(keys, bound)
+        else:
+            poll_from, poll_until = window
+            ready = self._connector.wait_any(keys, min(bound, poll_from - now)) if now < poll_from else []
+            if not ready and poll_from <= (now := time.monotonic()) < poll_until:
+                self.stats["polls"] += 1
+                ready = self._connector.poll_any(keys, poll_until - now)
+                self.stats["poll_hits"] += bool(ready)
+        if ready and rhythm is not None:
+            rhythm.arrived(time.monotonic())
+        return ready
 
     def _take_reported(self, keys: list[str], pending: dict[str, tuple[RequestState, int]]) -> bool:
         """Take the keys a wait reported and deliver them; True if any was there.

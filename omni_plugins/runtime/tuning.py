@@ -35,6 +35,15 @@ class RuntimeTuning:
             thread would otherwise keep the GIL until its step ends). Skipped
             while the connector's puts take longer than this on average (a
             slow backend: the runner does not wait for it). 0 turns it off.
+        anticipate_s / anticipate_after_s: with a connector that has
+            ``capabilities.poll_any``, once arrivals come in bursts at a steady
+            interval (a model's step rhythm), the receive thread busy-polls from
+            ``anticipate_s`` before the next burst is due until
+            ``anticipate_after_s`` past it instead of sleeping, so the burst meets
+            a warm core (see :mod:`omni_plugins.runtime.rhythm`). Costs that
+            window's CPU once per interval. ``anticipate_s=0`` turns it off.
+        anticipate_max_duty: no polling while the window would be more than
+            this fraction of the interval (fast rhythms: too much CPU).
     """
 
     arrival: ArrivalMode = "auto"
@@ -48,6 +57,9 @@ class RuntimeTuning:
     abort_scan_limit: int = 256
     snapshot_payloads: bool = True
     send_handoff_s: float = 0.0005
+    anticipate_s: float = 0.001
+    anticipate_after_s: float = 0.0015
+    anticipate_max_duty: float = 0.2
 
     def __post_init__(self) -> None:
         if self.arrival not in ("auto", "block", "poll"):
@@ -59,6 +71,10 @@ class RuntimeTuning:
             raise ValueError("minimum waits must not exceed maximum waits")
         if self.send_handoff_s < 0:
             raise ValueError("send_handoff_s must be >= 0")
+        if self.anticipate_s < 0 or self.anticipate_after_s < 0:
+            raise ValueError("anticipate_s and anticipate_after_s must be >= 0")
+        if not 0 < self.anticipate_max_duty <= 1:
+            raise ValueError("anticipate_max_duty must be in (0, 1]")
         if self.max_send_retries < 0:
             raise ValueError("max_send_retries must be >= 0")
 

@@ -57,6 +57,8 @@ _LOOK = object()
 #: owned copies at least this large go to recycled (huge-page) private mappings; smaller ones to a bytearray
 _PRIVATE_MIN = 256 << 10
 _PUT_RETRIES = 4
+#: longest busy-poll of one ``poll_any`` call (a caller wanting longer waits with ``wait_any``)
+SPIN_MAX_S = 0.02
 #: keys whose derived names are remembered before the cache starts over
 _NAME_CACHE_MAX = 4096
 
@@ -72,6 +74,7 @@ class ShmConnector(Connector):
         consume_on_get=True,
         wait_any=True,
         interrupt_wait=True,  # off per instance without the slot table (see __init__)
+        poll_any=True,  # likewise
     )
     config_model = ShmConfig
 
@@ -115,8 +118,8 @@ class ShmConnector(Connector):
         self._wake = wake
         self._ring = wake.ring
         self._interrupted = False  # interrupt_wait() pending: the (next) wait_any of this instance returns
-        if self._slots is None:  # interrupt_wait needs the futex wait of the slot table's wait_any
-            self.capabilities = dataclasses.replace(type(self).capabilities, interrupt_wait=False)
+        if self._slots is None:  # interrupt_wait and poll_any need the futex words of the slot table's wait_any
+            self.capabilities = dataclasses.replace(type(self).capabilities, interrupt_wait=False, poll_any=False)
         self._retired: list[SlotTable] = []  # tables gc --all removed under us (see _current_slots)
         self._reopen_lock = threading.Lock()
         self._pool = ProducerPool(
@@ -455,16 +458,23 @@ class ShmConnector(Connector):
             return self._wait_any_slots(self._slots, list(keys), timeout)
         return self._notifier.wait_any(self._wanted(keys), self._published_prefixes, timeout)
 
-    def _wait_any_slots(self, slots: SlotTable, keys: list[str], timeout: float) -> list[str]:
+    def _poll_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+        self._check_process()
+        if self._slots is not None:
+            return self._wait_any_slots(self._slots, list(keys), timeout, spin=True)
+        return self._notifier.wait_any(self._wanted(keys), self._published_prefixes, timeout)
+
+    def _wait_any_slots(self, slots: SlotTable, keys: list[str], timeout: float, *, spin: bool = False) -> list[str]:
         """``wait_any`` with the slot table: look in the table (and the publish directory), sleep on the namespace-wide wake slot.
 
         Every publication (either path) bumps that slot after publishing, and its value is read
         before looking, so an arrival after the look ends the sleep. The publish directory is read
         only when the table's file-path hint (read after the table) is not 0, and after a sleep
-        that ran out its slice (as in ``get``).
+        that ran out its slice (as in ``get``). ``spin`` (:meth:`poll_any`): busy-poll that slot
+        instead of sleeping on it, for at most :data:`SPIN_MAX_S`.
         """
         wake = self._wake
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (min(timeout, SPIN_MAX_S) if spin else timeout)
         files_anyway = False
         while True:
             try:
@@ -480,7 +490,8 @@ class ShmConnector(Connector):
             if found or remaining <= 0 or self._closed or self._interrupted:
                 self._interrupted = False
                 return found
-            files_anyway = not wake.sleep(WAKE_ANY_SLOT, seen, remaining)
+            # a sleep or poll that ran out its time without a ring: look at the file path once more
+            files_anyway = not (wake.spin if spin else wake.sleep)(WAKE_ANY_SLOT, seen, remaining)
             slots = self._current_slots(slots)
 
     def _interrupt_wait(self) -> None:

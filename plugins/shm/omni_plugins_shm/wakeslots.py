@@ -156,6 +156,14 @@ class WakeFile:
         assert self._futex is not None
         return bool(self._futex.wait(self.mm, offset, seen, min(seconds, SLICE)))
 
+    def spin(self, offset: int, seen: int, seconds: float) -> bool:
+        """Busy-poll up to ``seconds`` (at most 1) while slot ``offset`` still reads ``seen``; True if it changed.
+
+        The GIL is let go meanwhile, but a core is burnt: see :meth:`ShmConnector.poll_any`.
+        """
+        assert self._futex is not None
+        return bool(self._futex.spin(self.mm, offset, seen, min(seconds, 1.0)))
+
     # -- lifecycle --------------------------------------------------------------------
     def close(self) -> bool:
         """Drop our lock; remove the file if no other live instance holds it. True if removed."""
