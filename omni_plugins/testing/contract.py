@@ -13,7 +13,6 @@ Usage in a plugin's tests::
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 import uuid
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ from omni_plugins.contract import Connector, GetResult, PutResult
 from omni_plugins.errors import ConfigError, ConnectorClosedError
 from omni_plugins.factory import create_connector
 from omni_plugins.testing.payloads import assert_payload_equal
+from omni_plugins.testing.processes import process_context
 
 ALL_DTYPES: tuple[torch.dtype, ...] = (
     torch.float64, torch.float32, torch.float16, torch.bfloat16,
@@ -294,7 +294,7 @@ class ConnectorContract:
         if not self.cross_process:
             pytest.skip("connector is in-process only")
         name, config = connector_spec
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         # parent puts, child gets; then child puts, parent gets
         values = torch.arange(2048, dtype=torch.float64)
         assert connector.put(0, 1, key, {"values": values, "tag": "from-parent"}).ok

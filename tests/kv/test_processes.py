@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import queue
 from typing import Any
 
 import pytest
 
 from omni_plugins.kv.testing import run_receiver_rank, run_sender_rank
+from omni_plugins.testing.processes import process_context
 
 shm_testing = pytest.importorskip("omni_plugins_shm.testing")
 
@@ -17,14 +17,8 @@ REQUESTS = ["req-a", "req-b", "req-c"]
 
 
 def _context() -> Any:
-    """Fresh processes from a forkserver that imported torch once (spawn would import it per child).
-
-    The server is a clean single-threaded process started for this purpose, so
-    children do not inherit the pytest process's state, threads or connectors.
-    """
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "omni_plugins.kv.testing", "omni_plugins_shm.connector"])
-    return ctx
+    """Fresh processes from the test session's fork server (``omni_plugins.testing.processes``)."""
+    return process_context()
 
 
 @pytest.mark.parametrize(("from_tp", "to_tp"), [(2, 1), (1, 2)])

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import uuid
 
 from omni_plugins_mooncake.testing import MooncakeMaster
 
 from omni_plugins import create_connector
+from omni_plugins.testing.processes import process_context
 
 from . import _children
 from .conftest import store_config
 
 
 def test_64mib_payload_between_processes(master: MooncakeMaster) -> None:
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     ready, report, done = ctx.Queue(), ctx.Queue(), ctx.Event()
     key = f"big-{uuid.uuid4().hex}"
     specs = {"mooncake-store": store_config(master), "mooncake-te": {"pool_size": "256MiB"}}
@@ -54,7 +54,7 @@ def test_te_read_from_a_producer_killed_after_the_claim_fails_fast() -> None:
 
     from omni_plugins.errors import ConnectorError
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     ready, report, done = ctx.Queue(), ctx.Queue(), ctx.Event()
     child = ctx.Process(target=_children.produce, args=({"mooncake-te": {"pool_size": "256MiB"}}, "k", 3, ready, done, report))
     child.start()

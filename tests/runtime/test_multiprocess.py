@@ -6,7 +6,6 @@ and importing torch is the slow part); the pytest process is the consumer.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from rt_helpers import Req
 
 from omni_plugins import StageConfig
 from omni_plugins.runtime import RuntimeTuning, StageTransferRuntime
+from omni_plugins.testing.processes import process_context
 
 N, CHUNKS = 50, 4
 
@@ -27,7 +27,7 @@ N, CHUNKS = 50, 4
 def producer() -> Iterator[tuple[Any, Any]]:
     import mp_producer
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     cmds, results = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=mp_producer.serve, args=(cmds, results), daemon=True)
     proc.start()

@@ -4,7 +4,6 @@ rank 1 sees the same payloads at the same step. Plus in-process tests of the fan
 from __future__ import annotations
 
 import copy
-import multiprocessing as mp
 import socket
 import threading
 import uuid
@@ -15,6 +14,7 @@ from rt_helpers import Req, make_runtime, wait_until
 
 from omni_plugins import StageConfig
 from omni_plugins.runtime import StageTransferRuntime
+from omni_plugins.testing.processes import process_context
 
 
 def _free_port() -> int:
@@ -29,7 +29,7 @@ SCENARIOS = [("full", "wire"), ("stream", "wire"), ("stream", "pickle")]
 def test_tp2_leader_receives_and_broadcasts() -> None:
     import tp_worker
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     out = ctx.Queue()
     port = _free_port()
     scenarios = [(f"tp-{uuid.uuid4().hex[:8]}", mode, codec) for mode, codec in SCENARIOS]

@@ -18,6 +18,7 @@ from omni_plugins_shm.naming import PREFIX
 from omni_plugins_shm.testing import assert_namespace_empty
 
 from omni_plugins import create_connector
+from omni_plugins.testing.processes import process_context
 
 SESSION = uuid.uuid4().hex[:8]
 _counter = itertools.count()
@@ -61,6 +62,5 @@ def file_pair(namespace: str) -> Iterator[tuple[Any, Any]]:
 
 @pytest.fixture
 def spawn():  # type: ignore[no-untyped-def]
-    import multiprocessing as mp
-
-    return mp.get_context("spawn")
+    """Starts child processes (forkserver with torch and the plugins preloaded: see omni_plugins.testing.processes)."""
+    return process_context()

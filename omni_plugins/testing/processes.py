@@ -1,0 +1,45 @@
+"""Child processes for multi-process tests: fresh interpreters that do not each import torch again.
+
+``multiprocessing``'s ``spawn`` start method runs a new interpreter per child,
+which then imports torch and the plugins: ~2-4 s of CPU per child on a small
+machine, most of a multi-process test's time. :func:`process_context` returns
+the ``forkserver`` context instead, with torch, the core and the installed
+plugins preloaded: the server process imports them once (the first child of a
+test session pays for it) and forks every child from that clean state. Each
+child is still its own process, with nothing inherited from the test process
+(no threads, no connectors, no test state), and targets and arguments are
+pickled exactly as with ``spawn``.
+
+Caveat: a forkserver child inherits the environment of the moment the server
+started (the first child's), not the test process's current one; a test that
+changes ``os.environ`` for a child should start it with ``spawn``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from multiprocessing.context import ForkServerContext
+
+#: imported once in the fork server (missing ones are skipped by ``multiprocessing``)
+PRELOAD = [
+    "torch",
+    "omni_plugins",
+    "omni_plugins.wire",
+    "omni_plugins.runtime",
+    "omni_plugins.kv.testing",
+    "omni_plugins_shm.connector",
+    "omni_plugins_redis",
+    "omni_plugins_mooncake",
+]
+
+
+def process_context() -> ForkServerContext:
+    """The ``forkserver`` context with :data:`PRELOAD` (set before the server starts; later calls change nothing).
+
+    ``spawn`` where there is no fork server (macOS builds without it, Windows), as ``omni-plugins run`` does.
+    """
+    if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - Linux has it
+        return mp.get_context("spawn")  # type: ignore[return-value]
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
