@@ -155,3 +155,39 @@ def test_memory_that_cannot_be_registered_falls_back_to_the_slab(master: Mooncak
         assert conn.health()["direct_puts"] == 0
         got = conn.get(0, 1, key)
         assert got is not None and _same(got.data, _large(3))
+
+
+class _SilentReads:
+    """Fault injection around the real store client: ``get_into`` reports the object's size but writes nothing."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self.silent = False
+
+    def get_into(self, key: str, address: int, capacity: int) -> int:
+        if self.silent:
+            return int(self._store.get_size(key))
+        return int(self._store.get_into(key, address, capacity))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_a_read_that_writes_nothing_is_an_error_not_the_slabs_last_payload(master: MooncakeMaster) -> None:
+    """A reused slab still holds the last message read into it; a read that leaves it untouched must not decode as that."""
+    from omni_plugins.errors import WireFormatError
+
+    with create_connector("mooncake-store", store_config(master)) as conn:
+        first, second = f"sr1-{uuid.uuid4().hex}", f"sr2-{uuid.uuid4().hex}"
+        assert conn.put(0, 1, first, {"who": "first", "v": torch.arange(8)}).ok
+        assert conn.put(0, 1, second, {"who": "second", "v": torch.arange(8) * 2}).ok
+        got = conn.get(0, 1, first)
+        assert got is not None and got.data["who"] == "first"
+        del got  # its slab goes back to the pool, still holding the first message
+        faulty = _SilentReads(conn._store)  # type: ignore[attr-defined]
+        conn._store = faulty  # type: ignore[attr-defined]
+        faulty.silent = True
+        with pytest.raises(WireFormatError):
+            conn.get(0, 1, second)
+        faulty.silent = False
+        assert conn.cleanup(second) in (True, False)  # whatever the failed read left, the key goes

@@ -55,6 +55,15 @@ class Slab:
         self._array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address: int = int(self._array.ctypes.data)
 
+    def clear_head(self) -> None:
+        """Zero the first bytes (a message's magic) before a read into this slab.
+
+        A reused slab still holds the message read into it last: a read that reports a
+        length but leaves the slab untouched would otherwise decode as that old,
+        well-formed message. With the magic zeroed it fails the decoder's first check.
+        """
+        self._array[:16] = 0
+
     def view(self, nbytes: int) -> memoryview:
         """A writable view of the first ``nbytes`` (valid only while the slab is held)."""
         return self._array[:nbytes].data

@@ -29,7 +29,7 @@ from omni_plugins_mooncake._import import import_mooncake
 from omni_plugins_mooncake._remover import Remover
 from omni_plugins_mooncake.config import MooncakeStoreConfig, parse_host_port
 from omni_plugins_mooncake.errors import BUFFER_TOO_SMALL, LEASE_EXPIRED, OBJECT_NOT_FOUND, describe
-from omni_plugins_mooncake.memory import SlabPool
+from omni_plugins_mooncake.memory import Slab, SlabPool
 
 logger = logging.getLogger(__name__)
 
@@ -135,9 +135,10 @@ class MooncakeStoreConnector(Connector):
         # get_size + get_into. Only a larger payload pays a size lookup and a second read.
         slab = self._pool.acquire(self._size_hint)
         try:
+            slab.clear_head()
             got = int(self._store.get_into(key, slab.address, slab.size))
             if got == LEASE_EXPIRED:
-                got = self._read_into(key, slab.address, slab.size)
+                got = self._read_into(key, slab)
             if got == BUFFER_TOO_SMALL:
                 size = self._store.get_size(key)
                 if size < 0:
@@ -145,7 +146,7 @@ class MooncakeStoreConnector(Connector):
                 else:
                     self._pool.release(slab)
                     slab = self._pool.acquire(size)
-                    got = self._read_into(key, slab.address, slab.size)
+                    got = self._read_into(key, slab)
         except BaseException:
             self._pool.release(slab)
             raise
@@ -167,10 +168,12 @@ class MooncakeStoreConnector(Connector):
             stats["bytes_got"] += got
         return GetResult(data, got)
 
-    def _read_into(self, key: str, address: int, capacity: int) -> int:
+    def _read_into(self, key: str, slab: Slab) -> int:
         """``get_into`` that retries a read which outlived the master's lease (the object is still there)."""
+        got = LEASE_EXPIRED
         for _ in range(_READ_ATTEMPTS):
-            got = int(self._store.get_into(key, address, capacity))
+            slab.clear_head()
+            got = int(self._store.get_into(key, slab.address, slab.size))
             if got != LEASE_EXPIRED:
                 return got
             logger.info("mooncake store: read of key %r outlived its lease; retrying", key)
