@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omni_plugins.forkserver import preloaded_context
 from omni_plugins.pipeline.leaks import backend_leaks, health_leaks
 from omni_plugins.pipeline.report import RunReport, edge_summary
 from omni_plugins.pipeline.spec import PipelinePlan
@@ -76,19 +76,8 @@ class _Proc:
 
 
 def _stage_context() -> Any:
-    """How stage processes start: ``forkserver`` with torch and the stage module preloaded.
-
-    Every stage process would otherwise start a fresh interpreter and import torch
-    (seconds each, and all stages start at once on a machine with few cores); a fork of
-    a server that imported them once starts in milliseconds. The server itself is a
-    clean process (no threads, no CUDA context), so forking it is safe. ``spawn`` where
-    there is no forkserver (macOS without it, Windows).
-    """
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "omni_plugins.pipeline.stage", "omni_plugins.runtime", "omni_plugins.wire"])
-    return ctx
+    """How stage processes start: ``forkserver`` with torch and the stage module preloaded (see :mod:`omni_plugins.forkserver`)."""
+    return preloaded_context(["torch", "omni_plugins.pipeline.stage", "omni_plugins.runtime", "omni_plugins.wire"])
 
 
 class Orchestrator:

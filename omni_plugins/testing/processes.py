@@ -17,8 +17,9 @@ changes ``os.environ`` for a child should start it with ``spawn``.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-from multiprocessing.context import ForkServerContext
+from multiprocessing.context import ForkServerContext, SpawnContext
+
+from omni_plugins.forkserver import preloaded_context
 
 #: imported once in the fork server (missing ones are skipped by ``multiprocessing``)
 PRELOAD = [
@@ -33,13 +34,6 @@ PRELOAD = [
 ]
 
 
-def process_context() -> ForkServerContext:
-    """The ``forkserver`` context with :data:`PRELOAD` (set before the server starts; later calls change nothing).
-
-    ``spawn`` where there is no fork server (macOS builds without it, Windows), as ``omni-plugins run`` does.
-    """
-    if "forkserver" not in mp.get_all_start_methods():  # pragma: no cover - Linux has it
-        return mp.get_context("spawn")  # type: ignore[return-value]
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
+def process_context() -> ForkServerContext | SpawnContext:
+    """:func:`omni_plugins.forkserver.preloaded_context` with :data:`PRELOAD`."""
+    return preloaded_context(PRELOAD)
