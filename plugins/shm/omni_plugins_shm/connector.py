@@ -452,17 +452,15 @@ class ShmConnector(Connector):
             wake.sleep(slot, seen, remaining)
 
     # -- wait_any -------------------------------------------------------------------------
-    def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+    def _wait_any(self, keys: Sequence[str], timeout: float, *, spin: bool = False) -> list[str]:
         self._check_process()
         if self._slots is not None:
-            return self._wait_any_slots(self._slots, list(keys), timeout)
+            return self._wait_any_slots(self._slots, list(keys), timeout, spin=spin)
         return self._notifier.wait_any(self._wanted(keys), self._published_prefixes, timeout)
 
     def _poll_any(self, keys: Sequence[str], timeout: float) -> list[str]:
-        self._check_process()
-        if self._slots is not None:
-            return self._wait_any_slots(self._slots, list(keys), timeout, spin=True)
-        return self._notifier.wait_any(self._wanted(keys), self._published_prefixes, timeout)
+        # without the slot table (capability off) this is the inotify wait, as the contract's default
+        return self._wait_any(keys, timeout, spin=True)
 
     def _wait_any_slots(self, slots: SlotTable, keys: list[str], timeout: float, *, spin: bool = False) -> list[str]:
         """``wait_any`` with the slot table: look in the table (and the publish directory), sleep on the namespace-wide wake slot.
