@@ -1,4 +1,7 @@
-"""``ShmConnector.poll_any``: ``wait_any`` that busy-polls the wake word (real /dev/shm, real processes)."""
+"""``ShmConnector.poll_any``: ``wait_any`` that busy-polls the wake word (real /dev/shm).
+
+Arrivals from another process: ``test_wait_any.py::test_keys_put_by_another_process[poll_any]``.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from typing import Any
 import pytest
 from omni_plugins_shm import _native
 from omni_plugins_shm.connector import SPIN_MAX_S
-from omni_plugins_shm.testing import make_payload, payload_matches, producer_worker
+from omni_plugins_shm.testing import make_payload
 
 from omni_plugins import create_connector
 
@@ -23,31 +26,6 @@ def test_capability_is_on_with_the_slot_table(pair: Any) -> None:
 
 def test_capability_is_off_without_the_slot_table(file_pair: Any) -> None:
     assert file_pair[1].capabilities.poll_any is False
-
-
-def test_keys_put_by_another_process_are_seen_while_polling(namespace: str, spawn: Any) -> None:
-    config = {"namespace": namespace}
-    keys = [f"req{i}_0_0" for i in range(12)]
-    items = [(keys[i], i, 2000) for i in (5, 0, 11)]
-    ready, hold = spawn.Queue(), spawn.Event()
-    proc = spawn.Process(target=producer_worker, args=(config, items, ready, hold))
-    with create_connector("shm", config) as conn:
-        proc.start()
-        try:
-            found: dict[str, bool] = {}
-            deadline = time.monotonic() + 60
-            while len(found) < len(items) and time.monotonic() < deadline:
-                for key in conn.poll_any([k for k in keys if k not in found], timeout=0.01):
-                    assert key in keys
-                    res = conn.get(0, 1, key)
-                    seed = next(s for k, s, _ in items if k == key)
-                    found[key] = res is not None and payload_matches(res.data, seed, 2000)
-            assert found == {k: True for k, _, _ in items}
-            assert conn.poll_any(keys, timeout=0.005) == []  # all consumed
-        finally:
-            hold.set()
-            proc.join(JOIN)
-    assert proc.exitcode == 0
 
 
 def test_a_long_timeout_is_cut_to_the_spin_bound(pair: Any) -> None:
