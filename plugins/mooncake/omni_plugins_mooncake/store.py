@@ -170,7 +170,6 @@ class MooncakeStoreConnector(Connector):
 
     def _read_into(self, key: str, slab: Slab) -> int:
         """``get_into`` that retries a read which outlived the master's lease (the object is still there)."""
-        got = LEASE_EXPIRED
         for _ in range(_READ_ATTEMPTS):
             slab.clear_head()
             got = int(self._store.get_into(key, slab.address, slab.size))
