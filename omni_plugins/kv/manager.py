@@ -28,7 +28,7 @@ import torch
 
 from omni_plugins.config import RankMapping
 from omni_plugins.contract import Connector, PutResult
-from omni_plugins.errors import ConfigError, ConnectorClosedError, OmniPluginsError, WireFormatError
+from omni_plugins.errors import ConfigError, ConnectorClosedError, ConnectorError, OmniPluginsError, WireFormatError
 from omni_plugins.kv import ranks
 from omni_plugins.kv.errors import KVPayloadError
 from omni_plugins.kv.layout import LAYOUTS, KVLayout, normalize_caches
@@ -41,6 +41,9 @@ KV_CHUNK = 0
 """Chunk index used in every KV key (a request's KV moves as one chunk)."""
 
 _PUT_BACKOFF_S = 0.05
+#: first wait after a failed KV read; doubles per failure up to ``_GET_BACKOFF_MAX_S``, never past the receive's deadline
+_GET_BACKOFF_S = 0.002
+_GET_BACKOFF_MAX_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -304,8 +307,11 @@ class KVTransferManager:
         On timeout, shards already consumed are dropped (nothing is left in the
         backend or here) -- unless ``keep_partial`` is true, in which case they
         are kept for the next call with the same id (for callers that poll with
-        short timeouts) and freed by :meth:`cleanup` / :meth:`close`. Connector
-        errors and malformed shards are logged and also give ``(None, 0)``.
+        short timeouts) and freed by :meth:`cleanup` / :meth:`close`. A read
+        that fails with ``ConnectorError`` is retried until the deadline and
+        then counts as a timeout (the backend keeps the shard). A closed
+        connector and undecodable or malformed shards are logged and give
+        ``(None, 0)``.
         """
         self._check_open()
         deadline = time.monotonic() + (self.recv_timeout_s if timeout_s is None else max(0.0, float(timeout_s)))
@@ -328,20 +334,15 @@ class KVTransferManager:
             if src in shards:
                 continue
             key = ranks.kv_key(request_id, self.from_stage, KV_CHUNK, src, self.local_rank)
-            remaining = max(0.0, deadline - time.monotonic())
             try:
-                result = connector.get(self.from_stage, self.stage_id, key, timeout=remaining)
-                if result is not None:
-                    if not connector.capabilities.consume_on_get:
-                        self._cleanup_key(connector, key)  # read once, like a consuming backend
-                    shard = _Shard(key, validate_payload(result.data, f"KV shard {key}"), int(result.size))
-            except OmniPluginsError as exc:  # ConnectorError, WireFormatError, KVPayloadError
+                shard = self._get_shard(connector, key, deadline)
+            except OmniPluginsError as exc:  # ConnectorClosedError, WireFormatError, KVPayloadError: retrying cannot help
                 logger.error("KV receive %s (stage %s rank %s): %s", request_id, self.stage_id, self.local_rank, exc)
                 return None, 0
             except Exception:  # plugin boundary: a plugin's own bug must not kill the caller's thread
                 logger.exception("KV receive %s (stage %s rank %s): get of %s failed", request_id, self.stage_id, self.local_rank, key)
                 return None, 0
-            if result is None:
+            if shard is None:
                 if keep_partial and shards:
                     with self._lock:
                         st = self._find(request_id) or self._requests.setdefault(request_id, _RequestKV(request_id, request_id))
@@ -368,6 +369,38 @@ class KVTransferManager:
         total = sum(s.size for s in shards.values())
         logger.debug("KV receive %s: %d shard(s), %d bytes", request_id, len(shards), total)
         return payload, total
+
+    def _get_shard(self, connector: Connector, key: str, deadline: float) -> _Shard | None:
+        """Read one shard by ``deadline`` (None: it did not come in time).
+
+        A failed read (``ConnectorError``, e.g. Mooncake's transfer engine
+        while a peer's segment is still being set up) is retried until the
+        deadline: the backend still holds the shard, and giving up would also
+        drop the shards of other ranks this receive already consumed. Errors
+        retrying cannot mend (a closed connector, an undecodable or malformed
+        shard) raise.
+        """
+        backoff = _GET_BACKOFF_S
+        failures = 0
+        while True:
+            try:
+                result = connector.get(self.from_stage, self.stage_id, key, timeout=max(0.0, deadline - time.monotonic()))
+            except ConnectorError as exc:
+                failures += 1
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    logger.warning("KV receive: read of %s failed %d time(s) before the deadline, last: %s", key, failures, exc)
+                    return None
+                if failures == 1:
+                    logger.warning("KV receive: read of %s failed (%s); retrying until the deadline", key, exc)
+                time.sleep(min(backoff, remaining))
+                backoff = min(backoff * 2, _GET_BACKOFF_MAX_S)
+                continue
+            if result is None:
+                return None
+            if not connector.capabilities.consume_on_get:
+                self._cleanup_key(connector, key)  # read once, like a consuming backend
+            return _Shard(key, validate_payload(result.data, f"KV shard {key}"), int(result.size))
 
     def receive_cfg_companion(
         self, cfg_request_ids: Mapping[str, str], target_device: torch.device | str | None = None, *, timeout_s: float | None = None

@@ -400,3 +400,75 @@ def test_plugin_bug_in_get_gives_none(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR):
         assert r.receive_kv_cache_for_request("a", timeout_s=0) == (None, 0)
     assert "plugin bug" in caplog.text
+
+
+class _FlakyGet(Connector):
+    """Fault injection: a memory connector whose gets of keys ending in a chosen suffix raise ``error`` ``fails`` times."""
+
+    capabilities = Capabilities(blocking_get=True)
+
+    def __init__(self, inner: MemoryConnector, suffix: str, fails: int, error: Exception) -> None:
+        super().__init__()
+        self.inner, self.suffix, self.fails, self.error = inner, suffix, fails, error
+        self.attempts = 0
+
+    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
+        return self.inner.put(from_stage, to_stage, key, data)
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        if key.endswith(self.suffix):
+            self.attempts += 1
+            if self.fails > 0:
+                self.fails -= 1
+                raise self.error
+        return self.inner.get(from_stage, to_stage, key, timeout=timeout)
+
+    def _cleanup(self, key: str) -> bool:
+        return self.inner.cleanup(key)
+
+
+def _two_shards_sent(ns: str) -> dict[str, Any]:
+    full = {"a": _full("a", 4)}
+    for i in range(2):
+        _send(_sender(_conn(ns), 2, 1, i), full, 4)
+    return full
+
+
+def test_failed_reads_are_retried_and_lose_no_shard(memory_namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that fails (Mooncake's -703 while a segment is set up) is retried; the shard read before it is kept."""
+    monkeypatch.setattr(manager_mod, "_GET_BACKOFF_S", 0.0)
+    full = _two_shards_sent(memory_namespace)
+    store = _conn(memory_namespace)
+    flaky = _FlakyGet(store, "_0_1_0", fails=3, error=ConnectorError("injected read failure"))  # source rank 1's shard
+    payload, size = _receiver(flaky, 2, 1, 0).receive_kv_cache_for_request("a", timeout_s=30)
+    assert payload is not None and size > 0
+    assert payload["metadata"]["merged_remote_rank_count"] == 2
+    _assert_heads(payload, full["a"], slice(0, 4))
+    assert flaky.attempts == 4
+    assert store.keys() == []
+
+
+def test_reads_failing_past_the_deadline_keep_partial_shards(memory_namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(manager_mod, "_GET_BACKOFF_S", 0.0)
+    full = _two_shards_sent(memory_namespace)
+    store = _conn(memory_namespace)
+    flaky = _FlakyGet(store, "_0_1_0", fails=10**9, error=ConnectorError("injected read failure"))
+    r = _receiver(flaky, 2, 1, 0)
+    assert r.receive_kv_cache_for_request("a", timeout_s=0.05, keep_partial=True) == (None, 0)
+    assert flaky.attempts >= 1
+    assert r.tracked_request_ids() == ["a"]  # rank 0's shard, consumed from the backend, is held here
+    assert len(store.keys()) == 1  # rank 1's shard is still in the backend
+    flaky.fails = 0
+    payload, _ = r.receive_kv_cache_for_request("a", timeout_s=0, keep_partial=True)
+    assert payload is not None
+    _assert_heads(payload, full["a"], slice(0, 4))
+    assert r.tracked_request_ids() == [] and store.keys() == []
+
+
+def test_closed_connector_is_not_retried(memory_namespace: str, caplog: pytest.LogCaptureFixture) -> None:
+    _two_shards_sent(memory_namespace)
+    flaky = _FlakyGet(_conn(memory_namespace), "_0_0_0", fails=10**9, error=ConnectorClosedError("closed under us"))
+    with caplog.at_level(logging.ERROR):
+        assert _receiver(flaky, 2, 1, 0).receive_kv_cache_for_request("a", timeout_s=30) == (None, 0)
+    assert flaky.attempts == 1
+    assert "closed under us" in caplog.text
