@@ -11,12 +11,13 @@ carries large chunks (256 KiB: Redis parts, dedicated-size pool segments).
 Afterwards it checks what must be zero -- per-request runtime state on both
 stages, published/claimed shared-memory segments (before close) and every file
 of the namespace (after close), Redis keys under the prefix (before and after
-close) -- and how resident memory moved: the mean RSS of each process over the
-first thousand requests against the last thousand (``rss_growth``). The leak
+close), objects on the soak's own ``mooncake_master`` (before and after close)
+-- and how resident memory moved: the mean RSS of each process over the first
+thousand requests against the last thousand (``rss_growth``). The leak
 checks are the result; there is no baseline to take a ratio against except the
 process's own first thousand requests.
 
-    python benchmarks/soak.py [--requests 10000] [--backends shm,redis] [--json FILE] [--quick]
+    python benchmarks/soak.py [--requests 10000] [--backends shm,redis,mooncake-store] [--json FILE] [--quick]
 
 ``tests/reliability/test_soak_bounded.py`` runs :func:`run_soak` with a few hundred requests.
 """
@@ -138,12 +139,58 @@ class RedisBackend:
         return self._closed_keys
 
 
-def make_backend(name: str, **kw: Any) -> ShmBackend | RedisBackend:
+class MooncakeStoreBackend:
+    """A private ``mooncake_master`` on loopback; leftovers are the objects it still holds (its key-count metric)."""
+
+    name = "mooncake-store"
+    #: consumed objects are removed by each connector's background remover: how long they may take
+    SETTLE_S = 10.0
+
+    def __init__(self) -> None:
+        self.master: Any = None
+        self._closed_leftovers: list[str] = []
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[dict[str, Any]]:
+        from omni_plugins_mooncake.testing import MooncakeMaster, loopback_environment
+
+        loopback_environment()  # engines of this process and the producer child bind loopback
+        master = MooncakeMaster().start()
+        self.master = master
+        try:
+            yield {
+                "name": "mooncake-store",
+                "extra": {"master_address": master.address, "global_segment_size": "256MiB", "local_buffer_size": "32MiB"},
+            }
+        finally:
+            self._closed_leftovers = self._objects()
+            master.stop()
+
+    def _objects(self) -> list[str]:
+        """``[]`` once the master holds no object (waiting up to ``SETTLE_S``), else one line saying how many."""
+        deadline = time.monotonic() + self.SETTLE_S
+        while (count := self.master.key_count()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return [f"{count} objects on the master"] if count else []
+
+    def payload_leftovers(self) -> list[str]:
+        return self._objects()
+
+    def all_leftovers(self) -> list[str]:
+        return self._closed_leftovers
+
+
+SoakBackend = ShmBackend | RedisBackend | MooncakeStoreBackend
+
+
+def make_backend(name: str, **kw: Any) -> SoakBackend:
     if name == "shm":
         return ShmBackend()
     if name == "redis":
         return RedisBackend(**kw)
-    raise SystemExit(f"unknown backend {name!r} (shm, redis)")
+    if name == "mooncake-store":
+        return MooncakeStoreBackend()
+    raise SystemExit(f"unknown backend {name!r} (shm, redis, mooncake-store)")
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -159,7 +206,7 @@ def plans_for(start: int, count: int, *, abort_fraction: float, chunks: int, tag
 
 
 def run_soak(
-    backend: ShmBackend | RedisBackend,
+    backend: SoakBackend,
     *,
     requests: int,
     abort_fraction: float = 0.1,

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from rel_pipeline import track
 
 SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
 
@@ -28,10 +29,15 @@ def _load_soak() -> ModuleType:
 soak = _load_soak()
 
 
-@pytest.mark.parametrize("backend", ["shm", "redis"])
-def test_bounded_soak_leaves_nothing(backend: str, redis_server: object) -> None:
-    b = soak.make_backend(backend, server=redis_server) if backend == "redis" else soak.make_backend(backend)
+@pytest.mark.parametrize("backend", ["shm", "redis", "mooncake-store"])
+def test_bounded_soak_leaves_nothing(backend: str, request: pytest.FixtureRequest) -> None:
+    if backend == "mooncake-store":
+        pytest.importorskip("mooncake.store")
+    b = soak.make_backend(backend, server=request.getfixturevalue("redis_server")) if backend == "redis" else soak.make_backend(backend)
     result = soak.run_soak(b, requests=150, abort_fraction=0.1, chunks=4, window=50, window_timeout=60.0)
+    if backend == "mooncake-store":
+        for pid in b.master.launched_pids:  # the session checks that the soak's own master is gone
+            track(pid)
     assert result.bad == {}
     assert (result.finished, result.aborted) == (135, 15)
     assert result.consumer_active == 0, "per-request state left in the consumer runtime"

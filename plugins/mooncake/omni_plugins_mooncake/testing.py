@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from types import TracebackType
 
@@ -213,6 +214,18 @@ class MooncakeMaster:
             time.sleep(0.02)
         self.stop(keep_log=True)
         raise RuntimeError(f"no answer on {self.address} within {self.start_timeout} s; see {self.log_path}")
+
+    def key_count(self, timeout: float = 5.0) -> int:
+        """Objects the master holds now: its ``master_key_count`` metric over loopback HTTP.
+
+        Unlike a probe client's ``remove_all`` this leaves the objects alone, so a
+        running pipeline can be checked for leftovers.
+        """
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{self.metrics_port}/metrics", timeout=timeout) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith("master_key_count "):
+                    return int(float(line.split()[1]))
+        raise RuntimeError(f"mooncake_master at {self.address}: its metrics have no master_key_count")
 
     def __enter__(self) -> MooncakeMaster:
         return self.start() if self.proc is None else self
