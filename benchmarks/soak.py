@@ -267,17 +267,31 @@ def run_soak(
 
 
 def rss_summary(samples: list[tuple[int, int, int]], requests: int) -> dict[str, Any]:
-    """Mean RSS over the first and the last thousand requests, per process, and the growth between them."""
+    """Mean RSS over the first, the middle and the last thousand requests, per process, and the growth.
+
+    ``growth`` is last against first: it includes the warm-up (pools, buffers touched
+    page by page). ``growth_second_half`` is last against the thousand from the halfway
+    point on: a leak keeps growing there, a warm-up does not.
+    """
     if not samples:
         return {}
     span = min(1000, max(requests // 4, 1))
+    half = requests // 2
     first = [s for s in samples if s[0] <= span] or samples[:1]
+    middle = [s for s in samples if half < s[0] <= half + span] or samples[len(samples) // 2 : len(samples) // 2 + 1]
     last = [s for s in samples if s[0] > requests - span] or samples[-1:]
     out: dict[str, Any] = {"span_requests": span, "samples": [list(s) for s in samples]}
     for i, who in ((1, "consumer"), (2, "producer")):
         a = statistics.fmean(s[i] for s in first)
+        m = statistics.fmean(s[i] for s in middle)
         b = statistics.fmean(s[i] for s in last)
-        out[who] = {"first_mib": round(a / 2**20, 1), "last_mib": round(b / 2**20, 1), "growth": round(b / a - 1, 4)}
+        out[who] = {
+            "first_mib": round(a / 2**20, 1),
+            "middle_mib": round(m / 2**20, 1),
+            "last_mib": round(b / 2**20, 1),
+            "growth": round(b / a - 1, 4),
+            "growth_second_half": round(b / m - 1, 4),
+        }
     return out
 
 
@@ -309,10 +323,10 @@ def main() -> None:
         )  # fmt: skip
         report["results"][res.backend] = res.to_json()
         ok &= res.clean
-        growth = {k: v["growth"] for k, v in res.rss.items() if isinstance(v, dict)}
+        growth = {k: (v["growth"], v["growth_second_half"]) for k, v in res.rss.items() if isinstance(v, dict)}
         print(
             f"{res.backend}: {res.finished} finished, {res.aborted} aborted, {len(res.bad)} bad, state {res.consumer_active}/"
-            f"{res.producer_active}, leftovers {len(res.leftovers_open)}/{len(res.leftovers_closed)}, rss growth {growth}, "
+            f"{res.producer_active}, leftovers {len(res.leftovers_open)}/{len(res.leftovers_closed)}, rss growth (all, second half) {growth}, "
             f"{res.seconds:.0f} s",
             file=sys.stderr,
         )

@@ -44,3 +44,15 @@ def test_bounded_soak_leaves_nothing(backend: str, request: pytest.FixtureReques
     assert result.producer_active == 0, "per-request state left in the producer runtime"
     assert result.leftovers_open == [], f"payloads left in the backend while open: {result.leftovers_open[:5]}"
     assert result.leftovers_closed == [], f"left after close: {result.leftovers_closed[:5]}"
+
+
+def test_rss_growth_tells_a_warm_up_from_a_leak() -> None:
+    """``growth_second_half`` stays flat after a warm-up and keeps rising with a leak; ``growth`` rises for both."""
+    mib = 2**20
+    warm_up = [(n, (300 + min(n, 2500) * 0.01) * mib, 300 * mib) for n in range(50, 10_001, 50)]  # +25 MiB, then flat
+    leak = [(n, (300 + n * 0.003) * mib, 300 * mib) for n in range(50, 10_001, 50)]  # +3 MiB per thousand requests
+    w = soak.rss_summary(warm_up, 10_000)["consumer"]
+    k = soak.rss_summary(leak, 10_000)["consumer"]
+    assert w["growth"] > 0.05 and k["growth"] > 0.05
+    assert w["growth_second_half"] == 0.0
+    assert k["growth_second_half"] > 0.02
