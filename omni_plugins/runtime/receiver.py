@@ -42,7 +42,7 @@ from omni_plugins.contract import Connector
 from omni_plugins.errors import WireFormatError
 from omni_plugins.runtime.rhythm import ArrivalRhythm
 from omni_plugins.runtime.state import RequestRegistry, RequestState
-from omni_plugins.runtime.threads import thread_cpu_seconds
+from omni_plugins.runtime.threads import preemptions, thread_cpu_seconds
 from omni_plugins.runtime.tuning import RuntimeTuning
 
 logger = logging.getLogger(__name__)
@@ -144,6 +144,7 @@ class Receiver:
             "plans": 0,  # wait-any mode: rebuilds of the waited set
             "polls": 0,  # wait-any mode: busy-polls before an expected burst (``RuntimeTuning.anticipate_s``)
             "poll_hits": 0,  # ... that saw an arrival
+            "polls_preempted": 0,  # ... during which the thread lost its core (many: polling pauses, see :mod:`rhythm`)
             "errors": 0,
         }
         self._thread = threading.Thread(target=self._run_wait_any if self.waits_any else self._run, name=name, daemon=True)
@@ -350,16 +351,21 @@ class Receiver:
     def _wait(self, keys: list[str], bound: float, now: float) -> list[str]:
         """``connector.wait_any`` up to ``bound``; with a learnt rhythm, ``poll_any`` through the window of the next burst."""
         rhythm = self.rhythm
-        window = None if rhythm is None else rhythm.window(now)
-        if window is None:
+        if rhythm is None or (window := rhythm.window(now)) is None:
             ready = self._connector.wait_any(keys, bound)
         else:
             poll_from, poll_until = window
             ready = self._connector.wait_any(keys, min(bound, poll_from - now)) if now < poll_from else []
             if not ready and poll_from <= (now := time.monotonic()) < poll_until:
                 self.stats["polls"] += 1
+                count = preemptions
+                switches = 0 if count is None else count()
                 ready = self._connector.poll_any(keys, poll_until - now)
                 self.stats["poll_hits"] += bool(ready)
+                if count is not None:
+                    preempted = count() > switches
+                    self.stats["polls_preempted"] += preempted
+                    rhythm.polled(preempted, time.monotonic())
         if ready and rhythm is not None:
             rhythm.arrived(time.monotonic())
         return ready

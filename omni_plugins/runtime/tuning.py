@@ -41,7 +41,8 @@ class RuntimeTuning:
             ``anticipate_s`` before the next burst is due until
             ``anticipate_after_s`` past it instead of sleeping, so the burst meets
             a warm core (see :mod:`omni_plugins.runtime.rhythm`). Costs that
-            window's CPU once per interval. ``anticipate_s=0`` turns it off.
+            window's CPU once per interval; withheld while the polls keep being
+            preempted (busy cores). ``anticipate_s=0`` turns it off.
         anticipate_max_duty: no polling while the window would be more than
             this fraction of the interval (fast rhythms: too much CPU).
     """

@@ -129,3 +129,22 @@ def test_shm_consumer_polls_for_steady_bursts_and_loses_nothing() -> None:
     finally:
         probe.close()
 
+
+
+def test_preempted_polls_pause_polling_and_lose_nothing(runtimes: list, namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every poll reports a preemption (busy cores): after a few, the receiver stops polling but for probes."""
+    from omni_plugins.runtime import receiver as receiver_mod
+
+    switches = iter(range(10**9))  # each read is one more: every poll "was preempted"
+    monkeypatch.setattr(receiver_mod, "preemptions", lambda: next(switches))
+    conn = PollCountingConnector(namespace)
+    p = make_runtime(0, namespace, connector=conn, tuning=FAST, **STREAM)
+    c = make_runtime(1, namespace, connector=conn, tuning=FAST, async_chunk=True)
+    runtimes += [p, c]
+    bursts = 40
+    got = _steady_bursts(p, c, streams=3, bursts=bursts)
+    assert got == {f"s{i}": list(range(bursts)) for i in range(3)}
+    stats = c.debug_state()["receiver"]
+    assert stats["polls"] > 0 and stats["polls_preempted"] == stats["polls"]
+    # at most: 4 polls until the share of preempted ones passes one half, then one probe per 8 intervals
+    assert stats["polls"] <= 4 + bursts // 8 + 1

@@ -95,3 +95,43 @@ def test_tuning_validates_the_anticipation_knobs() -> None:
     for duty in (0.0, 1.5):
         with pytest.raises(ValueError, match="anticipate_max_duty"):
             RuntimeTuning(anticipate_max_duty=duty)
+
+
+def test_polls_that_lose_their_core_pause_polling_and_probes_resume_it() -> None:
+    """Busy cores (the poller keeps being preempted): windows withheld but for a probe every 8 intervals; free cores bring them back."""
+    r = rhythm()
+    bursts(r, [0.0, 0.020, 0.040, 0.060])
+    k = 4
+
+    def step(preempted: bool) -> bool:
+        """Step ``k``: ask for a window shortly before its burst is due (as the receiver does), poll if given one, then the burst."""
+        nonlocal k
+        due = 0.020 * k
+        window = r.window(due - 0.002)
+        if window is not None:
+            r.polled(preempted, due)
+        bursts(r, [due])
+        k += 1
+        return window is not None
+
+    assert step(False)
+    assert step(True) and step(True)  # one or two preempted polls among free ones: still polling
+    assert not r.contended
+    assert step(True)
+    assert r.contended
+    assert [step(True) for _ in range(16)] == [False] * 8 + [True] + [False] * 7  # one probe
+    resumed = [step(False) for _ in range(40)]  # probes find the cores free again
+    assert resumed[:3] == [False, True, False]  # the next probe (9 intervals after the last), still withheld after it
+    assert resumed[-10:] == [True] * 10
+    assert not r.contended
+
+
+def test_preemption_counter_counts_this_threads_preemptions() -> None:
+    """The receiver's source of ``polled(preempted=...)``: non-decreasing, per thread (Linux)."""
+    from omni_plugins.runtime.threads import preemptions
+
+    if preemptions is None:
+        pytest.skip("no per-thread rusage on this OS")
+    a = preemptions()
+    assert isinstance(a, int) and a >= 0
+    assert preemptions() >= a
