@@ -168,9 +168,7 @@ class MooncakeStoreBackend:
 
     def _objects(self) -> list[str]:
         """``[]`` once the master holds no object (waiting up to ``SETTLE_S``), else one line saying how many."""
-        deadline = time.monotonic() + self.SETTLE_S
-        while (count := self.master.key_count()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        count = self.master.settled_key_count(self.SETTLE_S)
         return [f"{count} objects on the master"] if count else []
 
     def payload_leftovers(self) -> list[str]:

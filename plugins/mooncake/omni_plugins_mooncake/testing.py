@@ -227,6 +227,17 @@ class MooncakeMaster:
                     return int(float(line.split()[1]))
         raise RuntimeError(f"mooncake_master at {self.address}: its metrics have no master_key_count")
 
+    def settled_key_count(self, timeout: float = 10.0) -> int:
+        """:meth:`key_count` once it is 0, or after ``timeout`` s whatever it is then.
+
+        Consumed objects are removed by each store connector's background
+        remover, so a count taken right after the last ``get`` may still see them.
+        """
+        deadline = time.monotonic() + timeout
+        while (count := self.key_count()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return count
+
     def __enter__(self) -> MooncakeMaster:
         return self.start() if self.proc is None else self
 
