@@ -402,18 +402,13 @@ def test_plugin_bug_in_get_gives_none(caplog: pytest.LogCaptureFixture) -> None:
     assert "plugin bug" in caplog.text
 
 
-class _FlakyGet(Connector):
-    """Fault injection: a memory connector whose gets of keys ending in a chosen suffix raise ``error`` ``fails`` times."""
-
-    capabilities = Capabilities(blocking_get=True)
+class _FlakyGet(_Flaky):
+    """Fault injection: :class:`_Flaky` (no failing puts) whose gets of keys ending in ``suffix`` raise ``error`` ``fails`` times."""
 
     def __init__(self, inner: MemoryConnector, suffix: str, fails: int, error: Exception) -> None:
-        super().__init__()
-        self.inner, self.suffix, self.fails, self.error = inner, suffix, fails, error
+        super().__init__(inner, {})
+        self.suffix, self.fails, self.error = suffix, fails, error
         self.attempts = 0
-
-    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
-        return self.inner.put(from_stage, to_stage, key, data)
 
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
         if key.endswith(self.suffix):
@@ -421,10 +416,7 @@ class _FlakyGet(Connector):
             if self.fails > 0:
                 self.fails -= 1
                 raise self.error
-        return self.inner.get(from_stage, to_stage, key, timeout=timeout)
-
-    def _cleanup(self, key: str) -> bool:
-        return self.inner.cleanup(key)
+        return super()._get(from_stage, to_stage, key, timeout)
 
 
 def _two_shards_sent(ns: str) -> dict[str, Any]:

@@ -130,7 +130,6 @@ def test_shm_consumer_polls_for_steady_bursts_and_loses_nothing() -> None:
         probe.close()
 
 
-
 def test_preempted_polls_pause_polling_and_lose_nothing(runtimes: list, namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every poll reports a preemption (busy cores): after a few, the receiver stops polling but for probes."""
     from omni_plugins.runtime import receiver as receiver_mod
