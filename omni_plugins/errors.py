@@ -45,5 +45,15 @@ class WireFormatError(OmniPluginsError, ValueError):
     """
 
 
+class CorruptPayloadError(WireFormatError, ConnectorError):
+    """A stored payload's framing is damaged (a segment header, a slot length, a manifest).
+
+    Raised by a connector's ``get`` after it discarded what it found: retrying
+    cannot succeed. It is a :class:`WireFormatError` (callers that treat
+    undecodable data as a failed request need no change) and a
+    :class:`ConnectorError` (callers that catch backend failures still do).
+    """
+
+
 class BuilderError(ConfigError):
     """A payload builder cannot be imported or has the wrong signature."""
