@@ -105,7 +105,12 @@ def override_keys_of(chunk: Mapping[str, Any]) -> AbstractSet[Any]:
     out: set[Any] = set()
     if isinstance(raw, (list, tuple)):
         for k in raw:
-            out.add(tuple(k) if isinstance(k, (list, tuple)) else k)
+            if isinstance(k, (list, tuple)) and len(k) == 2 and all(type(p) is str for p in k):
+                out.add(tuple(k))
+            elif type(k) is str:
+                out.add(k)
+            else:  # the chunk came from another process: say what is wrong, not "unhashable type"
+                raise ValueError(f"meta.override_keys entries must be a key or a [section, field] pair of strings, not {k!r:.80}")
     elif isinstance(raw, str):
         out.add(raw)
     return out

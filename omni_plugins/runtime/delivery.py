@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_plugins.runtime.accumulate import merge_chunk
-from omni_plugins.runtime.consumable import chunk_flags, payload_audio_codes, payload_is_consumable, scheduling_metadata
+from omni_plugins.runtime.consumable import chunk_flags, has_content, payload_audio_codes, payload_is_consumable, scheduling_metadata
 from omni_plugins.runtime.state import RequestRegistry, RequestState
 from omni_plugins.runtime.wakeflag import WakeFlag
 
@@ -74,18 +74,21 @@ class Delivery:
         return not (state.has_cached and payload_is_consumable(state.cached))
 
     def on_payload(self, state: RequestState, payload: Any) -> None:
+        """One arrival. Raises (state unchanged as far as the stream position goes) when the payload
+        breaks the payload rules; the receive thread then reports the request failed."""
+        if self.async_chunk:
+            self._on_chunk(state, payload)
+        else:
+            self._on_full_payload(state, payload)
         now = time.monotonic()
         if state.next_recv_chunk:  # registration -> first chunk is prefill time, not a chunk gap
             gap = now - state.last_arrival
             state.arrival_gap = gap if not state.arrival_gap else 0.7 * state.arrival_gap + 0.3 * gap
         state.next_recv_chunk += 1
         state.last_arrival = now
-        state.deadline = now + self.recv_timeout_s
+        if state.deadline is not None:  # a finished stream or an arrived full payload waits no more
+            state.deadline = now + self.recv_timeout_s
         self._registry.touch(state)
-        if self.async_chunk:
-            self._on_chunk(state, payload)
-        else:
-            self._on_full_payload(state, payload)
 
     def on_failure(self, state: RequestState, *, timed_out: bool) -> list[str]:
         keys = self.abort_keys(state)
@@ -121,11 +124,9 @@ class Delivery:
             state.merged = data = merge_chunk(state.merged, chunk, lazy=True)
             state.pending_cat = True
         else:
-            if self.worker_type == "generation" and not finished:
-                codes = payload_audio_codes(chunk)
-                if codes is None or (hasattr(codes, "__len__") and len(codes) == 0):
-                    logger.debug("request %s: chunk without audio codes ignored", state.request_id)
-                    return
+            if self.worker_type == "generation" and not finished and not has_content(payload_audio_codes(chunk)):
+                logger.debug("request %s: chunk without audio codes ignored", state.request_id)
+                return
             data = chunk
         cached = state.cached
         if is_dict and state.has_cached and isinstance(cached, dict):

@@ -430,6 +430,15 @@ class Receiver:
         self.stats["arrivals"] += 1
         return result.data
 
+    def _fail_taken(self, state: RequestState, index: int) -> list[str]:
+        """Lock held: chunk ``index`` of ``state`` was taken (consumed) but is unusable: fail the request.
+
+        Its later chunks are cleaned from ``index + 1`` on (the cleanup scan stops at the first
+        missing key, and chunk ``index`` is gone already).
+        """
+        state.next_recv_chunk = index + 1
+        return self._handler.on_failure(state, timed_out=False)
+
     def _deliver(
         self, taken: list[tuple[RequestState, int, str, Any]], pending: dict[str, tuple[RequestState, int]] | None = None
     ) -> None:
@@ -448,9 +457,15 @@ class Receiver:
                 if not (state.registered and state.next_recv_chunk == index and registry.get(state.request_id) is state):
                     logger.debug("dropping %s: request %s is gone or moved on", key, state.request_id)
                 elif data is _UNDECODABLE:
-                    cleanup += handler.on_failure(state, timed_out=False)
+                    cleanup += self._fail_taken(state, index)
                 else:
-                    handler.on_payload(state, data)
+                    try:
+                        handler.on_payload(state, data)
+                    except Exception:
+                        # a payload that decodes but breaks the payload rules (untrusted bytes): this
+                        # request failed; the others in the batch, already taken from the connector, go on
+                        logger.error("payload under %s is malformed; request %s reported failed", key, state.request_id, exc_info=True)
+                        cleanup += self._fail_taken(state, index)
                 if pending is not None:
                     pending.pop(key, None)
                     if state.registered and handler.pollable(state):

@@ -116,6 +116,20 @@ def test_undecodable_payload_fails_the_request(runtimes: list, namespace: str) -
     assert c.active_request_count() == 0 and conn.keys() == []
 
 
+def test_undecodable_chunk_mid_stream_frees_the_chunks_after_it(runtimes: list, namespace: str) -> None:
+    """Chunk 1 is consumed and unusable: the cleanup of the failed request starts at chunk 2 (a scan
+    from chunk 1 would stop at once, it is gone, and leave chunk 2 behind)."""
+    conn = RawConnector(MemoryConfig(namespace=namespace))
+    conn.put(0, 1, "r_0_0", {"ids": {"prompt": [0]}, "meta": {"finished": False}})
+    conn.inject_bad("r_0_1")
+    conn.put(0, 1, "r_0_2", {"ids": {"prompt": [2]}, "meta": {"finished": True}})
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    runtimes.append(c)
+    c.register_chunk_recv(Req("r"))
+    collect_until(c, lambda s: bool(s.failed))
+    assert c.active_request_count() == 0 and conn.keys() == []
+
+
 def test_shutdown_stops_threads_and_closes_connector(namespace: str) -> None:
     c = make_runtime(1, namespace, async_chunk=True, tuning=RuntimeTuning(join_timeout_s=20.0))  # generous: a starved CI box is slow, not wrong
     c.register_chunk_recv(Req("r"))

@@ -9,6 +9,7 @@ import rt_builders
 import torch
 from rt_helpers import PollOnlyConnector, Req, collect_until, make_runtime, wait_until
 
+from omni_plugins import create_connector
 from omni_plugins.memory import MemoryConfig
 
 STREAM = {"async_chunk": True, "custom_process_next_stage_input_func": "rt_builders.stream"}
@@ -242,3 +243,51 @@ def test_accumulation_buffer_kept_until_the_stream_finishes(runtimes: list, name
     p.send_chunk(req, {"embed": {"decode": torch.ones(1, 2)}})
     collect_until(c, lambda s: "r" in s.chunk_finished)
     assert "r" not in c.request_payload
+
+
+@pytest.mark.parametrize("poison", ["override_keys", "unhashable"])
+def test_a_malformed_chunk_fails_its_request_only(poison: str, runtimes: list, namespace: str) -> None:
+    """Chunks come from another process: one that decodes but breaks the payload rules fails its own
+    request; the chunks of other requests taken in the same batch are still delivered."""
+    producer = create_connector("memory", {"namespace": namespace})
+    ids = ["h0", "evil", "h1", "h2"]
+    bad = [{}] if poison == "unhashable" else [["embed", "decode", "extra"]]
+    try:
+        for i in range(3):
+            for rid in ids:
+                meta: dict = {"finished": i == 2}
+                if rid == "evil" and i == 1:
+                    meta["override_keys"] = bad
+                producer.put(0, 1, f"{rid}_0_{i}", {"embed": {"decode": torch.full((1, 2), float(i))}, "meta": meta})
+        c = make_runtime(1, namespace, async_chunk=True, recv_timeout_s=30)
+        runtimes.append(c)
+        for rid in ids:  # everything is already there: the receive thread takes it in batches
+            assert c.register_chunk_recv(Req(rid))
+        finished: set[str] = set()
+        failed: set[str] = set()
+
+        def done(sig: object) -> bool:
+            finished.update(sig.chunk_finished)  # type: ignore[attr-defined]
+            failed.update(sig.failed)  # type: ignore[attr-defined]
+            return len(finished) + len(failed) == len(ids)
+
+        collect_until(c, done)
+        assert failed == {"evil"}
+        assert finished == {"h0", "h1", "h2"}
+        for rid in ("h0", "h1", "h2"):
+            assert c.get_local_stage_payload(rid)["embed"]["decode"][:, 0].tolist() == [0.0, 1.0, 2.0]
+            c.cleanup_finished_request(rid)
+        c.cleanup_finished_request("evil")
+        assert c.active_request_count() == 0
+        assert producer.health()["keys"] == 0  # evil's unread chunk 2 was cleaned up too
+    finally:
+        producer.close()
+
+
+def test_generation_worker_takes_a_scalar_code_tensor(runtimes: list, namespace: str) -> None:
+    """A 0-d ``codes.audio`` tensor is content (one code), not a crash of the receive thread."""
+    p, c = _pair(runtimes, namespace, worker="generation")
+    c.register_chunk_recv(Req("g"))
+    p.send_chunk(Req("g"), {"codes": {"audio": torch.tensor(7)}})
+    wait_until(lambda: c.recv_chunk())
+    assert c.get_local_stage_payload("g")["codes"]["audio"].item() == 7
