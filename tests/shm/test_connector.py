@@ -21,7 +21,7 @@ from omni_plugins_shm.segments.pool import size_class
 from omni_plugins_shm.testing import make_payload, namespace_segments, payload_matches, segment_path
 
 from omni_plugins import create_connector
-from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
+from omni_plugins.errors import ConfigError, ConnectorError, CorruptPayloadError, WireFormatError
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -196,8 +196,34 @@ def test_segment_for_another_key_is_rejected(file_pair: Any, namespace: str) -> 
     producer, consumer = file_pair
     producer.put(0, 1, "one", {"v": 1})
     os.rename(segment_path(Names(namespace).published("one")), segment_path(Names(namespace).published("two")))
-    with pytest.raises(ConnectorError, match="different key"):
+    with pytest.raises(CorruptPayloadError, match="different key"):  # typed: the runtime fails the request at once
         consumer.get(0, 1, "two")
+
+
+def test_a_directory_at_a_key_is_a_typed_error_and_removed(file_pair: Any, namespace: str) -> None:
+    _, consumer = file_pair
+    path = segment_path(Names(namespace).published("d"))
+    os.mkdir(path, 0o700)
+    with pytest.raises(CorruptPayloadError, match="not a regular file"):
+        consumer.get(0, 1, "d")
+    assert not os.path.lexists(path) and _only(namespace, "c") == []  # no claimed directory left behind
+
+
+def test_a_pooled_segment_naming_a_stranger_is_unlinked_not_returned(file_pair: Any, namespace: str) -> None:
+    """A (crafted) header naming an owner that is not an open instance: after the get the segment is
+    unlinked, not renamed to an ``f.`` name of that owner that nobody would ever free."""
+    from omni_plugins_shm.proc import Owner
+
+    producer, consumer = file_pair
+    producer.put(0, 1, "k", make_payload(1, 8 * KIB))
+    path = segment_path(Names(namespace).published("k"))
+    header = gc.read_header(path)
+    assert header is not None and header.pooled
+    with open(path, "r+b") as fh:
+        fh.write(header._replace(owner=Owner(1, 12345, 0xDEADBEEF), seg_no=7).pack())
+    got = consumer.get(0, 1, "k")
+    assert got is not None and payload_matches(got.data, 1, 8 * KIB)
+    assert [n for n in namespace_segments(namespace) if "deadbeef" in n] == []
 
 
 @pytest.mark.parametrize("zero_copy", [False, True])
@@ -307,7 +333,7 @@ def test_symlink_at_a_key_is_rejected_without_following_it(pair: Any, namespace:
     target.write_bytes(b"OMNISHM\x01" + bytes(4096))
     link = segment_path(Names(namespace).published("ln"))
     os.symlink(target, link)
-    with pytest.raises(ConnectorError, match="not a regular file"):
+    with pytest.raises(CorruptPayloadError, match="not a regular file"):
         consumer.get(0, 1, "ln")
     assert target.exists() and not os.path.lexists(link)
 

@@ -27,7 +27,7 @@ from omni_plugins_shm.testing import (
 )
 
 from omni_plugins import create_connector, wire
-from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
+from omni_plugins.errors import ConfigError, ConnectorError, CorruptPayloadError, WireFormatError
 from omni_plugins.testing import ConnectorContract
 
 pytestmark = pytest.mark.skipif(not wakeslots.available(), reason="the slot table needs the C extension")
@@ -317,11 +317,24 @@ def test_corrupt_slot_gives_clear_errors(namespace: str) -> None:
 
         mm[at(b"len") + 20 : at(b"len") + 24] = (1 << 31).to_bytes(4, "little")  # payload length > slot size
         mm[at(b"bytes") + slots.SLOT_HEADER : at(b"bytes") + slots.SLOT_HEADER + 64] = b"\xff" * 64  # garbage encoding
-        with pytest.raises(ConnectorError, match=r"'len'.*corrupt"):
+        with pytest.raises(CorruptPayloadError, match=r"'len'.*corrupt"):
             b.get(0, 1, "len", timeout=1)
         with pytest.raises(WireFormatError, match="'bytes'"):
             b.get(0, 1, "bytes", timeout=1)
         assert _busy(a) == []  # both slots freed, nothing lost but the corrupt payloads
+
+
+def test_a_damaged_table_header_gives_typed_errors_and_close_still_releases(namespace: str) -> None:
+    a = create_connector("shm", _config(namespace))
+    b = create_connector("shm", _config(namespace))
+    a.put(0, 1, "k", make_payload(1, KIB))
+    a._slots.mm[0:4] = b"XXXX"  # type: ignore[attr-defined]  # the table's magic
+    with pytest.raises(CorruptPayloadError):
+        b.get(0, 1, "k", timeout=1)
+    with pytest.raises(ConnectorError, match=r"damaged.*shm gc"):
+        a.put(0, 1, "after", make_payload(2, KIB))
+    a.close()  # no ValueError: the rest is released regardless
+    b.close()  # the namespace (table, wake file, publish directory) is gone: the fixture checks
 
 
 def test_ttl_expires_slot_payloads_and_gc_ttl(namespace: str) -> None:

@@ -14,6 +14,7 @@ Nothing travels from ``put`` to ``get`` but the key. See ``docs/shm.md``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -31,7 +32,7 @@ import torch
 
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
-from omni_plugins.errors import ConfigError, ConnectorError, WireFormatError
+from omni_plugins.errors import ConfigError, ConnectorError, CorruptPayloadError, WireFormatError
 from omni_plugins_shm import gc, modes, pubdir, wakeslots
 from omni_plugins_shm.config import ShmConfig
 from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
@@ -181,10 +182,15 @@ class ShmConnector(Connector):
         if slots is None or self._closed or self._expiry is not None or CurrentPid.value != self._pid:
             return super().put(from_stage, to_stage, key, data)
         encoder = wire.native_c_api()
-        got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
-        if got >= 0:
-            return _put_ok((True, got, None))
-        return self._put_declined(slots, key, data, got, None)
+        try:
+            got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
+            if got >= 0:
+                return _put_ok((True, got, None))
+            return self._put_declined(slots, key, data, got, None)
+        except WireFormatError:
+            raise
+        except ValueError as exc:  # the C table refuses a damaged mapping (its header checks)
+            raise self._table_damaged(key, exc) from exc
 
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
         if CurrentPid.value != self._pid:
@@ -197,10 +203,21 @@ class ShmConnector(Connector):
             return self._put_file(key, wire.encode(data), expiry, None)
         # the slot table: one C call (reserve, encode straight into the slot, replace, publish, ring)
         encoder = wire.native_c_api()
-        got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
-        if got >= 0:
-            return _put_ok((True, got, None))
-        return self._put_declined(slots, key, data, got, expiry)
+        try:
+            got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
+            if got >= 0:
+                return _put_ok((True, got, None))
+            return self._put_declined(slots, key, data, got, expiry)
+        except WireFormatError:
+            raise
+        except ValueError as exc:  # the C table refuses a damaged mapping (its header checks)
+            raise self._table_damaged(key, exc) from exc
+
+    def _table_damaged(self, key: str, exc: ValueError) -> ConnectorError:
+        return ConnectorError(
+            f"shm put of key {key!r}: the slot table of namespace {self.config.namespace!r} in {self._pubdir} is damaged ({exc}); "
+            f"stop its instances and run 'omni-plugins shm gc --namespace {self.config.namespace}'"
+        )
 
     def _put_declined(self, slots: SlotTable, key: str, data: Any, got: int, expiry: Expiry | None) -> PutResult:
         """``put`` after the slot table's ``put_obj`` declined (``got`` < 0): the Python encoder, then a slot or the file path."""
@@ -410,7 +427,7 @@ class ShmConnector(Connector):
         """A ``take`` that raised: the error, unless another thread closed the connector (and its mappings) meanwhile."""
         if self._closed:
             return None
-        raise ConnectorError(f"shm slot for key {key!r} in {self._pubdir} (namespace {self.config.namespace!r}) is invalid: {exc}") from exc
+        raise CorruptPayloadError(f"shm slot for key {key!r} in {self._pubdir} (namespace {self.config.namespace!r}) is invalid: {exc}") from exc
 
     def _current_slots(self, slots: SlotTable) -> SlotTable:
         """``slots``, or a freshly opened table if ``gc --all`` removed it while we waited (checked after each sleep).
@@ -543,9 +560,16 @@ class ShmConnector(Connector):
             raise ConnectorError(f"shm get: cannot claim {os.path.basename(published_path)!r} in {self._dir}: {exc}") from exc
         return claim
 
-    def _invalid(self, claim: str, key: str, why: str) -> ConnectorError:
-        unlink_quiet(claim)
-        return ConnectorError(
+    def _invalid(self, claim: str, key: str, why: str) -> CorruptPayloadError:
+        """Remove what was claimed under ``key`` (a file, or an empty directory planted there) and say why."""
+        try:
+            unlink_quiet(claim)
+        except IsADirectoryError:
+            with contextlib.suppress(OSError):
+                os.rmdir(claim)
+        except OSError:
+            pass
+        return CorruptPayloadError(
             f"shm segment for key {key!r} in {self._dir} (namespace {self.config.namespace!r}) is invalid: {why}; removed it"
         )
 
@@ -678,7 +702,10 @@ class ShmConnector(Connector):
         self._notifier.close()
         self._free_unconsumed()
         for table in [*self._retired, *([self._slots] if self._slots is not None else [])]:
-            table.free_mine()
+            try:
+                table.free_mine()
+            except ValueError as exc:  # a damaged table header: release the rest regardless
+                log.warning("shm namespace %r: slot table is damaged (%s); this instance's slots were not freed", self.config.namespace, exc)
             table.close()  # removes the table if no other live instance holds it
         self._pool.close()
         self._maps.clear()
@@ -751,8 +778,14 @@ def _return_segment(directory: str, names: Names, claim: str, header: Header, ma
             ident = (header.owner, header.seg_no)
             if mapping.free_for != ident:
                 mapping.free_for = ident
-                mapping.free_path = f"{directory}/{names.free(header.owner.token, header.seg_no)}"
+                # back only to an instance that is open (its marker exists): a header naming anyone
+                # else (crafted, or an owner gone without closing) would leave an f. file nobody frees
+                marker = f"{directory}/{names.publish_dir}/{names.marker(header.owner.token)}"
+                mapping.free_path = f"{directory}/{names.free(header.owner.token, header.seg_no)}" if os.path.exists(marker) else None
             free = mapping.free_path
+            if free is None:
+                unlink_quiet(claim)
+                return
             try:
                 os.rename(claim, free)
             except FileNotFoundError:

@@ -44,7 +44,7 @@ class Mapping:
     #: ``(owner token, segment number)`` and the ``f.`` path a consumer returns this segment to
     #: (fixed for a pooled segment's life; cached because it is built on every return)
     free_for: tuple[Owner, int] | None = None
-    free_path: str = ""
+    free_path: str | None = None  #: where the segment goes back to its owner; None: unlink it (owner not open)
     view: memoryview = field(init=False)
 
     def __post_init__(self) -> None:
