@@ -8,6 +8,7 @@ header can never make the decoder allocate more than the buffer it was given.
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 import zlib
@@ -38,6 +39,7 @@ _from_numpy = torch.from_numpy
 _ALIGN_MASK = ALIGNMENT - 1
 _NESTED = (dict, list)
 _MAX_EXTENT = 2**62  # below numpy's intp limit for size x itemsize
+_GC_PAUSE_HEADER_BYTES = 1 << 20  # headers above this are parsed with the cyclic GC paused
 
 # torch warns (once per process) when a tensor is built over read-only memory. The
 # decoder documents that such views must not be written, so the first read-only decode
@@ -268,15 +270,27 @@ def decode_py(buffer: Any, copy: bool, limits: Limits) -> Any:
     header = mv[PREFIX_SIZE : PREFIX_SIZE + hlen]
     if zlib.crc32(header) != crc:
         raise WireFormatError("header checksum mismatch (corrupted or truncated header)")
+    # A big header can hold millions of tiny containers; the cyclic GC, triggered again and again
+    # while msgpack allocates them, made a crafted 6 MiB header cost seconds. msgpack holds the GIL
+    # throughout, so pausing the collector here is invisible to other threads.
+    pause_gc = hlen > _GC_PAUSE_HEADER_BYTES and gc.isenabled()
+    if pause_gc:
+        gc.disable()
     try:
         doc = _unpackb(header, max_array_len=limits.max_items, max_map_len=limits.max_items, max_ext_len=0, ext_hook=_ext_hook)
     except WireFormatError:
         raise
     except Exception as exc:
         raise WireFormatError(f"header is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    finally:
+        if pause_gc:
+            gc.enable()
     if type(doc) is not list or len(doc) != 2:
         raise WireFormatError("header is not a [tree, table] pair")
     tree, raw_table = doc
+    if type(raw_table) is list and type(tree) in _NESTED and limits.max_depth >= 1 and len(raw_table) + len(tree) > limits.max_items:
+        # what the builder's first step would say, before a per-row check of a table that cannot pass
+        raise WireFormatError(f"more than max_items={limits.max_items} elements")
     table = _check_table(raw_table, data_start, total, limits)
     builder = _Builder(mv, table, copy, limits)
     obj = builder._dict(tree, 0) if type(tree) is dict else builder.walk(tree, 0)

@@ -1067,6 +1067,19 @@ static int read_array(const unsigned char **pp, const unsigned char *end, uint64
     return 0;
 }
 
+/* Whether the Python builder's first step would exceed the item budget: it enters the root
+ * container (depth 1) with the table's rows already counted, and adds the root's length. */
+static int root_over_budget(const unsigned char *tree, const unsigned char *end, Py_ssize_t nrows, const CLimits *lim) {
+    if (tree >= end || lim->max_depth < 1) return 0;
+    unsigned int b = *tree;
+    uint64_t n;
+    if (b >= 0x80 && b <= 0x8f) n = b & 0x0f;
+    else if (b == 0xde && end - tree >= 3) n = get_be16(tree + 1);
+    else if (b == 0xdf && end - tree >= 5) n = get_be32(tree + 1);
+    else if (read_array(&tree, end, &n) != 0) return 0;
+    return (uint64_t)nrows + n > (uint64_t)lim->max_items;
+}
+
 static void free_rows(Row *rows, Py_ssize_t n) {
     if (rows == NULL) return;
     for (Py_ssize_t i = 0; i < n; i++) Py_XDECREF(rows[i].shape);
@@ -1497,9 +1510,20 @@ static PyObject *native_decode(PyObject *self, PyObject *const *args, Py_ssize_t
     d.mv = mv;
     d.data = base;
     d.items = d.nrows;
+    /* Two rejections the Python decoder would reach too, made here so that a crafted table (a
+     * million rows nobody references) costs no second, Python-object parse of the header. */
+    if (root_over_budget(tree, d.end, d.nrows, &d.lim)) {
+        wire_error("more than max_items=%zd elements", d.lim.max_items);
+        goto done;
+    }
     p = tree;
     result = build(&d, &p, 0);
-    if (result != NULL && (p != table || d.next_ref != d.nrows)) Py_CLEAR(result);
+    if (result != NULL && p == table && d.next_ref != d.nrows) {
+        Py_CLEAR(result);
+        wire_error("header references %zd buffers but the table has %zd", d.next_ref, d.nrows);
+        goto done;
+    }
+    if (result != NULL && p != table) Py_CLEAR(result);
     if (result == NULL) {
         if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_Exception)) goto done; /* KeyboardInterrupt & co */
         PyErr_Clear();

@@ -617,3 +617,23 @@ def test_no_reference_or_memory_leaks() -> None:
     after = [sys.getrefcount(o) for o in watched]
     assert [a - b for a, b in zip(after, before, strict=True)] == [0] * len(watched)
     assert grown < 64 * 1024, f"traced memory grew by {grown} bytes over 500 rounds"
+
+
+@needs_native
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_a_long_unreferenced_table_is_refused_without_a_second_parse(impl: str) -> None:
+    """A crafted table (rows nobody references) must not cost a Python-object parse on top of the
+    compiled one: the compiled decoder rejects it itself (no DEFER), with the Python decoder's message."""
+    limits = wire.Limits(max_items=64)
+    empty_u8 = [U8, 0, 0, [0]]
+    over_budget = forge([REF], [empty_u8] * 64)  # 64 rows + the root list's 1 item > 64
+    unreferenced = forge([REF], [empty_u8] * 8)  # fits the budget; 1 ref, 8 rows
+    cases = [(over_budget, "more than max_items=64"), (unreferenced, "references 1 buffers but the table has 8")]
+    for message, why in cases:
+        if impl == "native":
+            native = _codec._NATIVE_MODULE
+            with pytest.raises(WireFormatError, match=why):
+                native.decode(message, False, limits)  # raised, not DEFER handed to the Python decoder
+        else:
+            with _codec.use("python"), pytest.raises(WireFormatError, match=why):
+                wire.decode(message, limits=limits)
