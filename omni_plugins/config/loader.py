@@ -48,7 +48,6 @@ class _Doc:
         self._nodes = 0
         self._open: set[int] = set()  # ids of the nodes being built (a recursive alias comes back to one)
         self._constructor = yaml.constructor.SafeConstructor()  # one per document: scalars are built with it
-        self._resolver = yaml.resolver.Resolver()
         try:
             node = yaml.compose(text, Loader=_COMPOSER)
             if node is not None:
@@ -98,19 +97,16 @@ class _Doc:
         value = self._constructor.construct_object(node)
         if isinstance(value, str) and "$" in value:
             try:
-                text = interpolate(value, env)
+                # the result stays a string: YAML typing applies to what the file says, not to a
+                # variable's value (REDIS_PASSWORD=123456 or =null must not turn into an int or
+                # None, OMNI_SHM_NAMESPACE=2024 not into an int); fields that take numbers convert
+                # numeric strings (port: ${PORT:-6379}). Nor does substituted text ever become YAML
+                # structure: no lists, maps or aliases smuggled in through a variable.
+                value = interpolate(value, env)
             except MissingVariableError as exc:
                 raise ConfigError(
                     f"{self.where(loc)}: environment variable ${{{exc.variable}}} is not set (use ${{{exc.variable}:-default}} for a default)"
                 ) from None
-            # re-resolve the scalar's type after substitution (e.g. "${PORT}" -> 6379). Only the
-            # type: substituted text never becomes YAML structure (no lists, maps or aliases
-            # smuggled in through a variable, no alias bomb behind the node limit).
-            if getattr(node, "style", None) in (None, "") and text != value:
-                tag = self._resolver.resolve(yaml.ScalarNode, text, (True, False))
-                value = self._constructor.construct_object(yaml.ScalarNode(tag, text, node.start_mark, node.end_mark))
-            else:
-                value = text
         return value
 
     def line_of(self, loc: Loc) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,9 +81,9 @@ def test_interpolation_uses_env_and_types(tmp_path: Path) -> None:
     assert literal.stages[0].model_stage == "cost$5"
 
 
-def test_interpolation_retypes_scalars_but_never_builds_structure() -> None:
-    """A substituted value is re-typed as a scalar (int, bool, float, null) and never parsed as YAML
-    structure: a variable cannot smuggle in a list, a map or an alias bomb past the node limit."""
+def test_interpolated_scalars_never_build_structure() -> None:
+    """A substituted value is never parsed as YAML structure: a variable cannot smuggle in a list, a
+    map or an alias bomb past the node limit."""
     bomb = "[&a [1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]]"
     text = "".join(
         f"  - stage_id: {sid}\n    model_stage: {ms}\n    final_output: ${{B}}\n"
@@ -91,6 +92,43 @@ def test_interpolation_retypes_scalars_but_never_builds_structure() -> None:
     cfg = parse_pipeline_config("stages:\n" + text, env={"A": "0", "B": "true", "C": bomb, "D": "{k: v}", "E": "[1]"})
     assert [s.stage_id for s in cfg.stages] == [0, 1, 2] and all(s.final_output is True for s in cfg.stages)
     assert [s.model_stage for s in cfg.stages] == [bomb, "{k: v}", "x[1]y"]
+
+
+REDIS_SECRET = """
+connectors:
+  r:
+    name: redis
+    extra:
+      host: 127.0.0.1
+      password: ${REDIS_PASSWORD}
+      port: ${PORT:-6379}
+      tls: ${TLS:-false}
+  s:
+    name: shm
+    extra:
+      namespace: ${NS}
+stages:
+  - {stage_id: 0, output_connectors: {to_stage_1: r}}
+  - {stage_id: 1, input_connectors: {from_stage_0: r}}
+"""
+
+
+@pytest.mark.parametrize("secret", ["123456", "null", "~", "true", "0x1F", "1e3"])
+def test_interpolated_value_stays_a_string(secret: str) -> None:
+    """What a variable holds is not YAML: REDIS_PASSWORD=null must not silently mean 'no password'."""
+    cfg = parse_pipeline_config(REDIS_SECRET, env={"REDIS_PASSWORD": secret, "NS": "2024"}, check_builders=False)
+    assert cfg.connectors["r"].extra["password"] == secret
+    assert cfg.connectors["s"].extra == {"namespace": "2024"}
+
+
+def test_interpolated_numbers_still_validate_numeric_fields() -> None:
+    from omni_plugins.factory import validate_connector_config
+
+    cfg = parse_pipeline_config(REDIS_SECRET, env={"REDIS_PASSWORD": "pw", "NS": "n", "PORT": "6380", "TLS": "true"})
+    settings: Any = validate_connector_config("redis", cfg.connectors["r"].extra)
+    assert settings.port == 6380 and settings.tls is True
+    with pytest.raises(ConfigError, match="port"):
+        parse_pipeline_config(REDIS_SECRET, env={"REDIS_PASSWORD": "pw", "NS": "n", "PORT": "http"})
 
 
 def test_no_connector_config_means_none() -> None:
