@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from omni_plugins.config.interpolate import MissingVariableError, interpolate
+from omni_plugins.config.interpolate import MalformedReferenceError, MissingVariableError, interpolate
 from omni_plugins.config.models import PipelineConfig
 from omni_plugins.errors import ConfigError, OmniPluginsError
 
@@ -107,6 +107,8 @@ class _Doc:
                 raise ConfigError(
                     f"{self.where(loc)}: environment variable ${{{exc.variable}}} is not set (use ${{{exc.variable}:-default}} for a default)"
                 ) from None
+            except MalformedReferenceError as exc:
+                raise ConfigError(f"{self.where(loc)}: {exc}") from None
         return value
 
     def line_of(self, loc: Loc) -> int | None:

@@ -131,6 +131,21 @@ def test_interpolated_numbers_still_validate_numeric_fields() -> None:
         parse_pipeline_config(REDIS_SECRET, env={"REDIS_PASSWORD": "pw", "NS": "n", "PORT": "http"})
 
 
+@pytest.mark.parametrize("value", ["${REDIS_PASSWORD-}", "${Z:default}", "${Z", "${Z:-${A}}", "ok ${}", "${1Z}", "$$${Z"])
+def test_malformed_reference_is_an_error(value: str) -> None:
+    """Left as text, ``password: ${REDIS_PASSWORD-}`` would be a password of 18 characters."""
+    text = f"stages:\n  - stage_id: 0\n    model_stage: '{value}'\n"
+    with pytest.raises(ConfigError) as info:
+        parse_pipeline_config(text, filename="p.yaml", env={"A": "a", "Z": "z", "REDIS_PASSWORD": "pw"})
+    message = str(info.value)
+    assert message.startswith("p.yaml:3: stages[0].model_stage: malformed reference '${") and "${VAR:-default}" in message, message
+
+
+def test_escaped_reference_is_text() -> None:
+    cfg = parse_pipeline_config("stages:\n  - stage_id: 0\n    model_stage: '$${Z} $${Z:-x} $$${Z}'\n", env={"Z": "z"})
+    assert cfg.stages[0].model_stage == "${Z} ${Z:-x} $z"
+
+
 def test_no_connector_config_means_none() -> None:
     cfg = parse_pipeline_config("stages:\n  - {stage_id: 0}\n")
     assert cfg.stage_connector_config(0) is None
