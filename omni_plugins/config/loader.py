@@ -15,7 +15,7 @@ import yaml
 from pydantic import ValidationError
 
 from omni_plugins.config.interpolate import MalformedReferenceError, MissingVariableError, interpolate
-from omni_plugins.config.models import PipelineConfig
+from omni_plugins.config.models import GraphError, PipelineConfig
 from omni_plugins.errors import ConfigError, OmniPluginsError
 
 Loc = tuple[str | int, ...]
@@ -222,6 +222,13 @@ def _format_errors(exc: ValidationError, doc: _Doc, data: Any) -> str:
     lines = []
     for err in exc.errors():
         loc = tuple(err.get("loc", ()))
+        graph = err.get("ctx", {}).get("error")
+        if isinstance(graph, GraphError):  # a model-level check: each problem carries its own location
+            for problem in graph.problems:
+                ploc = (*loc, *problem.loc)
+                line = doc.line_of(ploc)
+                lines.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(ploc, data)}: {problem.message}")
+            continue
         msg = err.get("msg", "invalid").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             msg = f"unknown field {loc[-1]!r}" + _field_hint(loc, data)

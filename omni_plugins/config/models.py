@@ -8,11 +8,42 @@ is validated by the plugin's own model (:func:`validate_plugin_configs`).
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 _EDGE_RE = {"input": re.compile(r"^from_stage_(\d+)$"), "output": re.compile(r"^to_stage_(\d+)$")}
+
+Loc = tuple[str | int, ...]
+
+
+class GraphProblem(NamedTuple):
+    """One error of the stage graph: where it is (a pydantic-style location), the old prefix, the message."""
+
+    loc: Loc
+    where: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}" if self.where else self.message
+
+
+class GraphError(ValueError):
+    """The stage graph is invalid (references, duplicate ids, disagreeing edge ends, cycles).
+
+    Raised by a model-level validator, which pydantic reports at the top level; the YAML loader
+    reads :attr:`problems` (it is the ``ctx['error']`` of the pydantic error) to give each one its
+    own line and field.
+    """
+
+    def __init__(self, problems: list[GraphProblem]) -> None:
+        super().__init__("\n".join(map(str, problems)))
+        self.problems = problems
+
+
+def _edge_stage(key: str) -> int:
+    """N of an edge key ``from_stage_N`` / ``to_stage_N`` (already checked by the field validator)."""
+    return int(key.rsplit("_", 1)[1])
 
 
 class _Strict(BaseModel):
@@ -126,36 +157,57 @@ class PipelineConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_graph(self) -> PipelineConfig:
-        ids = [s.stage_id for s in self.stages]
-        dupes = sorted({i for i in ids if ids.count(i) > 1})
-        if dupes:
-            raise ValueError(f"duplicate stage_id {dupes}")
+        problems = self._graph_problems()
+        if problems:
+            raise GraphError(problems)
+        return self
+
+    def _graph_problems(self) -> list[GraphProblem]:
+        problems: list[GraphProblem] = []
+        first: dict[int, int] = {}
+        for i, s in enumerate(self.stages):
+            if s.stage_id in first:
+                problems.append(GraphProblem(("stages", i, "stage_id"), "", f"duplicate stage_id [{s.stage_id}] (also stages[{first[s.stage_id]}])"))
+            first.setdefault(s.stage_id, i)
         if self.default_connector is not None and self.default_connector not in self.connectors:
-            raise ValueError(
-                f"default_connector {self.default_connector!r} is not defined under 'connectors' (defined: {sorted(self.connectors)})"
+            problems.append(
+                GraphProblem(
+                    ("default_connector",),
+                    "",
+                    f"default_connector {self.default_connector!r} is not defined under 'connectors' (defined: {sorted(self.connectors)})",
+                )
             )
         by_id = {s.stage_id: s for s in self.stages}
-        for s in self.stages:
-            for kind, edges in (("input_connectors", s.input_stages()), ("output_connectors", s.output_stages())):
-                for other, instance in edges.items():
+        for i, s in enumerate(self.stages):
+            for kind in ("input_connectors", "output_connectors"):
+                for key, instance in getattr(s, kind).items():
+                    other = _edge_stage(key)
+                    loc: Loc = ("stages", i, kind, key)
                     where = f"stage {s.stage_id}: {kind}.{'from' if kind.startswith('input') else 'to'}_stage_{other}"
                     if instance not in self.connectors:
-                        raise ValueError(
-                            f"{where}: connector instance {instance!r} is not defined under 'connectors' (defined: {sorted(self.connectors)})"
+                        problems.append(
+                            GraphProblem(
+                                loc, where, f"connector instance {instance!r} is not defined under 'connectors' (defined: {sorted(self.connectors)})"
+                            )
                         )
                     if other not in by_id:
-                        raise ValueError(f"{where}: stage {other} does not exist (stages: {sorted(by_id)})")
-                    if other == s.stage_id:
-                        raise ValueError(f"{where}: a stage cannot connect to itself")
-            for other, instance in s.output_stages().items():
-                peer = by_id[other].input_stages().get(s.stage_id)
+                        problems.append(GraphProblem(loc, where, f"stage {other} does not exist (stages: {sorted(by_id)})"))
+                    elif other == s.stage_id:
+                        problems.append(GraphProblem(loc, where, "a stage cannot connect to itself"))
+            for key, instance in s.output_connectors.items():
+                other = _edge_stage(key)
+                peer = by_id[other].input_stages().get(s.stage_id) if other in by_id else None
                 if peer is not None and peer != instance:
-                    raise ValueError(
-                        f"stage {s.stage_id}: output_connectors.to_stage_{other} uses {instance!r} but stage {other}: "
-                        f"input_connectors.from_stage_{s.stage_id} uses {peer!r}; both ends of an edge must agree"
+                    problems.append(
+                        GraphProblem(
+                            ("stages", i, "output_connectors", key),
+                            f"stage {s.stage_id}: output_connectors.to_stage_{other}",
+                            f"uses {instance!r} but stage {other}: input_connectors.from_stage_{s.stage_id} uses {peer!r}; both ends of an edge must agree",
+                        )
                     )
-        self._check_acyclic()
-        return self
+        if not problems:
+            problems += self._cycle_problems()
+        return problems
 
     def edges(self) -> set[tuple[int, int]]:
         out: set[tuple[int, int]] = set()
@@ -164,25 +216,45 @@ class PipelineConfig(_Strict):
             out |= {(f, s.stage_id) for f in s.input_stages()}
         return out
 
-    def _check_acyclic(self) -> None:
+    def _cycle_problems(self) -> list[GraphProblem]:
         graph: dict[int, set[int]] = {s.stage_id: set() for s in self.stages}
         for a, b in self.edges():
             graph[a].add(b)
         state: dict[int, int] = {}
 
-        def visit(n: int, path: list[int]) -> None:
+        def visit(n: int, path: list[int]) -> GraphProblem | None:
             state[n] = 1
             for m in sorted(graph[n]):
                 if state.get(m) == 1:
                     cycle = [*path[path.index(m) :], m] if m in path else [n, m]
-                    raise ValueError(f"stage graph has a cycle: {' -> '.join(map(str, cycle))}")
+                    return GraphProblem(self._edge_loc(n, m), "", f"stage graph has a cycle: {' -> '.join(map(str, cycle))}")
                 if m not in state:
-                    visit(m, [*path, m])
+                    found = visit(m, [*path, m])
+                    if found is not None:
+                        return found
             state[n] = 2
+            return None
 
         for n in sorted(graph):
             if n not in state:
-                visit(n, [n])
+                found = visit(n, [n])
+                if found is not None:
+                    return [found]
+        return []
+
+    def _edge_loc(self, a: int, b: int) -> Loc:
+        """Where the edge ``a -> b`` is written: stage a's ``to_stage_b``, else stage b's ``from_stage_a``."""
+        for i, s in enumerate(self.stages):
+            if s.stage_id == a:
+                for key in s.output_connectors:
+                    if _edge_stage(key) == b:
+                        return ("stages", i, "output_connectors", key)
+        for i, s in enumerate(self.stages):
+            if s.stage_id == b:
+                for key in s.input_connectors:
+                    if _edge_stage(key) == a:
+                        return ("stages", i, "input_connectors", key)
+        return ("stages",)
 
     def stage(self, stage_id: int) -> StageConfig:
         for s in self.stages:

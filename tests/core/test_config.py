@@ -56,6 +56,49 @@ def test_error_names_line_and_stage() -> None:
     assert re.search(r"bad_rank_mapping_divisible\.yaml:5: stages\[0\] \(stage 0\)\.rank_mapping", str(info.value)), str(info.value)
 
 
+GRAPH = """\
+connectors:
+  c: {name: memory}
+  d: {name: memory}
+default_connector: c
+stages:
+  - stage_id: 0
+  - stage_id: 1
+  - stage_id: 2
+  - stage_id: 3
+    output_connectors:
+      to_stage_4: c
+"""
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expect"),
+    [
+        ("to_stage_4: c", "to_stage_4: nope", "p.yaml:11: stages[3] (stage 3).output_connectors.to_stage_4: connector instance 'nope' is not defined"),
+        ("", "", "p.yaml:11: stages[3] (stage 3).output_connectors.to_stage_4: stage 4 does not exist (stages: [0, 1, 2, 3])"),
+        ("stage_id: 2", "stage_id: 1", "p.yaml:8: stages[2] (stage 1).stage_id: duplicate stage_id [1] (also stages[1])"),
+        ("default_connector: c", "default_connector: e", "p.yaml:4: default_connector: default_connector 'e' is not defined"),
+        (
+            "  - stage_id: 1\n",
+            "  - stage_id: 1\n    input_connectors: {from_stage_3: d}\n",
+            "p.yaml:12: stages[3] (stage 3).output_connectors.to_stage_1: uses 'c' but stage 1: input_connectors.from_stage_3 uses 'd'",
+        ),
+        (
+            "  - stage_id: 1\n",
+            "  - stage_id: 1\n    output_connectors:\n      to_stage_3: c\n",
+            "p.yaml:13: stages[3] (stage 3).output_connectors.to_stage_1: stage graph has a cycle: 1 -> 3 -> 1",
+        ),
+    ],
+    ids=["undefined-instance", "no-such-stage", "duplicate-stage-id", "default-connector", "ends-disagree", "cycle"],
+)
+def test_graph_errors_name_line_and_edge(old: str, new: str, expect: str) -> None:
+    """Graph checks run on the whole model, yet each error names the line and path of what it is about."""
+    text = GRAPH if "to_stage_4" in expect else GRAPH.replace("to_stage_4: c", "to_stage_1: c")
+    with pytest.raises(ConfigError) as info:
+        parse_pipeline_config(text.replace(old, new), filename="p.yaml")
+    assert str(info.value).startswith(expect), str(info.value)
+
+
 def test_good_config_and_stage_connector_config(tmp_path: Path) -> None:
     path = tmp_path / "p.yaml"
     path.write_text(GOOD)
