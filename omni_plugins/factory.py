@@ -31,6 +31,22 @@ def format_validation_error(exc: ValidationError, *, prefix: str = "") -> str:
     return "; ".join(lines)
 
 
+class ConnectorConfigError(ConfigError):
+    """A connector's settings failed its plugin's config model.
+
+    Besides the one-line message, keeps what a caller needs to place each error itself (the YAML
+    loader gives every bad key inside ``extra`` its own line): the model, pydantic's ``errors``
+    (locations relative to the settings) and the connector/plugin description.
+    """
+
+    def __init__(self, message: str, *, connector: str, origin: str, model: type[BaseModel], errors: list[Any]) -> None:
+        super().__init__(message)
+        self.connector = connector
+        self.origin = origin
+        self.model = model
+        self.errors = errors
+
+
 def validate_connector_config(name: str, config: Mapping[str, Any] | BaseModel | None, *, where: str = "") -> BaseModel:
     """Phase two of validation: the plugin's own model checks ``extra``.
 
@@ -47,7 +63,9 @@ def validate_connector_config(name: str, config: Mapping[str, Any] | BaseModel |
     except ValidationError as exc:
         origin = f"plugin {spec.plugin!r}" + (f" ({spec.distribution} {spec.version})" if spec.distribution else "")
         fields = format_validation_error(exc, prefix=where)
-        raise ConfigError(f"invalid config for connector {spec.name!r} from {origin}: {fields}") from None
+        raise ConnectorConfigError(
+            f"invalid config for connector {spec.name!r} from {origin}: {fields}", connector=spec.name, origin=origin, model=model, errors=exc.errors()
+        ) from None
 
 
 def create_connector(name: str, config: Mapping[str, Any] | BaseModel | None = None) -> Connector:

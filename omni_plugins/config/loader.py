@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from omni_plugins.config.interpolate import MalformedReferenceError, MissingVariableError, interpolate
 from omni_plugins.config.models import GraphError, PipelineConfig
@@ -240,8 +240,6 @@ def _format_errors(exc: ValidationError, doc: _Doc, data: Any) -> str:
 
 
 def _field_hint(loc: Loc, data: Any) -> str:
-    import difflib
-
     from omni_plugins.config.models import ConnectorConfig, PipelineConfig, RankMapping, StageConfig
 
     model: Any = PipelineConfig
@@ -253,12 +251,33 @@ def _field_hint(loc: Loc, data: Any) -> str:
         elif p == "rank_mapping":
             model = RankMapping
     fields = list(getattr(model, "model_fields", {}))
-    close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else f" (allowed: {', '.join(fields)})"
+    return _close_match(str(loc[-1]), fields) or f" (allowed: {', '.join(fields)})"
+
+
+def _close_match(name: str, candidates: list[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest candidate, or ''."""
+    import difflib
+
+    close = difflib.get_close_matches(name, candidates, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _plugin_field_names(model: Any, path: Loc) -> list[str]:
+    """Field names (and alias choices) of ``model`` at ``path``, descending into nested models."""
+    for p in path:
+        field = getattr(model, "model_fields", {}).get(p) if isinstance(p, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            break
+        model = field.annotation
+    names: list[str] = []
+    for name, field in getattr(model, "model_fields", {}).items():
+        choices = getattr(field.validation_alias, "choices", None) or [field.validation_alias or field.alias]
+        names += [name, *(c for c in choices if isinstance(c, str) and c != name)]
+    return names
 
 
 def _check_plugins(config: PipelineConfig, doc: _Doc) -> list[str]:
-    from omni_plugins.factory import validate_connector_config
+    from omni_plugins.factory import ConnectorConfigError, validate_connector_config
 
     errors = []
     users: dict[str, list[int]] = {}
@@ -270,6 +289,20 @@ def _check_plugins(config: PipelineConfig, doc: _Doc) -> list[str]:
         used = f" (used by stage {', '.join(map(str, sorted(users[instance])))})" if instance in users else ""
         try:
             validate_connector_config(conn.name, conn.extra, where=f"connectors.{instance}.extra")
+        except ConnectorConfigError as exc:
+            # one line per bad key, at that key's line inside extra
+            about = f" [connector {exc.connector!r} from {exc.origin}{'; ' + used.strip(' ()') if used else ''}]"
+            for err in exc.errors:
+                eloc: Loc = (*loc, "extra", *err.get("loc", ()))
+                msg = err.get("msg", "invalid").removeprefix("Value error, ")
+                if err.get("type") == "extra_forbidden":
+                    key = str(eloc[-1])
+                    hint = _close_match(key, _plugin_field_names(exc.model, eloc[3:-1]))
+                    msg = f"unknown field {key!r}" + (hint or f" ('omni-plugins schema {conn.name}' lists the fields)")
+                elif err.get("type") == "missing":
+                    msg = f"required field {eloc[-1]!r} is missing"
+                line = doc.line_of(eloc)
+                errors.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(eloc, doc.data)}: {msg}{about}")
         except OmniPluginsError as exc:
             line = doc.line_of((*loc, "extra")) if "extra" in str(exc) else doc.line_of((*loc, "name"))
             errors.append(f"{doc.filename}{f':{line}' if line else ''}: connectors.{instance}{used}: {exc}")

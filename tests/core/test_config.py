@@ -189,6 +189,30 @@ def test_escaped_reference_is_text() -> None:
     assert cfg.stages[0].model_stage == "${Z} ${Z:-x} $z"
 
 
+def test_plugin_extra_errors_one_line_each_at_their_key_with_hint() -> None:
+    text = """\
+connectors:
+  r:
+    name: redis
+    extra:
+      key_prefix: "omni:"
+      chunk_bytes: -5
+      pool_sise: 4
+      frobnicate: 1
+stages:
+  - {stage_id: 0, output_connectors: {to_stage_1: r}}
+  - {stage_id: 1, input_connectors: {from_stage_0: r}}
+"""
+    with pytest.raises(ConfigError) as info:
+        parse_pipeline_config(text, filename="p.yaml")
+    lines = str(info.value).splitlines()
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("p.yaml:6: connectors.r.extra.chunk_bytes: Input should be greater than or equal to"), lines
+    assert lines[1].startswith("p.yaml:7: connectors.r.extra.pool_sise: unknown field 'pool_sise' (did you mean 'pool_size'?)"), lines
+    assert lines[2].startswith("p.yaml:8: connectors.r.extra.frobnicate: unknown field 'frobnicate' ('omni-plugins schema redis' lists"), lines
+    assert all("[connector 'redis' from plugin 'redis'" in line and "used by stage 0, 1]" in line for line in lines), lines
+
+
 def test_no_connector_config_means_none() -> None:
     cfg = parse_pipeline_config("stages:\n  - {stage_id: 0}\n")
     assert cfg.stage_connector_config(0) is None
