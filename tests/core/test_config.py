@@ -213,6 +213,13 @@ stages:
     assert all("[connector 'redis' from plugin 'redis'" in line and "used by stage 0, 1]" in line for line in lines), lines
 
 
+def test_non_utf8_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("stages:\n  - stage_id: 0\n    model_stage: caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:3: not UTF-8 text \(byte 0xe9 at offset 44\)"):
+        load_pipeline_config(path)
+
+
 def test_no_connector_config_means_none() -> None:
     cfg = parse_pipeline_config("stages:\n  - {stage_id: 0}\n")
     assert cfg.stage_connector_config(0) is None
