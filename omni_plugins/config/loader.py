@@ -38,6 +38,10 @@ _PEER_ENGINE_KEYS = (
 )
 
 
+#: the tag PyYAML's resolver gives a plain ``<<`` key
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
 class _Doc:
     """A parsed YAML document plus the line of every node, by path."""
 
@@ -81,7 +85,11 @@ class _Doc:
     def _build_collection(self, node: yaml.Node, loc: Loc, env: Mapping[str, str] | None) -> Any:
         if isinstance(node, yaml.MappingNode):
             out: dict[Any, Any] = {}
+            merges: list[yaml.Node] = []
             for k_node, v_node in node.value:
+                if k_node.tag == _MERGE_TAG:
+                    merges.append(v_node)
+                    continue
                 key = (
                     self._constructor.construct_object(k_node, deep=True)
                     if not isinstance(k_node, yaml.ScalarNode)
@@ -90,8 +98,32 @@ class _Doc:
                 if key in out:
                     raise ConfigError(f"{self.where((*loc, key))}: duplicate key {key!r}")
                 out[key] = self._build(v_node, (*loc, key), env)
-            return out
+            return {**self._merged(merges, loc, env, out), **out} if merges else out
         return [self._build(v, (*loc, i), env) for i, v in enumerate(node.value)]
+
+    def _merged(self, merges: list[yaml.Node], loc: Loc, env: Mapping[str, str] | None, own: dict[Any, Any]) -> dict[Any, Any]:
+        """The keys a mapping's ``<<: *a`` / ``<<: [*a, *b]`` bring in (its own keys win, then earlier mappings).
+
+        Built here rather than by PyYAML's ``flatten_mapping``, which copies node lists: merges of merges
+        would grow exponentially before the node limit sees them. A merged key's line is where it is
+        written (the anchored mapping).
+        """
+        sources: list[yaml.Node] = []
+        for m in merges:
+            items = m.value if isinstance(m, yaml.SequenceNode) else [m]
+            if not all(isinstance(i, yaml.MappingNode) for i in items):
+                raise ConfigError(f"{self.filename}:{m.start_mark.line + 1}: {format_loc(loc, None)}: '<<' (merge key) takes a mapping or a list of mappings")
+            sources += items
+        outer, self.lines = self.lines, {}
+        merged: dict[Any, Any] = {}
+        try:
+            for src in reversed(sources):
+                merged.update(self._build(src, loc, env))
+        finally:
+            built, self.lines = self.lines, outer
+        n = len(loc)
+        self.lines.update((path, line) for path, line in built.items() if len(path) > n and path[n] not in own)
+        return {k: v for k, v in merged.items() if k not in own}
 
     def _scalar(self, node: yaml.Node, loc: Loc, env: Mapping[str, str] | None) -> Any:
         value = self._constructor.construct_object(node)
@@ -208,7 +240,8 @@ def parse_pipeline_config(
     doc = _Doc(text, filename, env)
     if not isinstance(doc.data, dict):
         raise ConfigError(f"{filename}: the top level must be a mapping with 'connectors' and 'stages'")
-    data = _from_peer_layout(doc.data)
+    # x-* top-level keys are extension fields, ignored: a place for anchors used with merge keys (<<: *common)
+    data = _from_peer_layout({k: v for k, v in doc.data.items() if not (isinstance(k, str) and k.startswith("x-"))})
     try:
         config = PipelineConfig.model_validate(data)
     except ValidationError as exc:
@@ -237,6 +270,8 @@ def _format_errors(exc: ValidationError, doc: _Doc, data: Any) -> str:
         msg = err.get("msg", "invalid").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             msg = f"unknown field {loc[-1]!r}" + _field_hint(loc, data)
+            if len(loc) == 1:
+                msg += "; top-level keys starting with 'x-' are ignored (a place for YAML anchors)"
         elif err.get("type") == "missing":
             msg = f"required field {loc[-1]!r} is missing"
         line = doc.line_of(loc)

@@ -220,6 +220,46 @@ def test_non_utf8_file_is_a_config_error(tmp_path: Path) -> None:
         load_pipeline_config(path)
 
 
+MERGE = """\
+x-common: &common
+  async_chunk: true
+  tp_size: 2
+x-more: &more {tp_size: 3, model_stage: m}
+connectors:
+  c: {name: memory}
+stages:
+  - <<: [*common, *more]
+    stage_id: 0
+    output_connectors: {to_stage_1: c}
+  - <<: *more
+    stage_id: 1
+    tp_size: 4
+    input_connectors: {from_stage_0: c}
+"""
+
+
+def test_merge_keys() -> None:
+    """Own keys win over merged ones, earlier merged mappings over later ones; x-* keys are ignored."""
+    cfg = parse_pipeline_config(MERGE)
+    assert [(s.async_chunk, s.tp_size, s.model_stage) for s in cfg.stages] == [(True, 2, "m"), (False, 4, "m")]
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expect"),
+    [
+        ("tp_size: 2", "tp_size: 0", "p.yaml:3: stages[0] (stage 0).tp_size: Input should be greater than 0"),
+        ("model_stage: m}", "model_stage: m, bogus: 1}", "p.yaml:4: stages[0] (stage 0).bogus: unknown field 'bogus'"),
+        ("    tp_size: 4\n", "    tp_size: 4\n    tp_size: 5\n", "p.yaml:13: stages[1].tp_size: duplicate key 'tp_size'"),
+        ("  - <<: *more\n", "  - <<: [*more, 1]\n", "p.yaml:11: stages[1]: '<<' (merge key) takes a mapping or a list of mappings"),
+        ("x-more:", "more:", "p.yaml:4: more: unknown field 'more'"),
+    ],
+)
+def test_merge_key_errors_name_the_line(old: str, new: str, expect: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_pipeline_config(MERGE.replace(old, new), filename="p.yaml")
+    assert str(info.value).startswith(expect), str(info.value)
+
+
 def test_no_connector_config_means_none() -> None:
     cfg = parse_pipeline_config("stages:\n  - {stage_id: 0}\n")
     assert cfg.stage_connector_config(0) is None

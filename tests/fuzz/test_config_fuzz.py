@@ -85,6 +85,9 @@ def test_structured_documents(doc: dict[str, Any]) -> None:
         "stages: [{stage_id: 1" + "0" * 5000 + "}]",
         "stages: " + "[" * 1200 + "]" * 1200,
         "base: &b {stage_id: 0}\nstages: [{<<: *b}]",
+        "x-a: &a {k0: 1, k1: 1, k2: 1, k3: 1, k4: 1, k5: 1, k6: 1, k7: 1}\n"
+        + "".join(f"x-{i}: &{i} {{<<: [{', '.join([f'*{i - 1}' if i > 1 else '*a'] * 8)}]}}\n" for i in range(1, 12))
+        + "stages: [{stage_id: 0}]",
         "stages: !!python/object/apply:os.system ['true']",
         "stages: [{stage_id: 0, model_stage: ${WEIRD}}]",
         "\x00\x01",
@@ -99,6 +102,7 @@ def test_structured_documents(doc: dict[str, Any]) -> None:
         "huge-int",
         "deep",
         "merge-key",
+        "merge-bomb",
         "python-tag",
         "env-yaml",
         "control-chars",
