@@ -8,11 +8,39 @@ is validated by the plugin's own model (:func:`validate_plugin_configs`).
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, NamedTuple
+from typing import Annotated, Any, Literal, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
 
 _EDGE_RE = {"input": re.compile(r"^from_stage_(\d+)$"), "output": re.compile(r"^to_stage_(\d+)$")}
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+
+#: stage ids are small (they are in every key and edge name); a bound catches a mistyped id
+MAX_STAGE_ID = 9999
+
+
+def _int_from_text(v: Any) -> Any:
+    """A digit string (what ``${VAR}`` interpolation gives) as an int; anything else is left to strict validation."""
+    return int(v) if isinstance(v, str) and _INT_TEXT.fullmatch(v.strip()) else v
+
+
+def _bool_from_text(v: Any) -> Any:
+    """``"true"`` / ``"false"`` (what ``${VAR}`` interpolation gives) as a bool; not ``yes``, ``on``, ``1``."""
+    return {"true": True, "false": False}.get(v.strip().lower(), v) if isinstance(v, str) else v
+
+
+def _not_bool(v: Any) -> Any:
+    if isinstance(v, bool):
+        raise ValueError(f"Input should be a number, not a boolean ({str(v).lower()})")
+    return v
+
+
+#: an int that is not a bool (YAML ``true`` is not 1) nor a float; digit strings convert
+Int = Annotated[int, BeforeValidator(_int_from_text), Strict()]
+#: a bool that is YAML ``true``/``false`` (or that text), not ``yes``/``on``/``1``
+Bool = Annotated[bool, BeforeValidator(_bool_from_text), Strict()]
+#: a float that is not a bool; ints and numeric strings convert
+Float = Annotated[float, BeforeValidator(_not_bool)]
 
 Loc = tuple[str | int, ...]
 
@@ -67,8 +95,8 @@ class ConnectorConfig(_Strict):
 class RankMapping(_Strict):
     """Tensor-parallel sizes on both ends of an edge."""
 
-    from_tp: PositiveInt = 1
-    to_tp: PositiveInt = 1
+    from_tp: Int = Field(default=1, gt=0)
+    to_tp: Int = Field(default=1, gt=0)
 
     @model_validator(mode="after")
     def _divisible(self) -> RankMapping:
@@ -87,7 +115,7 @@ class StageConnectorConfig(_Strict):
 
     name: str
     extra: dict[str, Any] = Field(default_factory=dict)
-    to_stage: int | None = None
+    to_stage: Int | None = None
     rank_mapping: RankMapping = Field(default_factory=RankMapping)
 
     @field_validator("name")
@@ -110,22 +138,22 @@ class StageConnectorConfig(_Strict):
 class StageConfig(_Strict):
     """One stage of a pipeline."""
 
-    stage_id: int = Field(ge=0)
+    stage_id: Int = Field(ge=0, le=MAX_STAGE_ID)
     worker_type: Literal["ar", "generation"] = "ar"
-    async_chunk: bool = False
-    final_output: bool = False
+    async_chunk: Bool = False
+    final_output: Bool = False
     model_stage: str | None = None
     custom_process_input_func: str | None = None
     custom_process_next_stage_input_func: str | None = None
     input_connectors: dict[str, str] = Field(default_factory=dict, description="{from_stage_N: connector instance}")
     output_connectors: dict[str, str] = Field(default_factory=dict, description="{to_stage_N: connector instance}")
     rank_mapping: RankMapping | None = None
-    tp_size: PositiveInt = 1
-    kv_transfer: bool = False
+    tp_size: Int = Field(default=1, gt=0)
+    kv_transfer: Bool = False
     kv_layout: Literal["auto", "nhd", "hnd"] = Field(
         default="auto", description="paged KV cache layout; 'auto' refuses to guess when heads per rank equal the block size"
     )
-    recv_timeout_s: float = Field(default=300.0, gt=0, allow_inf_nan=False)
+    recv_timeout_s: Float = Field(default=300.0, gt=0, allow_inf_nan=False)
     synthetic: dict[str, Any] | None = Field(default=None, description="synthetic model description used by 'omni-plugins run'")
 
     @field_validator("input_connectors", "output_connectors")

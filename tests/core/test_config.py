@@ -260,6 +260,39 @@ def test_merge_key_errors_name_the_line(old: str, new: str, expect: str) -> None
     assert str(info.value).startswith(expect), str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("field", "expect"),
+    [
+        ("stage_id: true", "stage_id: Input should be a valid integer"),
+        ("stage_id: 2.0", "stage_id: Input should be a valid integer"),
+        ("stage_id: 99999999999999999999999", "stage_id: Input should be less than or equal to 9999"),
+        ("stage_id: 0, kv_transfer: 'yes'", "kv_transfer: Input should be a valid boolean"),
+        ("stage_id: 0, kv_transfer: 1", "kv_transfer: Input should be a valid boolean"),
+        ("stage_id: 0, final_output: 'on'", "final_output: Input should be a valid boolean"),
+        ("stage_id: 0, tp_size: true", "tp_size: Input should be a valid integer"),
+        ("stage_id: 0, rank_mapping: {from_tp: true}", "rank_mapping.from_tp: Input should be a valid integer"),
+        ("stage_id: 0, recv_timeout_s: true", "recv_timeout_s: Input should be a number, not a boolean"),
+    ],
+)
+def test_strict_types(field: str, expect: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expect)):
+        parse_pipeline_config(f"stages:\n  - {{{field}}}\n")
+
+
+def test_interpolated_text_fills_typed_fields() -> None:
+    """Interpolation gives strings; int, bool and float fields take their text forms (not bools / yes)."""
+    text = "stages:\n  - stage_id: ${ID}\n    tp_size: ${TP:-2}\n    kv_transfer: ${KV}\n    recv_timeout_s: ${T}\n"
+    s = parse_pipeline_config(text, env={"ID": "9999", "KV": "True", "T": "1.5"}).stages[0]
+    assert (s.stage_id, s.tp_size, s.kv_transfer, s.recv_timeout_s) == (9999, 2, True, 1.5)
+    with pytest.raises(ConfigError, match="kv_transfer: Input should be a valid boolean"):
+        parse_pipeline_config(text, env={"ID": "1", "KV": "yes", "T": "1"})
+    with pytest.raises(ConfigError, match="stage_id: Input should be a valid integer"):
+        parse_pipeline_config(text, env={"ID": "1.0", "KV": "false", "T": "1"})
+    assert StageConnectorConfig(name="memory", to_stage="3").to_stage == 3  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="valid integer"):
+        StageConnectorConfig(name="memory", to_stage=True)
+
+
 def test_no_connector_config_means_none() -> None:
     cfg = parse_pipeline_config("stages:\n  - {stage_id: 0}\n")
     assert cfg.stage_connector_config(0) is None
