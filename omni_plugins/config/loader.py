@@ -7,6 +7,7 @@ Errors name the file, the line, the stage and the field, e.g.::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,14 @@ _PEER_ENGINE_KEYS = (
     "custom_process_next_stage_input_func",
     "final_output",
 )
+
+#: keys of a vllm-omni stage that configure its engine, placement or sampling, not the transfer:
+#: ignored (with one warning) in a file in the peer layout
+_PEER_STAGE_ONLY = ("runtime", "stage_type", "is_comprehension", "final_output_type", "default_sampling_params", "engine_input_source")
+#: keys of vllm-omni's top-level ``runtime`` besides ``connectors``, ignored likewise
+_PEER_RUNTIME_ONLY = ("enabled", "defaults", "edges")
+
+logger = logging.getLogger(__name__)
 
 
 #: the tag PyYAML's resolver gives a plain ``<<`` key
@@ -182,15 +191,27 @@ def _has(node: dict[Any, Any] | list[Any], p: str | int) -> bool:
     return (p in node) if isinstance(node, dict) else (isinstance(p, int) and 0 <= p < len(node))
 
 
-def _from_peer_layout(data: dict[str, Any]) -> dict[str, Any]:
-    """Accept vllm-omni style files: ``stage_args`` for ``stages``, ``runtime.connectors``, ``engine_args`` keys."""
+def _from_peer_layout(data: dict[str, Any], filename: str) -> dict[str, Any]:
+    """Accept vllm-omni style files: ``stage_args`` for ``stages``, ``runtime.connectors``, ``engine_args`` keys.
+
+    In such a file (``stage_args`` or a top-level ``runtime``) the peer's keys that do not concern
+    the transfer (:data:`_PEER_STAGE_ONLY`, :data:`_PEER_RUNTIME_ONLY`) are dropped with one
+    warning listing them; any other unknown key stays an error.
+    """
     data = dict(data)
+    peer = "stage_args" in data or isinstance(data.get("runtime"), dict)
+    ignored: dict[str, list[Any]] = {}
     if "stage_args" in data and "stages" not in data:
         data["stages"] = data.pop("stage_args")
     runtime = data.get("runtime")
-    if isinstance(runtime, dict) and "connectors" in runtime and "connectors" not in data:
+    if isinstance(runtime, dict):
         runtime = dict(runtime)
-        data["connectors"] = runtime.pop("connectors")
+        if "connectors" in runtime and "connectors" not in data:
+            data["connectors"] = runtime.pop("connectors")
+        for k in _PEER_RUNTIME_ONLY:
+            if k in runtime:
+                del runtime[k]
+                ignored[f"runtime.{k}"] = []
         if runtime:
             data["runtime"] = runtime
         else:
@@ -198,15 +219,27 @@ def _from_peer_layout(data: dict[str, Any]) -> dict[str, Any]:
     stages = data.get("stages")
     if isinstance(stages, list):
         lifted = []
-        for st in stages:
+        for i, st in enumerate(stages):
             if isinstance(st, dict) and isinstance(st.get("engine_args"), dict):
                 st = dict(st)
                 engine = st.pop("engine_args")
                 for k in _PEER_ENGINE_KEYS:
                     if k in engine and k not in st:
                         st[k] = engine[k]
+            if peer and isinstance(st, dict) and any(k in st for k in _PEER_STAGE_ONLY):
+                st = dict(st)
+                for k in _PEER_STAGE_ONLY:
+                    if k in st:
+                        del st[k]
+                        ignored.setdefault(k, []).append(st.get("stage_id", f"[{i}]"))
             lifted.append(st)
         data["stages"] = lifted
+    if ignored:
+        logger.warning(
+            "%s: ignored vllm-omni settings that omni-plugins does not use: %s",
+            filename,
+            ", ".join(f"{k} (stage {', '.join(map(str, where))})" if where else k for k, where in ignored.items()),
+        )
     return data
 
 
@@ -241,7 +274,7 @@ def parse_pipeline_config(
     if not isinstance(doc.data, dict):
         raise ConfigError(f"{filename}: the top level must be a mapping with 'connectors' and 'stages'")
     # x-* top-level keys are extension fields, ignored: a place for anchors used with merge keys (<<: *common)
-    data = _from_peer_layout({k: v for k, v in doc.data.items() if not (isinstance(k, str) and k.startswith("x-"))})
+    data = _from_peer_layout({k: v for k, v in doc.data.items() if not (isinstance(k, str) and k.startswith("x-"))}, filename)
     try:
         config = PipelineConfig.model_validate(data)
     except ValidationError as exc:
@@ -268,6 +301,13 @@ def _format_errors(exc: ValidationError, doc: _Doc, data: Any) -> str:
                 lines.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(ploc, data)}: {problem.message}")
             continue
         msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden" and loc == ("runtime",) and isinstance(err.get("input"), dict):
+            for key in err["input"]:  # what is left of vllm-omni's runtime after connectors and the ignored keys
+                rloc = (*loc, key)
+                line = doc.line_of(rloc)
+                used = f"used: connectors; ignored: {', '.join(_PEER_RUNTIME_ONLY)}"
+                lines.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(rloc, data)}: unknown field {key!r} ({used})")
+            continue
         if err.get("type") == "extra_forbidden":
             msg = f"unknown field {loc[-1]!r}" + _field_hint(loc, data)
             if len(loc) == 1:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any
@@ -320,6 +321,60 @@ stage_args:
     cfg = parse_pipeline_config(text)
     assert [s.model_stage for s in cfg.stages] == ["thinker", "talker"]
     assert cfg.stages[1].async_chunk is True and cfg.stages[1].worker_type == "generation"
+
+
+PEER2 = """\
+stage_args:
+  - stage_id: 0
+    runtime: {process: true, devices: "0", max_batch_size: 1}
+    engine_args:
+      model_stage: thinker
+      worker_type: ar
+      gpu_memory_utilization: 0.8
+    is_comprehension: true
+    final_output: true
+    final_output_type: text
+    default_sampling_params: {temperature: 0.0}
+    output_connectors:
+      to_stage_1: connector_of_mooncake
+  - stage_id: 1
+    runtime: {process: true, devices: "1"}
+    engine_args: {model_stage: talker}
+    engine_input_source: [0]
+    custom_process_input_func: vllm_omni.model_executor.stage_input_processors.qwen2_5_omni.thinker2talker
+    input_connectors:
+      from_stage_0: connector_of_mooncake
+runtime:
+  enabled: true
+  defaults: {window_size: -1, max_inflight: 1}
+  connectors:
+    connector_of_mooncake:
+      name: MooncakeConnector
+      extra: {host: "127.0.0.1", metadata_server: "http://127.0.0.1:8080/metadata", master: "127.0.0.1:50051", segment: 512000000}
+    connector_of_shared_memory:
+      name: SharedMemoryConnector
+  edges:
+    - {from: 0, to: 1, window_size: -1}
+"""
+
+
+def test_peer_only_keys_are_ignored_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="omni_plugins.config.loader"):
+        cfg = parse_pipeline_config(PEER2, filename="peer2.yaml")
+    assert [(s.stage_id, s.model_stage, s.final_output) for s in cfg.stages] == [(0, "thinker", True), (1, "talker", False)]
+    assert sorted(cfg.connectors) == ["connector_of_mooncake", "connector_of_shared_memory"] and cfg.edges() == {(0, 1)}
+    [record] = caplog.records
+    for ignored in ("runtime.enabled", "runtime.defaults", "runtime.edges", "runtime (stage 0, 1)", "is_comprehension (stage 0)",
+                    "final_output_type (stage 0)", "default_sampling_params (stage 0)", "engine_input_source (stage 1)"):  # fmt: skip
+        assert ignored in record.getMessage(), record.getMessage()
+
+
+def test_peer_only_keys_are_errors_elsewhere() -> None:
+    """Outside the peer layout they are unknown fields; inside it, unknown runtime keys stay errors."""
+    with pytest.raises(ConfigError, match=r"p.yaml:2: stages\[0\] \(stage 0\).is_comprehension: unknown field"):
+        parse_pipeline_config("stages:\n  - {stage_id: 0, is_comprehension: true}\n", filename="p.yaml")
+    with pytest.raises(ConfigError, match=r"p.yaml:30: runtime.max_inflight: unknown field 'max_inflight' \(used: connectors; ignored:"):
+        parse_pipeline_config(PEER2.replace("  edges:", "  max_inflight: 1\n  edges:"), filename="p.yaml", check_plugins=False)
 
 
 def test_yaml_is_loaded_safely() -> None:
