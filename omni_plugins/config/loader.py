@@ -57,6 +57,8 @@ class _Doc:
     def __init__(self, text: str, filename: str, env: Mapping[str, str] | None) -> None:
         self.filename = filename
         self.lines: dict[Loc, int] = {}
+        #: where a validated location was written, by prefix: a peer-layout file's stages are its ``stage_args``
+        self.renames: dict[Loc, Loc] = {}
         self.data: Any = None
         self._nodes = 0
         self._open: set[int] = set()  # ids of the nodes being built (a recursive alias comes back to one)
@@ -159,7 +161,16 @@ class _Doc:
             loc = loc[:-1]
         return self.lines.get(())
 
+    def origin(self, loc: Loc) -> Loc:
+        """The location in the file of ``loc`` (a location in the data as validated)."""
+        for n in range(len(loc), 0, -1):
+            if loc[:n] in self.renames:
+                return (*self.renames[loc[:n]], *loc[n:])
+        return loc
+
     def where(self, loc: Loc) -> str:
+        """``file:line: path`` of ``loc``, both as written in the file."""
+        loc = self.origin(loc)
         line = self.line_of(loc)
         return f"{self.filename}{f':{line}' if line else ''}: {format_loc(loc, self.data)}"
 
@@ -173,7 +184,7 @@ def format_loc(loc: Loc, data: Any) -> str:
             label = f"[{p}]"
             if (
                 i > 0
-                and loc[i - 1] == "stages"
+                and loc[i - 1] in ("stages", "stage_args")
                 and isinstance(node, list)
                 and p < len(node)
                 and isinstance(node[p], dict)
@@ -191,23 +202,25 @@ def _has(node: dict[Any, Any] | list[Any], p: str | int) -> bool:
     return (p in node) if isinstance(node, dict) else (isinstance(p, int) and 0 <= p < len(node))
 
 
-def _from_peer_layout(data: dict[str, Any], filename: str) -> dict[str, Any]:
+def _from_peer_layout(data: dict[str, Any], filename: str, renames: dict[Loc, Loc]) -> dict[str, Any]:
     """Accept vllm-omni style files: ``stage_args`` for ``stages``, ``runtime.connectors``, ``engine_args`` keys.
 
     In such a file (``stage_args`` or a top-level ``runtime``) the peer's keys that do not concern
     the transfer (:data:`_PEER_STAGE_ONLY`, :data:`_PEER_RUNTIME_ONLY`) are dropped with one
-    warning listing them; any other unknown key stays an error.
+    warning listing them; any other unknown key stays an error. ``renames`` gets where each moved location was written.
     """
     data = dict(data)
     peer = "stage_args" in data or isinstance(data.get("runtime"), dict)
     ignored: dict[str, list[Any]] = {}
     if "stage_args" in data and "stages" not in data:
         data["stages"] = data.pop("stage_args")
+        renames[("stages",)] = ("stage_args",)
     runtime = data.get("runtime")
     if isinstance(runtime, dict):
         runtime = dict(runtime)
         if "connectors" in runtime and "connectors" not in data:
             data["connectors"] = runtime.pop("connectors")
+            renames[("connectors",)] = ("runtime", "connectors")
         for k in _PEER_RUNTIME_ONLY:
             if k in runtime:
                 del runtime[k]
@@ -226,6 +239,7 @@ def _from_peer_layout(data: dict[str, Any], filename: str) -> dict[str, Any]:
                 for k in _PEER_ENGINE_KEYS:
                     if k in engine and k not in st:
                         st[k] = engine[k]
+                        renames[("stages", i, k)] = (*renames.get(("stages",), ("stages",)), i, "engine_args", k)
             if peer and isinstance(st, dict) and any(k in st for k in _PEER_STAGE_ONLY):
                 st = dict(st)
                 for k in _PEER_STAGE_ONLY:
@@ -274,7 +288,7 @@ def parse_pipeline_config(
     if not isinstance(doc.data, dict):
         raise ConfigError(f"{filename}: the top level must be a mapping with 'connectors' and 'stages'")
     # x-* top-level keys are extension fields, ignored: a place for anchors used with merge keys (<<: *common)
-    data = _from_peer_layout({k: v for k, v in doc.data.items() if not (isinstance(k, str) and k.startswith("x-"))}, filename)
+    data = _from_peer_layout({k: v for k, v in doc.data.items() if not (isinstance(k, str) and k.startswith("x-"))}, filename, doc.renames)
     try:
         config = PipelineConfig.model_validate(data)
     except ValidationError as exc:
@@ -283,7 +297,7 @@ def parse_pipeline_config(
     if check_plugins:
         errors += _check_plugins(config, doc)
     if check_builders:
-        errors += _check_builders(config, doc, data)
+        errors += _check_builders(config, doc)
     if errors:
         raise ConfigError("\n".join(errors))
     return config
@@ -296,17 +310,13 @@ def _format_errors(exc: ValidationError, doc: _Doc, data: Any) -> str:
         graph = err.get("ctx", {}).get("error")
         if isinstance(graph, GraphError):  # a model-level check: each problem carries its own location
             for problem in graph.problems:
-                ploc = (*loc, *problem.loc)
-                line = doc.line_of(ploc)
-                lines.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(ploc, data)}: {problem.message}")
+                lines.append(f"{doc.where((*loc, *problem.loc))}: {problem.message}")
             continue
         msg = err.get("msg", "invalid").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden" and loc == ("runtime",) and isinstance(err.get("input"), dict):
             for key in err["input"]:  # what is left of vllm-omni's runtime after connectors and the ignored keys
-                rloc = (*loc, key)
-                line = doc.line_of(rloc)
                 used = f"used: connectors; ignored: {', '.join(_PEER_RUNTIME_ONLY)}"
-                lines.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(rloc, data)}: unknown field {key!r} ({used})")
+                lines.append(f"{doc.where((*loc, key))}: unknown field {key!r} ({used})")
             continue
         if err.get("type") == "extra_forbidden":
             msg = f"unknown field {loc[-1]!r}" + _field_hint(loc, data)
@@ -314,8 +324,7 @@ def _format_errors(exc: ValidationError, doc: _Doc, data: Any) -> str:
                 msg += "; top-level keys starting with 'x-' are ignored (a place for YAML anchors)"
         elif err.get("type") == "missing":
             msg = f"required field {loc[-1]!r} is missing"
-        line = doc.line_of(loc)
-        lines.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(loc, data)}: {msg}")
+        lines.append(f"{doc.where(loc)}: {msg}")
     return "\n".join(lines)
 
 
@@ -381,15 +390,14 @@ def _check_plugins(config: PipelineConfig, doc: _Doc) -> list[str]:
                     msg = f"unknown field {key!r}" + (hint or f" ('omni-plugins schema {conn.name}' lists the fields)")
                 elif err.get("type") == "missing":
                     msg = f"required field {eloc[-1]!r} is missing"
-                line = doc.line_of(eloc)
-                errors.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(eloc, doc.data)}: {msg}{about}")
+                errors.append(f"{doc.where(eloc)}: {msg}{about}")
         except OmniPluginsError as exc:
-            line = doc.line_of((*loc, "extra")) if "extra" in str(exc) else doc.line_of((*loc, "name"))
-            errors.append(f"{doc.filename}{f':{line}' if line else ''}: connectors.{instance}{used}: {exc}")
+            line = doc.line_of(doc.origin((*loc, "extra" if "extra" in str(exc) else "name")))
+            errors.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(doc.origin(loc), doc.data)}{used}: {exc}")
     return errors
 
 
-def _check_builders(config: PipelineConfig, doc: _Doc, data: Any) -> list[str]:
+def _check_builders(config: PipelineConfig, doc: _Doc) -> list[str]:
     from omni_plugins.payload import load_builder
 
     errors = []
@@ -402,6 +410,5 @@ def _check_builders(config: PipelineConfig, doc: _Doc, data: Any) -> list[str]:
                 load_builder(path)
             except OmniPluginsError as exc:
                 loc: Loc = ("stages", i, field)
-                line = doc.line_of(loc)
-                errors.append(f"{doc.filename}{f':{line}' if line else ''}: {format_loc(loc, data)}: {exc}")
+                errors.append(f"{doc.where(loc)}: {exc}")
     return errors

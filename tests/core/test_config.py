@@ -377,6 +377,23 @@ def test_peer_only_keys_are_errors_elsewhere() -> None:
         parse_pipeline_config(PEER2.replace("  edges:", "  max_inflight: 1\n  edges:"), filename="p.yaml", check_plugins=False)
 
 
+@pytest.mark.parametrize(
+    ("old", "new", "expect"),
+    [
+        ("worker_type: ar", "worker_type: xx", "p.yaml:6: stage_args[0] (stage 0).engine_args.worker_type: Input should be 'ar' or 'generation'"),
+        ("    engine_input_source: [0]\n", "    engine_input_source: [0]\n    tp_size: 0\n", "p.yaml:18: stage_args[1] (stage 1).tp_size:"),
+        ("to_stage_1: connector_of_mooncake", "to_stage_2: connector_of_mooncake", "p.yaml:13: stage_args[0] (stage 0).output_connectors.to_stage_2:"),
+        ('master: "127.0.0.1:50051"', 'master: "x"', "p.yaml:27: runtime.connectors.connector_of_mooncake.extra.master: master_address must"),
+        ("name: SharedMemoryConnector", "name: nope", "p.yaml:29: runtime.connectors.connector_of_shared_memory: unknown connector 'nope'"),
+    ],
+)
+def test_peer_layout_errors_name_the_written_path_and_line(old: str, new: str, expect: str) -> None:
+    """Errors in a vllm-omni file point at what is written (stage_args, engine_args, runtime.connectors), not the renamed path."""
+    with pytest.raises(ConfigError) as info:
+        parse_pipeline_config(PEER2.replace(old, new), filename="p.yaml")
+    assert str(info.value).startswith(expect), str(info.value)
+
+
 def test_yaml_is_loaded_safely() -> None:
     with pytest.raises(ConfigError):
         parse_pipeline_config("stages: !!python/object/apply:os.system ['echo pwned']\n")
