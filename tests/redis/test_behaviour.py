@@ -15,7 +15,7 @@ from omni_plugins_redis.keys import PayloadKeys
 from omni_plugins_redis.testing import RedisCluster, RedisServer
 
 from omni_plugins import create_connector, wire
-from omni_plugins.errors import ConnectorError, WireFormatError
+from omni_plugins.errors import ConnectorError, CorruptPayloadError, WireFormatError
 
 PREFIX = "omnitest:"
 SMALL_CHUNK = 64 * 1024
@@ -130,11 +130,16 @@ def test_corrupt_manifest_is_a_clear_error_and_nothing_leaks(redis_server: Redis
     keys = PayloadKeys(PREFIX, "evil")
     with create_connector("redis", server_config) as conn:
         raw.rpush(keys.manifest, b"not a manifest")
-        with pytest.raises(ConnectorError, match=r"'evil'.*corrupt manifest"):
+        # damaged framing: typed (a WireFormatError: the runtime fails the request at once), already discarded
+        with pytest.raises(CorruptPayloadError, match=r"'evil'.*corrupt manifest"):
+            conn.get(0, 1, "evil")
+        assert redis_server.keys(PREFIX + "*") == []
+        raw.rpush(keys.manifest, struct.pack("<4sB3xQII16s", b"XXXX", 0, 0, 0, 0, b"0" * 16))
+        with pytest.raises(CorruptPayloadError, match="bad manifest magic"):
             conn.get(0, 1, "evil")
         # a manifest announcing an absurd size is refused before any allocation
         raw.rpush(keys.manifest, struct.pack("<4sB3xQII16s", b"ORM1", 0, 1 << 60, 1 << 20, 1 << 31, b"0" * 16))
-        with pytest.raises(ConnectorError, match="max_payload_bytes"):
+        with pytest.raises(CorruptPayloadError, match="max_payload_bytes"):
             conn.get(0, 1, "evil")
         # a well-formed manifest around bytes that are not a wire message
         raw.rpush(keys.manifest, mf.for_inline(5, "0" * 16).header() + b"junk!")
@@ -148,12 +153,13 @@ def test_missing_or_wrong_size_part(redis_server: RedisServer, server_config: di
     with create_connector("redis", {**server_config, "chunk_bytes": SMALL_CHUNK}) as conn:
         assert conn.put(0, 1, "holey", {"v": torch.ones(100_000)}).ok
         raw.delete(next(k for k in redis_server.keys(PREFIX + "*holey*") if b":p:" in k and k.endswith(b":2")))
-        with pytest.raises(ConnectorError, match=r"'holey'.*part 2 is missing"):
+        with pytest.raises(CorruptPayloadError, match=r"'holey'.*part 2 is missing"):
             conn.get(0, 1, "holey")
+        assert conn.get(0, 1, "holey") is None  # discarded, not given back
         assert conn.put(0, 1, "short", {"v": torch.ones(100_000)}).ok
         part = next(k for k in redis_server.keys(PREFIX + "*short*") if k.endswith(b":1") and b":p:" in k)
         raw.set(part, b"x" * 10)
-        with pytest.raises(ConnectorError, match="part 1 is corrupt"):
+        with pytest.raises(CorruptPayloadError, match="part 1 is corrupt"):
             conn.get(0, 1, "short")
     assert redis_server.keys(PREFIX + "*") == []
 

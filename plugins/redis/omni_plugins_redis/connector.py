@@ -34,7 +34,7 @@ import numpy as np
 
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
-from omni_plugins.errors import ConnectorError
+from omni_plugins.errors import ConnectorError, CorruptPayloadError
 from omni_plugins.wire import empty_bytes
 from omni_plugins_redis import manifest as mf
 from omni_plugins_redis.client import Connection, RedisClient
@@ -301,7 +301,7 @@ class RedisConnector(Connector):
             manifest = mf.parse(raw, self.config.max_payload_bytes)
         except mf.ManifestError as exc:
             self._discard(keys, [claim_key], flush=True)
-            raise ConnectorError(f"get {key!r} on Redis {self._client.label}: corrupt manifest: {exc}") from None
+            raise CorruptPayloadError(f"get {key!r} on Redis {self._client.label}: corrupt manifest (discarded): {exc}") from None
         # one copy either way: the inline bytes (already a fresh bytearray when large), or parts streamed into one buffer
         buffer: bytearray | memoryview | np.ndarray
         if not manifest.inline:
@@ -349,7 +349,7 @@ class RedisConnector(Connector):
             self._client.run(keys.slot, lambda conn: self._read_step(conn, state, part_keys), what="get", key=keys.key)
         except _PartUnusable as exc:
             self._discard(keys, [claim_key, *part_keys], flush=True)
-            raise ConnectorError(f"get {keys.key!r} on Redis {self._client.label}: {exc}") from None
+            raise CorruptPayloadError(f"get {keys.key!r} on Redis {self._client.label}: {exc} (payload discarded)") from None
         except ConnectorError:
             # give it back to the manifest list; if even that fails it stays in our claim list
             if not self._restore(keys, raw, claim_key):
@@ -509,7 +509,7 @@ class RedisConnector(Connector):
 
 
 class _PartUnusable(Exception):
-    """A part is missing or has the wrong size: the payload cannot be read (not retried)."""
+    """A part is missing or has the wrong size: the payload cannot be read (not retried; a :class:`CorruptPayloadError`)."""
 
 
 def _drop_inline_claim(conn: Connection, claim_key: bytes, element: bytes | bytearray) -> None:
