@@ -148,6 +148,103 @@ def test_corrupt_manifest_is_a_clear_error_and_nothing_leaks(redis_server: Redis
     assert redis_server.keys(PREFIX + "*") == []
 
 
+def _crafted(total: int, chunk: int, nparts: int, put_id: str = "0123456789abcdef") -> bytes:
+    return struct.pack("<4sB3xQII16s", b"ORM1", 0, total, chunk, nparts, put_id.encode())
+
+
+@pytest.fixture
+def no_big_lists(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Fail if anything builds the list of a payload's part names for many parts, or allocates a payload buffer.
+
+    Returns the sizes ``empty_bytes`` was asked for.
+    """
+    from omni_plugins_redis import connector
+
+    real_parts, real_empty = PayloadKeys.parts, connector.empty_bytes
+    allocated: list[int] = []
+
+    def parts(self: PayloadKeys, put_id: str, count: int) -> list[bytes]:
+        assert count <= 1000, f"a list of {count} part names was built"
+        return real_parts(self, put_id, count)
+
+    def empty_bytes(nbytes: int) -> Any:
+        allocated.append(nbytes)
+        return real_empty(nbytes)
+
+    monkeypatch.setattr(PayloadKeys, "parts", parts)
+    monkeypatch.setattr(connector, "empty_bytes", empty_bytes)
+    return allocated
+
+
+def test_manifest_bomb_is_refused_before_anything_is_sized_by_it(
+    redis_server: RedisServer, server_config: dict[str, Any], no_big_lists: list[int]
+) -> None:
+    """Crafted manifests that would make a reader build huge lists or allocate a huge buffer: typed error, nothing left."""
+    raw = _raw(redis_server)
+    keys = PayloadKeys(PREFIX, "bomb")
+    put_id = "00000000000000aa"
+    with create_connector("redis", {**server_config, "max_payload_bytes": 4 << 30}) as conn:
+        # 40 bytes naming 2**32-1 parts of one byte each
+        raw.rpush(keys.manifest, _crafted(2**32 - 1, 1, 2**32 - 1))
+        with pytest.raises(CorruptPayloadError, match=r"'bomb'.*chunk=1 outside"):
+            conn.get(0, 1, "bomb")
+        assert redis_server.keys(PREFIX + "*") == []
+        # the most parts a manifest may name under this cap (65536), none stored but the last one
+        raw.rpush(keys.manifest, _crafted(4 << 30, SMALL_CHUNK, 65536, put_id))
+        raw.set(keys.part(put_id, 65535), b"x" * SMALL_CHUNK, px=60_000)
+        with pytest.raises(CorruptPayloadError, match=r"'bomb'.*part 0 is missing"):
+            conn.get(0, 1, "bomb")
+        assert redis_server.keys(PREFIX + "*") == [], "claim list or a part left behind"
+        # cleanup() of such a manifest deletes its parts batch by batch as well
+        raw.rpush(keys.manifest, _crafted(4 << 30, SMALL_CHUNK, 65536, put_id))
+        raw.set(keys.part(put_id, 65535), b"x", px=60_000)
+        assert conn.cleanup("bomb") is True
+        assert redis_server.keys(PREFIX + "*") == []
+    assert no_big_lists == []
+
+
+def test_huge_total_is_not_allocated_before_part_0_checks_out(
+    redis_server: RedisServer, server_config: dict[str, Any], no_big_lists: list[int]
+) -> None:
+    raw = _raw(redis_server)
+    keys = PayloadKeys(PREFIX, "huge")
+    put_id = "00000000000000bb"
+    total, chunk = 60 << 30, 256 << 20  # within the default max_payload_bytes (64 GiB)
+    with create_connector("redis", server_config) as conn:
+        raw.rpush(keys.manifest, _crafted(total, chunk, -(-total // chunk), put_id))
+        with pytest.raises(CorruptPayloadError, match=r"'huge'.*part 0 is missing"):
+            conn.get(0, 1, "huge")
+        raw.rpush(keys.manifest, _crafted(total, chunk, -(-total // chunk), put_id))
+        raw.set(keys.part(put_id, 0), b"x" * 10, px=60_000)  # not the announced size
+        with pytest.raises(CorruptPayloadError, match=r"'huge'.*part 0 is corrupt: stored part is 10 bytes"):
+            conn.get(0, 1, "huge")
+        assert conn.get(0, 1, "huge") is None  # discarded: a retry finds nothing
+    assert no_big_lists == []
+    assert redis_server.keys(PREFIX + "*") == []
+
+
+def test_payload_buffer_that_cannot_be_allocated(
+    redis_server: RedisServer, server_config: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MemoryError for the payload buffer (after part 0 checked out): the payload is discarded, the connector goes on."""
+    from omni_plugins_redis import connector
+
+    def no_memory(nbytes: int) -> Any:
+        raise MemoryError(f"cannot allocate {nbytes}")
+
+    with create_connector("redis", {**server_config, "chunk_bytes": SMALL_CHUNK}) as conn:
+        assert conn.put(0, 1, "oom", {"v": torch.ones(100_000)}).ok
+        with monkeypatch.context() as patch:
+            patch.setattr(connector, "empty_bytes", no_memory)
+            with pytest.raises(CorruptPayloadError, match=r"'oom'.*cannot be allocated"):
+                conn.get(0, 1, "oom")
+        assert redis_server.keys(PREFIX + "*") == []
+        assert conn.put(0, 1, "after", {"v": torch.ones(100_000)}).ok
+        got = conn.get(0, 1, "after")
+        assert got is not None and torch.equal(got.data["v"], torch.ones(100_000))
+    assert redis_server.keys(PREFIX + "*") == []
+
+
 def test_missing_or_wrong_size_part(redis_server: RedisServer, server_config: dict[str, Any]) -> None:
     raw = _raw(redis_server)
     with create_connector("redis", {**server_config, "chunk_bytes": SMALL_CHUNK}) as conn:

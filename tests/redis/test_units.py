@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from omni_plugins_redis import manifest as mf
-from omni_plugins_redis.config import RedisConfig
+from omni_plugins_redis.config import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, RedisConfig
 from omni_plugins_redis.connector import MARKER_TTL_MS, RedisConnector
 from omni_plugins_redis.framing import Pieces, ProtocolError, ReplyError, ReplyReader, frame_key_command, pack, pack_many, send_buffers
 from omni_plugins_redis.keys import PayloadKeys
@@ -102,7 +102,7 @@ def test_escaping_keeps_keys_distinct() -> None:
 def test_manifest_roundtrip() -> None:
     m = mf.for_parts(10 * 1024 * 1024 + 5, 4 * 1024 * 1024, mf.new_put_id())
     assert mf.parse(m.header(), 1 << 40) == m
-    assert m.part_sizes() == [4 << 20, 4 << 20, (2 << 20) + 5]
+    assert [m.part_span(i) for i in range(m.nparts)] == [(0, 4 << 20), (4 << 20, 8 << 20), (8 << 20, (10 << 20) + 5)]
     inline = mf.for_inline(3, mf.new_put_id())
     assert mf.parse(inline.header() + b"abc", 1 << 40).inline
 
@@ -124,6 +124,29 @@ def test_manifest_size_cap_and_consistency() -> None:
     wrong_count = struct.pack("<4sB3xQII16s", b"ORM1", 0, 10 << 20, 4 << 20, 2, pid)
     with pytest.raises(mf.ManifestError, match="inconsistent"):
         mf.parse(wrong_count, 1 << 40)
+
+
+@pytest.mark.parametrize(
+    ("total", "chunk", "nparts", "message"),
+    [
+        (2**32 - 1, 1, 2**32 - 1, "chunk=1 outside"),  # consistent, but a 40-byte manifest naming 4 billion parts
+        (1_000_000, MIN_CHUNK_BYTES - 1, -(-1_000_000 // (MIN_CHUNK_BYTES - 1)), "outside"),
+        (60 << 30, 512 << 20, 120, "outside"),  # above MAX_CHUNK_BYTES
+        (60 << 30, MIN_CHUNK_BYTES, 2**32 - 1, "inconsistent"),
+        (0, MIN_CHUNK_BYTES, 1, "inconsistent"),
+    ],
+)
+def test_manifest_chunk_bounds_the_part_count(total: int, chunk: int, nparts: int, message: str) -> None:
+    raw = struct.pack("<4sB3xQII16s", b"ORM1", 0, total, chunk, nparts, b"0123456789abcdef")
+    with pytest.raises(mf.ManifestError, match=message):
+        mf.parse(raw, 1 << 40)
+
+
+def test_manifest_part_count_is_bounded_by_the_size_cap() -> None:
+    """What passes announces at most ``max_total / MIN_CHUNK_BYTES`` parts."""
+    largest = mf.for_parts(1 << 40, MIN_CHUNK_BYTES, "0" * 16)
+    assert mf.parse(largest.header(), 1 << 40).nparts == (1 << 40) // MIN_CHUNK_BYTES
+    assert mf.parse(mf.for_parts(5, MAX_CHUNK_BYTES, "0" * 16).header(), 1 << 40).nparts == 1
 
 
 # -- framing -------------------------------------------------------------------

@@ -258,6 +258,14 @@ class Connection:
         self._drain()
         return self._reader.read_bulk_into(dest)
 
+    def read_bulk_size(self) -> int:
+        """The size of the next bulk reply (-1: nil), its body left for :meth:`read_bulk_body` (see :class:`ReplyReader`)."""
+        self._drain()
+        return self._reader.read_bulk_size()
+
+    def read_bulk_body(self, dest: memoryview) -> None:
+        self._reader.read_body_into(dest)
+
     def call(self, *args: Arg) -> Reply:
         """One command, one reply; raises :class:`ReplyError` on an error reply."""
         self.send(*args)

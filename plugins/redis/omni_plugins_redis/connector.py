@@ -26,7 +26,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,9 @@ def acl_rule(key_prefix: str, *, cluster: bool = False, commands: tuple[str, ...
 PART_TTL_GRACE_MS = 60_000
 # A commit marker only has to outlive the writer's retries.
 MARKER_TTL_MS = 600_000
+# Deleting the parts of a discarded payload (whose manifest may announce many): keys per UNLINK, UNLINKs per round trip.
+UNLINK_BATCH = 512
+UNLINK_PIPELINE = 16
 # Inline payloads up to this size are joined into one ``bytes`` (cheaper than vectored pieces).
 SMALL_INLINE_BYTES = 32 * 1024
 # The transaction of a small inline put, framed in one step: MULTI, RPUSH manifest element,
@@ -92,12 +95,13 @@ class _PutState:
 
 @dataclass
 class _ReadState:
-    """One get's part reads across retries: where to resume."""
+    """One get's part reads across retries: where to resume, and the payload buffer once part 0 was checked."""
 
     keys: PayloadKeys
     manifest: mf.Manifest
     next_part: int = 0
-    views: list[memoryview] = field(default_factory=list)
+    buffer: np.ndarray | None = None
+    whole: memoryview | None = None
 
 
 class RedisConnector(Connector):
@@ -336,51 +340,95 @@ class RedisConnector(Connector):
         return found
 
     def _read_parts(self, keys: PayloadKeys, manifest: mf.Manifest, raw: bytes | bytearray, claim_key: bytes) -> np.ndarray:
-        # uninitialised (no zero fill), huge pages when large: page faults are most of a fresh buffer's cost
-        buffer = empty_bytes(manifest.total)
-        whole = memoryview(buffer.data)
-        views, offset = [], 0
-        for size in manifest.part_sizes():
-            views.append(whole[offset : offset + size])
-            offset += size
-        state = _ReadState(keys=keys, manifest=manifest, views=views)
-        part_keys = keys.parts(manifest.put_id, manifest.nparts)
+        """Stream the parts into one buffer; a payload that cannot be read is deleted (claim list and parts) and reported.
+
+        Nothing sized by the (untrusted) manifest is made before part 0 arrived
+        with the announced size: then the payload buffer is allocated, inside
+        the ``try``, so no failure leaves the claim list unaccounted for.
+        """
+        state = _ReadState(keys=keys, manifest=manifest)
         try:
-            self._client.run(keys.slot, lambda conn: self._read_step(conn, state, part_keys), what="get", key=keys.key)
+            self._client.run(keys.slot, lambda conn: self._read_step(conn, state), what="get", key=keys.key)
         except _PartUnusable as exc:
-            self._discard(keys, [claim_key, *part_keys], flush=True)
+            self._purge(keys, manifest, claim_key)
             raise CorruptPayloadError(f"get {keys.key!r} on Redis {self._client.label}: {exc} (payload discarded)") from None
         except ConnectorError:
             # give it back to the manifest list; if even that fails it stays in our claim list
             if not self._restore(keys, raw, claim_key):
                 self._set_suspect(keys.key, claim_key)
             raise
+        except BaseException:
+            self._set_suspect(keys.key, claim_key)  # e.g. the connector was closed: the claim list keeps it (TTL)
+            raise
+        assert state.buffer is not None  # every part was read, so part 0 was
+        part_keys = keys.parts(manifest.put_id, manifest.nparts)  # as many as parts read: bounded by the bytes received
         if self._reuse_parts:  # the next put on this connection deletes them one by one (see _write_parts)
             self._discard(keys, [claim_key], flush=False, retired=part_keys)
         else:
             self._discard(keys, [claim_key, *part_keys], flush=True)  # frees server memory now
-        return buffer
+        return state.buffer
 
-    def _read_step(self, conn: Connection, state: _ReadState, part_keys: list[bytes]) -> None:
+    def _read_step(self, conn: Connection, state: _ReadState) -> None:
         """Read the remaining parts, keeping ``read_window`` GETs in flight."""
         window = self.config.read_window
+        manifest, keys = state.manifest, state.keys
         sent = state.next_part
-        total = len(part_keys)
+        total = manifest.nparts
         while state.next_part < total:
-            batch = []
-            while sent < total and sent - state.next_part < window:
-                batch.append(("GET", part_keys[sent]))
-                sent += 1
-            if batch:
-                conn.send_many(batch)
+            if sent < total and sent - state.next_part < window:
+                stop = min(total, state.next_part + window)
+                conn.send_many([("GET", keys.part(manifest.put_id, i)) for i in range(sent, stop)])
+                sent = stop
+            start, stop = manifest.part_span(state.next_part)
             try:
-                found = conn.read_bulk_into(state.views[state.next_part])
+                if state.whole is None:
+                    self._read_first_part(conn, state, stop - start)
+                elif not conn.read_bulk_into(state.whole[start:stop]):
+                    raise _PartUnusable(f"part {state.next_part} is missing (expired or deleted)")
             except ProtocolError as exc:
                 conn.close()
                 raise _PartUnusable(f"part {state.next_part} is corrupt: {exc}") from None
-            if not found:
-                raise _PartUnusable(f"part {state.next_part} is missing (expired or deleted)")
             state.next_part += 1
+
+    @staticmethod
+    def _read_first_part(conn: Connection, state: _ReadState, size: int) -> None:
+        """Check part 0's stored size, then allocate the payload buffer and read part 0 into it."""
+        found = conn.read_bulk_size()
+        if found < 0:
+            raise _PartUnusable("part 0 is missing (expired or deleted)")
+        if found != size:
+            raise ProtocolError(f"stored part is {found} bytes, manifest says {size}")
+        total = state.manifest.total
+        try:
+            # uninitialised (no zero fill), huge pages when large: page faults are most of a fresh buffer's cost
+            buffer = empty_bytes(total)
+        except MemoryError:
+            conn.close()  # part 0's body is still unread
+            raise _PartUnusable(f"the {total} bytes the manifest announces cannot be allocated") from None
+        state.buffer, state.whole = buffer, memoryview(buffer.data)
+        conn.read_bulk_body(state.whole[:size])
+
+    def _purge(self, keys: PayloadKeys, manifest: mf.Manifest, claim_key: bytes) -> None:
+        """Delete a discarded payload's claim list and every part its manifest names, now.
+
+        The part names are made batch by batch as they are sent (the manifest
+        is untrusted; it may announce up to ``max_payload_bytes / MIN_CHUNK_BYTES``
+        parts); progress survives retries. What cannot be deleted expires by TTL.
+        """
+        done = [0]  # commands confirmed so far
+
+        def commands() -> Iterator[tuple[Any, ...]]:
+            yield ("UNLINK", claim_key)
+            for batch in keys.part_batches(manifest.put_id, manifest.nparts, UNLINK_BATCH):
+                yield ("UNLINK", *batch)
+
+        def step(conn: Connection) -> None:
+            _run_pipelined(conn, itertools.islice(commands(), done[0], None), done)
+
+        try:
+            self._client.run(keys.slot, step, what="get cleanup", key=keys.key)
+        except ConnectorError as exc:
+            log.warning("%s (keys expire by TTL)", exc)
 
     def _discard(self, keys: PayloadKeys, doomed: list[bytes], *, flush: bool, retired: Sequence[bytes] = ()) -> None:
         """Delete a consumed payload's claim list (and parts); the reply is read lazily: no round trip.
@@ -473,15 +521,17 @@ class RedisConnector(Connector):
             if not isinstance(results, list) or not all(isinstance(r, list) for r in found_lists):
                 raise ReplyError("EXECABORT cleanup transaction discarded")
             elements = [e for found in found_lists if isinstance(found, list) for e in found if isinstance(e, (bytes, bytearray))]
-            doomed: list[bytes] = []
+            manifests: list[mf.Manifest] = []
             for element in elements:
                 try:
-                    manifest = mf.parse(element, self.config.max_payload_bytes)
+                    manifests.append(mf.parse(element, self.config.max_payload_bytes))
                 except mf.ManifestError:
                     continue
-                doomed += keys.parts(manifest.put_id, manifest.nparts)
-            if doomed:
-                conn.call("UNLINK", *doomed)
+            # part names batch by batch as they are sent: a manifest may announce many parts
+            unlinks: Iterator[tuple[Any, ...]] = (
+                ("UNLINK", *batch) for m in manifests for batch in keys.part_batches(m.put_id, m.nparts, UNLINK_BATCH)
+            )
+            _run_pipelined(conn, unlinks)
             return elements
 
         try:
@@ -516,6 +566,20 @@ def _drop_inline_claim(conn: Connection, claim_key: bytes, element: bytes | byte
     """Right after a claim: an inline payload is in hand, so its claim list's delete rides on the next write."""
     if mf.looks_inline(element):
         conn.defer("UNLINK", claim_key, frame=frame_key_command("UNLINK", claim_key))
+
+
+def _run_pipelined(conn: Connection, commands: Iterator[tuple[Any, ...]], done: list[int] | None = None) -> None:
+    """Send ``commands`` ``UNLINK_PIPELINE`` per round trip, made group by group; an error reply is raised.
+
+    ``done[0]`` counts the commands confirmed (where a retry resumes).
+    """
+    while group := list(itertools.islice(commands, UNLINK_PIPELINE)):
+        conn.send_many(group)
+        for reply in [conn.read() for _ in group]:
+            if isinstance(reply, ReplyError):
+                raise reply
+        if done is not None:
+            done[0] += len(group)
 
 
 def _split(buffers: list[memoryview], chunk: int) -> list[list[Buffer]]:

@@ -291,19 +291,32 @@ class ReplyReader:
         reply and :class:`ProtocolError` when the size differs (the stream is
         then out of step and the connection must be dropped).
         """
-        line = self._line()
-        kind = line[0]
-        if kind == _ERROR:
-            raise ReplyError(line[1:].decode("utf-8", "replace"))
-        if kind != _BULK:
-            raise ProtocolError(f"expected a bulk string, got type byte {bytes(line[:1])!r}")
-        n = _int(line[1:])
+        n = self.read_bulk_size()
         if n < 0:
             return False
         if n != dest.nbytes:
             raise ProtocolError(f"stored part is {n} bytes, manifest says {dest.nbytes}")
         self._read_into(dest)
         return True
+
+    def read_bulk_size(self) -> int:
+        """The length of the next bulk-string reply (-1: nil); its body must follow with :meth:`read_body_into`.
+
+        Lets a caller check the size before it allocates the destination. Raises
+        like :meth:`read_bulk_into`; after a size the caller does not read, the
+        connection must be dropped.
+        """
+        line = self._line()
+        kind = line[0]
+        if kind == _ERROR:
+            raise ReplyError(line[1:].decode("utf-8", "replace"))
+        if kind != _BULK:
+            raise ProtocolError(f"expected a bulk string, got type byte {bytes(line[:1])!r}")
+        return _int(line[1:])
+
+    def read_body_into(self, dest: memoryview) -> None:
+        """The body (and CRLF) of the bulk string whose size :meth:`read_bulk_size` returned, into ``dest`` of that size."""
+        self._read_into(dest)
 
 
 _SIMPLE, _ERROR, _INTEGER, _BULK, _ARRAY = b"+-:$*"

@@ -18,6 +18,8 @@ Roles:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from redis.crc import key_slot
 
 
@@ -55,6 +57,11 @@ class PayloadKeys:
 
     def parts(self, put_id: str, count: int) -> list[bytes]:
         return [self.part(put_id, i) for i in range(count)]
+
+    def part_batches(self, put_id: str, count: int, size: int) -> Iterator[list[bytes]]:
+        """The names of parts ``0..count-1``, ``size`` at a time, made as they are consumed (``count`` may be untrusted)."""
+        for start in range(0, count, size):
+            yield [self.part(put_id, i) for i in range(start, min(start + size, count))]
 
     def marker(self, put_id: str) -> bytes:
         return self.base + f":w:{put_id}".encode()

@@ -9,6 +9,11 @@ Small payloads travel inline, so a put and a get are one round trip each.
 Large ones are split into ``nparts`` parts of ``chunk`` bytes (the last one
 shorter). Bytes read back from Redis are untrusted: :func:`parse` checks every
 field against the others and against a size cap before anything is allocated.
+``chunk`` must lie within the bounds ``RedisConfig.chunk_bytes`` allows any
+writer, and ``nparts`` must be ``ceil(total / chunk)``, so a manifest that
+passes announces at most ``max_total / MIN_CHUNK_BYTES`` parts. Per-part
+values are computed on demand (:meth:`Manifest.part_span`), never as a list
+sized by ``nparts`` before a single part was read.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ import random
 import struct
 from typing import NamedTuple
 
+from omni_plugins_redis.config import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
+
 _HEADER = struct.Struct("<4sB3xQII16s")
 HEADER_SIZE = _HEADER.size
 MAGIC = b"ORM1"
 _HEX_CHARS = b"0123456789abcdef"
-MAX_CHUNK = 512 * 1024 * 1024
 
 
 class ManifestError(ValueError):
@@ -49,12 +55,10 @@ class Manifest(NamedTuple):
     def inline(self) -> bool:
         return self.nparts == 0
 
-    def part_sizes(self) -> list[int]:
-        full, rest = divmod(self.total, self.chunk)
-        sizes = [self.chunk] * full
-        if rest:
-            sizes.append(rest)
-        return sizes
+    def part_span(self, index: int) -> tuple[int, int]:
+        """Where part ``index`` lies in the payload: ``(start, stop)`` byte offsets (the last part is shorter)."""
+        start = index * self.chunk
+        return start, min(start + self.chunk, self.total)
 
     def header(self) -> bytes:
         return _HEADER.pack(MAGIC, 0, self.total, self.chunk, self.nparts, self.put_id.encode())
@@ -96,6 +100,8 @@ def parse(raw: bytes | bytearray, max_total: int) -> Manifest:
     else:
         if len(raw) != HEADER_SIZE:
             raise ManifestError("parted manifest carries trailing bytes")
-        if not 0 < chunk <= MAX_CHUNK or total == 0 or nparts != -(-total // chunk):
+        if not MIN_CHUNK_BYTES <= chunk <= MAX_CHUNK_BYTES:
+            raise ManifestError(f"manifest chunk={chunk} outside the {MIN_CHUNK_BYTES}..{MAX_CHUNK_BYTES} bytes any writer uses")
+        if total == 0 or nparts != -(-total // chunk):
             raise ManifestError(f"inconsistent manifest: total={total} chunk={chunk} nparts={nparts}")
     return manifest
