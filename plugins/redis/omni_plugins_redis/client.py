@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
-from omni_plugins.errors import ConnectorError
+from omni_plugins.errors import ConnectorClosedError, ConnectorError
 from omni_plugins_redis.config import RedisConfig
 from omni_plugins_redis.framing import Arg, Buffer, ProtocolError, Reply, ReplyError, ReplyReader, pack_many, send_buffers
 from omni_plugins_redis.timeouts import set_receive_timeout, use_kernel_timeouts
@@ -33,6 +33,8 @@ SLOTS = 16384
 _RETRYABLE_REPLIES = frozenset({"LOADING", "MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "READONLY"})
 _TRANSIENT_REPLIES = frozenset({"LOADING", "TRYAGAIN", "CLUSTERDOWN", "MASTERDOWN", "BUSY"})
 _AUTH_REPLIES = frozenset({"WRONGPASS", "NOAUTH", "NOPERM"})
+# How long close() waits, in all, for the replies of deferred commands it sends (a stalled server must not hold it up).
+CLOSE_SETTLE_S = 2.0
 
 
 class AuthError(ConnectorError):
@@ -56,9 +58,14 @@ class Connection:
     ``defer`` sends a command whose reply nobody waits for (e.g. deleting a
     consumed payload): the reply is read and checked lazily before the next
     reply, so the cleanup costs no extra round trip.
+
+    :meth:`abort` (from another thread, when the client closes) makes a call
+    blocked on the socket fail at once; the owner may then queue last commands
+    behind what it sent (:meth:`send_last`).
     """
 
-    def __init__(self, address: Address, config: RedisConfig) -> None:
+    def __init__(self, address: Address, config: RedisConfig, *, handshake: bool = True) -> None:
+        """``handshake=False``: the caller runs :meth:`handshake` (so it can register the connection first)."""
         self.address = address
         self._config = config
         self._sent: deque[tuple[Arg, ...]] = deque()  # deferred, sent, reply not read yet
@@ -66,16 +73,17 @@ class Connection:
         self._outbox_frames: list[bytes] = []  # their RESP framing (framed once, when deferred)
         self._retired: list[list[bytes]] = []  # consumed payloads' parts, one list per payload (see retire)
         self.broken = False
+        self.aborted = False  # abort() ran: the socket no longer delivers replies
+        self._sending = False  # a send is under way (abort then shuts the write side too)
+        self._write_shut = False  # nothing more can be sent (or the stream ends inside a command)
+        self._fd_lock = threading.Lock()  # close() and abort() never touch a descriptor the other already closed
         self._sock = self._open()
         self._kernel_timeouts = not isinstance(self._sock, ssl.SSLSocket)
         if self._kernel_timeouts:
             use_kernel_timeouts(self._sock, config.socket_timeout)
         self._reader = ReplyReader(self._sock)
-        try:
-            self._handshake()
-        except BaseException:
-            self.close()
-            raise
+        if handshake:
+            self.handshake()
 
     def _open(self) -> socket.socket:
         cfg = self._config
@@ -103,6 +111,14 @@ class Connection:
                     raise
         sock.settimeout(cfg.socket_timeout)
         return sock
+
+    def handshake(self) -> None:
+        """Authenticate and select the database (closes the connection on failure)."""
+        try:
+            self._handshake()
+        except BaseException:
+            self.close()
+            raise
 
     def _handshake(self) -> None:
         cfg = self._config
@@ -133,22 +149,47 @@ class Connection:
         framed = pack_many(commands)
         if self._outbox or self._retired:
             framed = [*self._take_outbox(), *framed]
-        send_buffers(self._sock, framed)
+        self._send(framed)
 
     def send_packed(self, framed: Sequence[Buffer]) -> None:
         """Like :meth:`send_many` for commands already framed with :func:`pack_many` (reused across retries)."""
         if self._outbox or self._retired:
             framed = [*self._take_outbox(), *framed]
-        send_buffers(self._sock, framed)
+        self._send(framed)
 
     def send_frame(self, frame: bytes) -> None:
         """Send one framed ``bytes`` (the hot path of small puts and gets) with any deferred commands, in one write."""
         if self._outbox or self._retired:
             frame = b"".join([*self._take_outbox(), frame])
+        self._sending = True  # before the check: abort() either sees it (and stops the send) or is seen here
         try:
-            self._sock.sendall(frame)
+            if self.aborted:
+                raise self._aborted_error()
+            try:
+                self._sock.sendall(frame)
+            except BaseException:
+                self._write_shut = True  # a command may have gone out cut short
+                raise
         except BlockingIOError:
             raise TimeoutError(f"timed out sending to Redis {self.address}") from None
+        finally:
+            self._sending = False
+
+    def _send(self, framed: Sequence[Buffer]) -> None:
+        self._sending = True  # see send_frame
+        try:
+            if self.aborted:
+                raise self._aborted_error()
+            try:
+                send_buffers(self._sock, framed)
+            except BaseException:
+                self._write_shut = True  # a command may have gone out cut short
+                raise
+        finally:
+            self._sending = False
+
+    def _aborted_error(self) -> ConnectionAbortedError:
+        return ConnectionAbortedError(f"connection to Redis {self.address} aborted (the client is closing)")
 
     def _take_outbox(self) -> list[bytes]:
         """The frames of the deferred commands about to be sent (their replies are read first)."""
@@ -215,10 +256,12 @@ class Connection:
                 else:
                     log.warning("Redis %s: deferred %s failed: %s", self.address, command[0], reply)
 
-    def settle(self) -> None:
-        """Send and confirm all deferred commands now."""
+    def settle(self, timeout: float | None = None) -> None:
+        """Send and confirm all deferred commands now; ``timeout`` bounds the wait for their replies."""
         if self._outbox or self._retired:
             self.send_many([])
+        if timeout is not None and self._sent:
+            self._set_read_timeout(timeout)
         self._drain()
 
     def unconfirmed(self) -> list[tuple[Arg, ...]]:
@@ -274,18 +317,62 @@ class Connection:
             raise reply
         return reply
 
-    def close(self) -> None:
-        self.broken = True
+    def abort(self) -> None:
+        """Make the call blocked on this connection fail now (thread-safe; the client is closing).
+
+        Shuts the receive side down (a blocked read ends at once), and the send
+        side too if a send is under way (a send blocked by a stalled server ends
+        at once; the command it cut short is dropped by the server). The
+        descriptor stays open for the thread that owns the connection: it may
+        still queue commands with :meth:`send_last`, then drops it.
+        """
+        self.aborted = True
+        with self._fd_lock:
+            if self.broken:
+                return
+            how = socket.SHUT_RDWR if self._sending else socket.SHUT_RD
+            if how == socket.SHUT_RDWR:
+                self._write_shut = True
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(self._sock, how)  # the plain socket's: an SSLSocket's own would unwrap it
+
+    def send_last(self, commands: Sequence[Sequence[Arg]]) -> bool:
+        """After :meth:`abort`: queue ``commands`` behind everything sent, end the stream, wait for nothing.
+
+        The server runs them after what it already received from this
+        connection, even one that is stalled now and resumes later (e.g. to
+        withdraw a put whose commit may still be executed). Never blocks: False
+        when they could not all be queued (send side shut or a command cut
+        short, TLS, full send buffer); a command cut short is dropped by the server.
+        """
+        if self._write_shut or self.broken or isinstance(self._sock, ssl.SSLSocket):
+            return False
+        self._write_shut = True
+        data = memoryview(b"".join(bytes(b) for b in pack_many(commands)))
+        sent = 0
+        try:
+            while sent < len(data):
+                sent += self._sock.send(data[sent:], socket.MSG_DONTWAIT)
+        except OSError as exc:
+            log.debug("Redis %s: last commands not queued (%s)", self.address, exc)
         with contextlib.suppress(OSError):
-            self._sock.close()
+            socket.socket.shutdown(self._sock, socket.SHUT_WR)
+        return sent == len(data)
+
+    def close(self) -> None:
+        with self._fd_lock:
+            self.broken = True
+            with contextlib.suppress(OSError):
+                self._sock.close()
 
 
 class NodePool:
     """At most ``size`` connections to one server; idle ones are reused.
 
-    One plain lock guards the idle list and the count of connections in use (a
+    One plain lock guards the idle list and the connections in use (a
     condition variable is touched only when the pool is full): the hot path of a
-    small get or put is one lock round each way.
+    small get or put is one lock round each way. Once closed, nothing is handed
+    out and the connections in use are aborted (:meth:`Connection.abort`).
     """
 
     def __init__(self, address: Address, config: RedisConfig) -> None:
@@ -295,7 +382,8 @@ class NodePool:
         self._redo: list[tuple[Arg, ...]] = []  # deferred commands of connections that died
         self._lock = threading.Lock()
         self._freed = threading.Condition(self._lock)
-        self._busy = 0  # connections handed out (counted against pool_size)
+        self._busy = 0  # connections handed out or being opened (counted against pool_size)
+        self._in_use: set[Connection] = set()  # handed out: close() aborts them
         self._waiters = 0
         self._closed = False
 
@@ -310,9 +398,14 @@ class NodePool:
         self._release(conn)
         return result
 
+    def _closed_error(self) -> ConnectorClosedError:
+        return ConnectorClosedError(f"Redis {self.address}: the client is closed")
+
     def _acquire(self) -> Connection:
         cfg = self._config
         with self._lock:
+            if self._closed:
+                raise self._closed_error()
             if self._busy >= cfg.pool_size:
                 deadline = time.monotonic() + cfg.pool_timeout
                 self._waiters += 1
@@ -324,24 +417,35 @@ class NodePool:
                                 f"Redis {self.address}: all {cfg.pool_size} pooled connections busy for {cfg.pool_timeout}s"
                             )
                         self._freed.wait(remaining)
+                        if self._closed:
+                            raise self._closed_error()
                 finally:
                     self._waiters -= 1
             self._busy += 1
             conn = self._idle.pop() if self._idle else None
+            if conn is not None:
+                self._in_use.add(conn)
             redo = self._redo
             if redo:
                 self._redo = []
         try:
             if conn is None:
-                conn = Connection(self.address, cfg)
+                conn = Connection(self.address, cfg, handshake=False)
+                with self._lock:
+                    if self._closed:
+                        raise self._closed_error()
+                    self._in_use.add(conn)  # from here on close() aborts it (a handshake may meet a stalled server)
+                conn.handshake()
             for command in redo:
                 conn.defer(*command)
         except BaseException:
-            if conn is not None:
-                conn.close()
             with self._lock:
+                if conn is not None:
+                    self._in_use.discard(conn)
                 self._redo[:0] = redo
                 self._unbusy()
+            if conn is not None:
+                conn.close()
             raise
         return conn
 
@@ -353,7 +457,8 @@ class NodePool:
 
     def _release(self, conn: Connection) -> None:
         with self._lock:
-            keep = not (self._closed or conn.broken)
+            self._in_use.discard(conn)
+            keep = not (self._closed or conn.broken or conn.aborted)
             if keep:
                 self._idle.append(conn)
             self._unbusy()
@@ -361,23 +466,33 @@ class NodePool:
             conn.close()
 
     def _discard(self, conn: Connection) -> None:
-        conn.close()  # state unknown (half-read reply?): never reuse
-        with self._lock:
+        with self._lock:  # out of the set before the descriptor closes: close() never aborts a closed one
+            self._in_use.discard(conn)
             self._redo.extend(conn.unconfirmed())
             self._unbusy()
+        conn.close()  # state unknown (half-read reply?): never reuse
 
-    def close(self) -> None:
-        """Close idle connections after confirming their deferred commands (best effort)."""
+    def close(self, settle_deadline: float) -> None:
+        """Abort the connections in use; close idle ones after confirming their deferred commands until ``settle_deadline``.
+
+        A deferred command (a delete) is sent in any case; only its reply is not
+        waited for past the deadline (monotonic), so a stalled server cannot hold
+        ``close`` up. The pool stays closed: it hands out nothing more.
+        """
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
             redo, self._redo = self._redo, []
+            busy = list(self._in_use)
+            self._freed.notify_all()
+        for conn in busy:
+            conn.abort()
         for conn in idle:
             try:
                 for command in redo:
                     conn.defer(*command)
                 redo = []
-                conn.settle()
+                conn.settle(timeout=max(settle_deadline - time.monotonic(), 0.001))
             except OSError as exc:
                 log.debug("Redis %s: deferred cleanup not confirmed at close: %s (keys expire by TTL)", self.address, exc)
             conn.close()
@@ -393,6 +508,7 @@ class RedisClient:
         self.label = config.server_label()
         self._lock = threading.Lock()
         self._pools: dict[Address, NodePool] = {}
+        self._closed = threading.Event()
         self._slot_map: list[Address] | None = None
         if config.unix_socket:
             self._seeds = [Address(path=config.unix_socket)]
@@ -400,13 +516,20 @@ class RedisClient:
             self._seeds = [Address(host=h, port=p) for h, p in config.nodes()]
 
     # -- routing -------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
     def _pool(self, address: Address) -> NodePool:
+        """The pool of ``address`` (closed pools stay, so a closed client never opens a new one)."""
         pool = self._pools.get(address)
         if pool is not None:
             return pool
         with self._lock:
             pool = self._pools.get(address)
             if pool is None:
+                if self._closed.is_set():
+                    raise ConnectorClosedError(f"Redis {address}: the client is closed")
                 pool = self._pools[address] = NodePool(address, self._config)
             return pool
 
@@ -450,7 +573,8 @@ class RedisClient:
 
         ``step`` must be safe to run again after a failure (the callers keep
         progress in a state object). ``deadline`` (monotonic) cuts retries short;
-        ``retries`` overrides ``retry_attempts``.
+        ``retries`` overrides ``retry_attempts``. Once the client is closed
+        nothing is retried: :class:`~omni_plugins.errors.ConnectorClosedError`.
         """
         cfg = self._config
         max_attempts = cfg.retry_attempts if retries is None else retries
@@ -463,6 +587,8 @@ class RedisClient:
                 return self._pool(address).use(step)
             except AuthError:
                 raise
+            except ConnectorClosedError as exc:
+                raise ConnectorClosedError(f"{what} {key!r}: {exc}") from None
             except ReplyError as exc:
                 if exc.code in _AUTH_REPLIES:
                     raise AuthError(f"{what} {key!r} on Redis {address}: {exc} (ACL user lacks a permission or key pattern)") from None
@@ -473,6 +599,10 @@ class RedisClient:
                 raise
             except OSError as exc:  # ConnectionError, socket.timeout, ssl errors, ProtocolError
                 failure = exc
+            if self._closed.is_set():  # close() aborted the call, or the server failed meanwhile: no retry
+                raise ConnectorClosedError(
+                    f"{what} {key!r} on Redis {address}: the connector was closed ({type(failure).__name__}: {failure})"
+                ) from None
             if self._config.cluster:
                 self._slot_map = None
             attempt += 1
@@ -484,7 +614,8 @@ class RedisClient:
             if isinstance(failure, ReplyError) and failure.code == "MOVED" and attempt == 1:
                 continue  # slot moved: the refreshed map routes the retry right away
             log.debug("%s %r on Redis %s: %s; retry %d in %.2fs", what, key, address, failure, attempt, delay)
-            time.sleep(delay)
+            if self._closed.wait(delay):
+                raise ConnectorClosedError(f"{what} {key!r} on Redis {address}: the connector was closed") from None
             delay = min(delay * 2, cfg.retry_backoff_max)
 
     def run_on(self, address: Address, step: Callable[[Connection], T], *, what: str) -> T:
@@ -495,10 +626,17 @@ class RedisClient:
             raise ConnectorError(f"{what} on Redis {address}: {type(exc).__name__}: {exc}") from None
 
     def close(self) -> None:
+        """Close every pool: calls in flight fail at once (their connections are aborted), none start or retry.
+
+        Deferred deletes of idle connections are sent; their replies are
+        awaited for at most ``CLOSE_SETTLE_S`` in all.
+        """
         with self._lock:
-            pools, self._pools = list(self._pools.values()), {}
+            self._closed.set()
+            pools = list(self._pools.values())
+        deadline = time.monotonic() + min(CLOSE_SETTLE_S, self._config.socket_timeout)
         for pool in pools:
-            pool.close()
+            pool.close(deadline)
 
 
 def _parse_cluster_slots(reply: Reply, asked: Address) -> list[Address] | None:

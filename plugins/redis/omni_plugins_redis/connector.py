@@ -34,7 +34,7 @@ import numpy as np
 
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
-from omni_plugins.errors import ConnectorError, CorruptPayloadError
+from omni_plugins.errors import ConnectorClosedError, ConnectorError, CorruptPayloadError
 from omni_plugins.wire import empty_bytes
 from omni_plugins_redis import manifest as mf
 from omni_plugins_redis.client import Connection, RedisClient
@@ -91,6 +91,8 @@ class _PutState:
     attempts: int = 0
     # parts of payloads consumed earlier on the connection, deleted one before each of ours
     retired: list[bytes] = field(default_factory=list)
+    # its withdrawal was queued behind it on the connection close() aborted (see RedisConnector._put)
+    withdrawn: bool = False
 
 
 @dataclass
@@ -102,6 +104,8 @@ class _ReadState:
     next_part: int = 0
     buffer: np.ndarray | None = None
     whole: memoryview | None = None
+    # its give-back was queued on the connection close() aborted (see RedisConnector._read_parts)
+    restored: bool = False
 
 
 class RedisConnector(Connector):
@@ -163,9 +167,20 @@ class RedisConnector(Connector):
             element = Pieces([manifest.header()])
             parts = [Pieces(p) for p in _split(encoded.buffers(), self.config.chunk_bytes)]
         state = _PutState(keys=keys, manifest=manifest, element=element, parts=parts)
+
+        def step(conn: Connection) -> None:
+            try:
+                self._put_step(conn, state)
+            except BaseException:
+                if conn.aborted and not state.withdrawn:
+                    # close() cut the put short, maybe with its commit already sent to a stalled server: the
+                    # withdrawal goes behind it on the same connection, so the server runs it after the commit
+                    state.withdrawn = conn.send_last(self._abandon_commands(state))
+                raise
+
         try:
-            self._client.run(keys.slot, lambda conn: self._put_step(conn, state), what="put", key=key)
-        except ConnectorError:
+            self._client.run(keys.slot, step, what="put", key=key)
+        except (ConnectorError, ConnectorClosedError):
             self._abandon(state)
             raise
         return PutResult(True, total, {"parts": manifest.nparts})
@@ -266,12 +281,9 @@ class RedisConnector(Connector):
         The caller was told the put failed, so nothing of it may stay visible.
         Whatever this cannot reach expires by TTL.
         """
-        keys, manifest = state.keys, state.manifest
-        element = state.element if isinstance(state.element, bytes) else b"".join(state.element.buffers)
-        doomed = [keys.marker(manifest.put_id), *keys.parts(manifest.put_id, manifest.nparts)]
-        # and the consumed parts it had taken over for deletion (other hash tags: one key per delete)
-        commands: list[tuple[Any, ...]] = [("LREM", keys.manifest, 0, element), ("UNLINK", *doomed)]
-        commands += [("UNLINK", k) for k in state.retired]
+        if state.withdrawn:
+            return
+        commands = self._abandon_commands(state)
 
         def step(conn: Connection) -> None:
             conn.send_many(commands)
@@ -279,9 +291,20 @@ class RedisConnector(Connector):
                 conn.read()
 
         try:
-            self._client.run(keys.slot, step, what="put cleanup", key=keys.key, retries=1)
-        except ConnectorError as exc:
+            self._client.run(state.keys.slot, step, what="put cleanup", key=state.keys.key, retries=1)
+        except (ConnectorError, ConnectorClosedError) as exc:
             log.debug("could not withdraw a failed put: %s", exc)
+
+    @staticmethod
+    def _abandon_commands(state: _PutState) -> list[tuple[Any, ...]]:
+        """What withdraws a put: its manifest element (if a commit went in), commit marker and parts."""
+        keys, manifest = state.keys, state.manifest
+        element = state.element if isinstance(state.element, bytes) else b"".join(state.element.buffers)
+        doomed = [keys.marker(manifest.put_id), *keys.parts(manifest.put_id, manifest.nparts)]
+        # and the consumed parts it had taken over for deletion (other hash tags: one key per delete)
+        commands: list[tuple[Any, ...]] = [("LREM", keys.manifest, 0, element), ("UNLINK", *doomed)]
+        commands += [("UNLINK", k) for k in state.retired]
+        return commands
 
     # -- get -------------------------------------------------------------------
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
@@ -347,8 +370,17 @@ class RedisConnector(Connector):
         the ``try``, so no failure leaves the claim list unaccounted for.
         """
         state = _ReadState(keys=keys, manifest=manifest)
+
+        def step(conn: Connection) -> None:
+            try:
+                self._read_step(conn, state)
+            except BaseException:
+                if conn.aborted and not state.restored:  # close() cut the reads short: give the payload back
+                    state.restored = conn.send_last(self._restore_commands(keys, raw, claim_key))
+                raise
+
         try:
-            self._client.run(keys.slot, lambda conn: self._read_step(conn, state), what="get", key=keys.key)
+            self._client.run(keys.slot, step, what="get", key=keys.key)
         except _PartUnusable as exc:
             self._purge(keys, manifest, claim_key)
             raise CorruptPayloadError(f"get {keys.key!r} on Redis {self._client.label}: {exc} (payload discarded)") from None
@@ -358,7 +390,8 @@ class RedisConnector(Connector):
                 self._set_suspect(keys.key, claim_key)
             raise
         except BaseException:
-            self._set_suspect(keys.key, claim_key)  # e.g. the connector was closed: the claim list keeps it (TTL)
+            if not state.restored:
+                self._set_suspect(keys.key, claim_key)  # e.g. a closed connector: the claim list keeps it (TTL)
             raise
         assert state.buffer is not None  # every part was read, so part 0 was
         part_keys = keys.parts(manifest.put_id, manifest.nparts)  # as many as parts read: bounded by the bytes received
@@ -427,7 +460,7 @@ class RedisConnector(Connector):
 
         try:
             self._client.run(keys.slot, step, what="get cleanup", key=keys.key)
-        except ConnectorError as exc:
+        except (ConnectorError, ConnectorClosedError) as exc:
             log.warning("%s (keys expire by TTL)", exc)
 
     def _discard(self, keys: PayloadKeys, doomed: list[bytes], *, flush: bool, retired: Sequence[bytes] = ()) -> None:
@@ -445,6 +478,8 @@ class RedisConnector(Connector):
 
         try:
             self._client.run(keys.slot, step, what="get cleanup", key=keys.key)
+        except ConnectorClosedError as exc:  # the payload is in hand: the get still returns it
+            log.debug("%s (keys expire by TTL)", exc)
         except ConnectorError as exc:
             log.warning("%s (keys expire by TTL)", exc)
 
@@ -455,10 +490,7 @@ class RedisConnector(Connector):
         never in both. Returns False when the server could not be reached: the payload
         then stays in the claim list, where this connector's next get of the key finds it.
         """
-        commands: list[tuple[Any, ...]] = [("MULTI",), ("LPUSH", keys.manifest, raw)]
-        if self._ttl_ms:
-            commands.append(("PEXPIRE", keys.manifest, self._ttl_ms))
-        commands += [("UNLINK", claim_key), ("EXEC",)]
+        commands = self._restore_commands(keys, raw, claim_key)
 
         def step(conn: Connection) -> None:
             conn.send_many(commands)
@@ -471,10 +503,16 @@ class RedisConnector(Connector):
 
         try:
             self._client.run(keys.slot, step, what="get restore", key=keys.key)
-        except ConnectorError as exc:
+        except (ConnectorError, ConnectorClosedError) as exc:
             log.warning("%s; the payload stays claimed and the next get of this key retries it", exc)
             return False
         return True
+
+    def _restore_commands(self, keys: PayloadKeys, raw: bytes | bytearray, claim_key: bytes) -> list[tuple[Any, ...]]:
+        commands: list[tuple[Any, ...]] = [("MULTI",), ("LPUSH", keys.manifest, raw)]
+        if self._ttl_ms:
+            commands.append(("PEXPIRE", keys.manifest, self._ttl_ms))
+        return [*commands, ("UNLINK", claim_key), ("EXEC",)]
 
     # -- existence check (used by the core's wait_any fallback) -------------------
     def _available(self, keys: Sequence[str]) -> list[str] | None:
