@@ -1,4 +1,9 @@
-"""``omni-plugins validate FILE...``: load pipeline YAML files with every check on."""
+"""``omni-plugins validate FILE...``: load pipeline YAML files with every check on.
+
+A file with ``synthetic:`` stages is meant for ``omni-plugins run``; it also gets
+run's own checks (the synthetic blocks, the chain, KV edges, cross-process
+connectors), so ``validate`` never passes a file ``run`` rejects.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,10 @@ from typing import Any
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("validate", help="validate pipeline YAML files (connectors, stages, builders)")
+    p = sub.add_parser(
+        "validate",
+        help="validate pipeline YAML files (connectors, stages, builders; files with synthetic stages: everything 'run' checks)",
+    )
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--no-builders", action="store_true", help="do not import payload builders")
     p.set_defaults(handler=run)
@@ -22,6 +30,10 @@ def run(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             cfg = load_pipeline_config(path, check_builders=not args.no_builders)
+            if any(s.synthetic is not None for s in cfg.stages):
+                from omni_plugins.pipeline.checks import plan_for_run  # imports torch: only for run files
+
+                plan_for_run(cfg, filename=str(path))
         except ConfigError as exc:
             failed += 1
             for line in str(exc).splitlines():

@@ -310,23 +310,8 @@ class Orchestrator:
 def run_pipeline(path: str | Path, options: RunOptions) -> RunReport:
     """Load, validate and run ``path``; the report says whether everything arrived intact and nothing leaked."""
     from omni_plugins.config import load_pipeline_config
-    from omni_plugins.pipeline.spec import build_plan
+    from omni_plugins.pipeline.checks import plan_for_run
 
     config = load_pipeline_config(path)
-    plan = build_plan(config, filename=str(path))
-    _check_cross_process(plan)
+    plan = plan_for_run(config, filename=str(path))
     return Orchestrator(plan, options).run()
-
-
-def _check_cross_process(plan: PipelinePlan) -> None:
-    """Every stage is its own process: an in-process-only connector could never deliver."""
-    from omni_plugins.errors import ConfigError
-    from omni_plugins.factory import resolve_connector
-
-    for instance in sorted({s.connector for s in plan.stages if s.connector}):
-        conn = plan.config.connectors[instance]
-        if not resolve_connector(conn.name).load_class().capabilities.cross_process:
-            raise ConfigError(
-                f"{plan.filename}: connectors.{instance}: connector {conn.name!r} is in-process only; "
-                f"'omni-plugins run' runs every stage in its own process (use shm, redis, mooncake-store, mooncake-te ...)"
-            )
