@@ -25,13 +25,21 @@ MOONCAKE_ENV = "OMNI_MOONCAKE_MASTER"
 #: canonical connector name -> the server kind it needs
 SERVER_OF = {"redis": "redis", "mooncake-store": "mooncake"}
 
+#: stand-ins for the variables --start-servers sets, so a file using them without a default loads before any server runs
+PLACEHOLDERS = {REDIS_ENV: "redis://127.0.0.1:6379/0", MOONCAKE_ENV: "127.0.0.1:50051"}
+
 
 def connector_names(path: str | Path) -> set[str]:
-    """Canonical names of the connectors a pipeline file uses (nothing is started or contacted)."""
+    """Canonical names of the connectors a pipeline file uses (nothing is started or contacted).
+
+    ``${OMNI_REDIS_URL}`` / ``${OMNI_MOONCAKE_MASTER}`` need no value yet: the servers
+    that will provide them are chosen from this answer.
+    """
     from omni_plugins.config import load_pipeline_config
     from omni_plugins.factory import resolve_connector
 
-    config = load_pipeline_config(path, check_plugins=False, check_builders=False)
+    env = {**PLACEHOLDERS, **os.environ}
+    config = load_pipeline_config(path, env=env, check_plugins=False, check_builders=False)
     names = set()
     for conn in config.connectors.values():
         try:
