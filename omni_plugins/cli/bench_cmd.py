@@ -28,6 +28,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from omni_plugins.bench import BACKENDS, BenchOptions, parse_size, plot, run_bench, write_json
+    from omni_plugins.cli.outputs import check_writable, write_failed
     from omni_plugins.errors import ConfigError
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -40,12 +41,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(str(exc)) from None
     if not sizes or min(sizes) <= 0:
         raise ConfigError("--sizes needs at least one positive size")
+    check_writable(args.json, "--json")
+    check_writable(args.plot, "--plot")
     opts = BenchOptions(backends, sizes, args.quick, args.redis_url, args.mooncake_master, progress=not args.no_progress)
     result = run_bench(opts)
     result.command = "omni-plugins " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print(result.table())
-    if args.json:
-        write_json(result, args.json)
-    if args.plot and result.results:
-        plot(result, args.plot)
+    for option, path, write in (("--json", args.json, write_json), ("--plot", args.plot if result.results else None, plot)):
+        if path:
+            try:
+                write(result, path)
+            except OSError as exc:
+                raise write_failed(path, option, exc) from None
     return 0 if result.results else 1

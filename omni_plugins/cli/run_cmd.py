@@ -31,12 +31,14 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from omni_plugins.cli.outputs import check_writable, write_failed
     from omni_plugins.errors import ConfigError
     from omni_plugins.pipeline import RunOptions, run_pipeline
     from omni_plugins.pipeline.servers import PrivateServers, connector_names
 
     if args.requests < 1 or args.concurrency < 1:
         raise ConfigError("--requests and --concurrency must be at least 1")
+    check_writable(args.report, "--report")
     options = RunOptions(
         requests=args.requests,
         concurrency=args.concurrency,
@@ -53,5 +55,8 @@ def run(args: argparse.Namespace) -> int:
         report.servers = list(servers.descriptions)
     print(report.table())
     if args.report:
-        report.write_json(args.report)
+        try:
+            report.write_json(args.report)
+        except OSError as exc:
+            raise write_failed(args.report, "--report", exc) from None
     return 0 if report.ok else 1

@@ -41,15 +41,22 @@ def generate(name: str, directory: str | Path | None = None, *, force: bool = Fa
     """Write the distribution for ``name`` into ``directory`` (default ``./omni-plugins-<name>``).
 
     Refuses to overwrite existing files unless ``force``. Returns the directory and the files written.
+    A directory that cannot be created or written is a :class:`ConfigError` before any file is written.
     """
     names = plugin_names(name)
     root = Path(directory) if directory is not None else Path.cwd() / names.dist
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{root} exists and is not a directory")
     values = names.mapping()
     targets = {root / Template(rel).substitute(values): Template(body).substitute(values) for rel, body in FILES.items()}
     existing = sorted(str(p) for p in targets if p.exists())
     if existing and not force:
         raise ConfigError(f"{len(existing)} file(s) already exist (use --force to overwrite): {', '.join(existing[:3])}")
-    for path, text in targets.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        for path, text in targets.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot write the plugin to {root}: {exc.strerror or exc}: {exc.filename or root}") from None
     return root, sorted(targets)
