@@ -36,3 +36,17 @@ KNOWN_BACKENDS: dict[str, str] = {
     "mooncake_te": "omni-plugins-mooncake[cpu]",
     "mooncaketransferengineconnector": "omni-plugins-mooncake[cpu]",
 }
+
+# Connectors the core registers itself (omni_plugins.builtin), canonical names and aliases.
+BUILTIN_CONNECTORS: frozenset[str] = frozenset({"memory", "inprocessconnector"})
+
+
+def known_distribution(name: str) -> str | None:
+    """The project distribution that owns connector or distribution suffix ``name`` (``shm``, ``mooncake``...), if any."""
+    key = canonical(name)
+    if key in BUILTIN_CONNECTORS:
+        return "omni-plugins"
+    if key in KNOWN_BACKENDS:
+        return KNOWN_BACKENDS[key].partition("[")[0]
+    dists = {d.partition("[")[0] for d in KNOWN_BACKENDS.values()}
+    return next((d for d in sorted(dists) if canonical(d) == canonical(f"omni-plugins-{name}")), None)

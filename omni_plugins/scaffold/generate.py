@@ -8,6 +8,7 @@ from pathlib import Path
 from string import Template
 
 from omni_plugins.errors import ConfigError
+from omni_plugins.naming import known_distribution
 from omni_plugins.scaffold.templates import FILES
 
 _NAME = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
@@ -29,6 +30,12 @@ class PluginNames:
 def plugin_names(name: str) -> PluginNames:
     if not _NAME.match(name) or len(name) > 40:
         raise ConfigError(f"plugin name {name!r} must be lowercase letters/digits, words joined by '-', at most 40 chars (e.g. 'fs-dir')")
+    owner = known_distribution(name)
+    if owner is not None:
+        raise ConfigError(
+            f"plugin name {name!r} is taken by this project's {owner} (connector or distribution of that name); a generated "
+            f"plugin would clash with it. Choose another name, e.g. 'my-{name}'"
+        )
     return PluginNames(
         name=name,
         dist=f"omni-plugins-{name}",

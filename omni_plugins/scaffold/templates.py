@@ -160,6 +160,8 @@ class ${cls}Connector(Connector):
     """Payloads as files in ``config.directory``."""
 
     capabilities = Capabilities(blocking_get=True, cross_process=True, cross_host=False, zero_copy_get=False, consume_on_get=True)
+    #: the settings model when the class is named by import path ('$pkg.connector:${cls}Connector')
+    config_model = ${cls}Config
 
     def __init__(self, config: ${cls}Config) -> None:
         super().__init__()
@@ -284,13 +286,28 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
 import torch
 
 from omni_plugins import available_connectors, create_connector
+from omni_plugins.errors import ConfigError
 
 
 def test_discovered_through_the_entry_point() -> None:
     assert "$name" in available_connectors()
+
+
+def test_usable_by_import_path_with_its_settings(tmp_path: Path) -> None:
+    path = "$pkg.connector:${cls}Connector"
+    conn = create_connector(path, {"directory": str(tmp_path)})
+    try:
+        assert conn.put(0, 1, "k", {"v": 1}).ok
+        got = conn.get(0, 1, "k")
+        assert got is not None and got.data == {"v": 1}
+    finally:
+        conn.close()
+    with pytest.raises(ConfigError, match="directoy"):
+        create_connector(path, {"directoy": str(tmp_path)})
 
 
 def test_temp_files_are_invisible_and_files_are_private(tmp_path: Path) -> None:

@@ -46,3 +46,26 @@ def test_bad_names_rejected(bad: str) -> None:
 def test_names_derived() -> None:
     n = plugin_names("fs-dir")
     assert (n.dist, n.pkg, n.cls) == ("omni-plugins-fs-dir", "omni_plugins_fs_dir", "FsDir")
+
+
+@pytest.mark.parametrize("taken", ["shm", "memory", "redis", "mooncake", "mooncake-store", "mooncake-te"])
+def test_names_of_the_projects_own_connectors_are_refused(taken: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"plugin name '{taken}' is taken by this project's omni-plugins"):
+        generate(taken, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_connector_class_carries_its_config_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Named by import path (no registry entry), the connector's settings come from its ``config_model``."""
+    import uuid
+
+    from omni_plugins.factory import validate_connector_config
+
+    names = plugin_names(f"probe{uuid.uuid4().hex[:8]}")
+    root, _ = generate(names.name, tmp_path / names.dist)
+    monkeypatch.syspath_prepend(str(root))
+    path = f"{names.pkg}.connector:{names.cls}Connector"
+    settings = validate_connector_config(path, {"directory": str(tmp_path / "d")})
+    assert type(settings).__name__ == f"{names.cls}Config" and settings.directory == str(tmp_path / "d")  # type: ignore[attr-defined]
+    with pytest.raises(ConfigError, match="directoy"):
+        validate_connector_config(path, {"directoy": "x"})

@@ -33,6 +33,8 @@ class FsDirConnector(Connector):
     """Payloads as files in ``config.directory``."""
 
     capabilities = Capabilities(blocking_get=True, cross_process=True, cross_host=False, zero_copy_get=False, consume_on_get=True)
+    #: the settings model when the class is named by import path ('omni_plugins_fs_dir.connector:FsDirConnector')
+    config_model = FsDirConfig
 
     def __init__(self, config: FsDirConfig) -> None:
         super().__init__()

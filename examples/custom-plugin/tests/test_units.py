@@ -6,13 +6,28 @@ import os
 import stat
 from pathlib import Path
 
+import pytest
 import torch
 
 from omni_plugins import available_connectors, create_connector
+from omni_plugins.errors import ConfigError
 
 
 def test_discovered_through_the_entry_point() -> None:
     assert "fs-dir" in available_connectors()
+
+
+def test_usable_by_import_path_with_its_settings(tmp_path: Path) -> None:
+    path = "omni_plugins_fs_dir.connector:FsDirConnector"
+    conn = create_connector(path, {"directory": str(tmp_path)})
+    try:
+        assert conn.put(0, 1, "k", {"v": 1}).ok
+        got = conn.get(0, 1, "k")
+        assert got is not None and got.data == {"v": 1}
+    finally:
+        conn.close()
+    with pytest.raises(ConfigError, match="directoy"):
+        create_connector(path, {"directoy": str(tmp_path)})
 
 
 def test_temp_files_are_invisible_and_files_are_private(tmp_path: Path) -> None:
