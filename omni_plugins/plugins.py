@@ -119,9 +119,11 @@ class PluginManager:
             ids = {canonical(ep.name)} | ({canonical(dist)} if dist else set())
             if allow is not None and not ids & allow:
                 self.statuses[ep.name] = PluginStatus(ep.name, dist, version, "blocked", error="not in OMNI_PLUGINS")
+                self.registry.note_skipped(ep.name, dist, f"not loaded: it is not in OMNI_PLUGINS={os.environ.get('OMNI_PLUGINS', '')!r}")
                 continue
             if ids & deny:
                 self.statuses[ep.name] = PluginStatus(ep.name, dist, version, "disabled", error="in OMNI_PLUGINS_DISABLE")
+                self.registry.note_skipped(ep.name, dist, "disabled by OMNI_PLUGINS_DISABLE")
                 continue
             status = self._load_one(ep.name, ep.load, dist, version)
             if status.status == "failed" and strict:

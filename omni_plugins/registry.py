@@ -96,6 +96,8 @@ class ConnectorRegistry:
     failed_plugins: dict[str, BaseException] = field(default_factory=dict)
     #: connector names a failed plugin is known to provide (from the same canonical plugin name)
     _failed_hint: dict[str, str] = field(default_factory=dict)
+    #: canonical plugin / distribution / distribution-suffix name -> (plugin, distribution, why), for installed plugins not loaded
+    _skipped: dict[str, tuple[str, str | None, str]] = field(default_factory=dict)
 
     def add(self, spec: ConnectorSpec) -> None:
         for key in {spec.canonical_name, *(canonical(a) for a in spec.aliases)}:
@@ -130,6 +132,13 @@ class ConnectorRegistry:
         for name in provides:
             self._failed_hint[canonical(name)] = canonical(plugin)
 
+    def note_skipped(self, plugin: str, distribution: str | None, why: str) -> None:
+        """``plugin`` is installed but was not loaded (``why``: disabled, not allowed), so a lookup can say so."""
+        entry = (plugin, distribution, why)
+        for n in (plugin, distribution, distribution.removeprefix("omni-plugins-") if distribution else None):
+            if n:
+                self._skipped[canonical(n)] = entry
+
     def resolve(self, name: str) -> ConnectorSpec:
         """Find the spec for ``name``, ``dist:name`` or raise a helpful error."""
         if not isinstance(name, str) or not name.strip():
@@ -152,7 +161,15 @@ class ConnectorRegistry:
         raise self._not_found(name)
 
     def _not_found(self, name: str) -> ConnectorNotFoundError:
-        key = canonical(name.partition(":")[2] or name)
+        dist_part, sep, bare = name.partition(":")
+        key = canonical(bare or name)
+        providers = sorted({s.distribution or "(unknown distribution)" for s in self._by_name.get(key, [])}) if sep else []
+        if providers:
+            picks = " or ".join(f"'{d}:{bare.strip()}'" for d in providers)
+            return ConnectorNotFoundError(
+                f"connector {name!r}: distribution {dist_part.strip()!r} does not provide a connector {bare.strip()!r}; "
+                f"{', '.join(providers)} does: use {picks}" + (f" (or just '{bare.strip()}')" if len(providers) == 1 else "")
+            )
         failed_plugin = self._failed_hint.get(key) or (key if key in self.failed_plugins else None)
         if failed_plugin is not None and failed_plugin in self.failed_plugins:
             cause = self.failed_plugins[failed_plugin]
@@ -160,17 +177,24 @@ class ConnectorRegistry:
             err.__cause__ = cause
             return err
         available = self.names()
-        parts = [f"unknown connector {name!r}."]
-        displayed = {n for s in self.specs() for n in (s.name, *s.aliases)}
-        hints = close_matches(key, sorted(displayed))
-        if hints:
-            parts.append(f"Did you mean {', '.join(repr(h) for h in hints)}?")
-        if key in KNOWN_BACKENDS:
-            parts.append(f"It is provided by a plugin that is not installed: pip install {KNOWN_BACKENDS[key]}")
+        skipped = self._skipped.get(key)
+        if skipped is None and key in KNOWN_BACKENDS:
+            skipped = self._skipped.get(canonical(KNOWN_BACKENDS[key].partition("[")[0]))
+        if skipped is not None:
+            plugin, dist, why = skipped
+            parts = [f"connector {name!r} is unavailable: its plugin {plugin!r} ({dist or 'unknown distribution'}) is installed but {why}."]
         else:
-            missing = sorted({d for k, d in KNOWN_BACKENDS.items() if k not in self._by_name and close_matches(key, [k], cutoff=0.8)})
-            for dist in missing:
-                parts.append(f"A close match is provided by a plugin that is not installed: pip install {dist}")
+            parts = [f"unknown connector {name!r}."]
+            displayed = {n for s in self.specs() for n in (s.name, *s.aliases)}
+            hints = close_matches(key, sorted(displayed))
+            if hints:
+                parts.append(f"Did you mean {', '.join(repr(h) for h in hints)}?")
+            if key in KNOWN_BACKENDS:
+                parts.append(f"It is provided by a plugin that is not installed (pip install {KNOWN_BACKENDS[key]}).")
+            else:
+                missing = sorted({d for k, d in KNOWN_BACKENDS.items() if k not in self._by_name and close_matches(key, [k], cutoff=0.8)})
+                for dist in missing:
+                    parts.append(f"A close match is provided by a plugin that is not installed (pip install {dist}).")
         parts.append(f"Available: {', '.join(available) if available else '(none)'}.")
         parts.append("A 'package.module:Class' path loads an unregistered connector; 'omni-plugins list' shows plugins.")
         return ConnectorNotFoundError(" ".join(parts))
