@@ -32,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
     from omni_plugins.errors import ConfigError
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not backends:
+        raise ConfigError(f"--backends needs at least one backend; choose from {', '.join(BACKENDS)}")
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ConfigError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")

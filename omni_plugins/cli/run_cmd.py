@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from typing import Any
+
+
+def positive_seconds(text: str) -> float:
+    """``--timeout``: a finite number of seconds above 0 (``-1``, ``0``, ``nan``, ``inf`` would disable or break it)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0, got {text!r}")
+    return value
 
 
 def add_parser(sub: Any) -> None:
@@ -25,7 +37,7 @@ def add_parser(sub: Any) -> None:
         help="start a private redis-server / mooncake_master on free loopback ports (sets OMNI_REDIS_URL / "
         "OMNI_MOONCAKE_MASTER for the YAML) and stop them afterwards",
     )
-    p.add_argument("--timeout", type=float, default=600.0, metavar="S", help="give up after S seconds (default 600)")
+    p.add_argument("--timeout", type=positive_seconds, default=600.0, metavar="S", help="give up after S seconds (default 600)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=run)
 

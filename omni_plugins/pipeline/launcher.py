@@ -93,6 +93,7 @@ class Orchestrator:
         self.done: set[str] = set()
         self.progress: dict[str, set[tuple[int, int]]] = {}  # request -> stage ranks done with it
         self.run_tag = uuid.uuid4().hex[:6]
+        self.ids = [f"req-{self.run_tag}-{i:05d}" for i in range(options.requests)]
 
     # ------------------------------------------------------------------ processes
     def spawn(self) -> None:
@@ -186,9 +187,14 @@ class Orchestrator:
         finally:
             bar.close()
             self._stop_all(bar)
+            self._count_lost()
             self.report.duration_s = time.monotonic() - started
         self._collect()
         return self.report
+
+    def _count_lost(self) -> None:
+        """Lost: neither completed nor failed. Counted after stopping, on every path (stages may report while stopping)."""
+        self.report.lost = [rid for rid in self.ids if rid not in self.done and rid not in self.report.failed]
 
     def _wait_ready(self, bar: Any) -> bool:
         deadline = time.monotonic() + self.opts.start_timeout_s
@@ -205,8 +211,7 @@ class Orchestrator:
         return True
 
     def _feed(self, bar: Any, started: float) -> None:
-        ids = [f"req-{self.run_tag}-{i:05d}" for i in range(self.opts.requests)]
-        pending = list(reversed(ids))
+        pending = list(reversed(self.ids))
         first = self.inboxes[self.plan.first.stage_id]
         last_progress = time.monotonic()
         while pending or self.in_flight:
@@ -229,7 +234,6 @@ class Orchestrator:
             if now - last_progress > self.opts.stall_s:
                 self.report.problems.append(f"no request completed for {self.opts.stall_s:.0f}s")
                 break
-        self.report.lost = sorted(self.in_flight) + list(reversed(pending))
 
     def _stop_all(self, bar: Any) -> None:
         for q in self.inboxes.values():

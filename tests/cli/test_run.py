@@ -176,3 +176,41 @@ def test_exit_reasons() -> None:
     assert exit_reason(-9) == "killed by signal SIGKILL"
     assert exit_reason(-11) == "killed by signal SIGSEGV"
     assert exit_reason(3) == "exit code 3"
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "soon"])
+def test_timeout_must_be_a_finite_positive_number(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from omni_plugins.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["run", "p.yaml", "--timeout", value])
+    assert info.value.code == 2
+    assert "--timeout" in capsys.readouterr().err
+
+
+def test_bench_refuses_an_empty_backend_list(capsys: pytest.CaptureFixture[str]) -> None:
+    from omni_plugins.cli import main
+
+    assert main(["bench", "--backends", ","]) == 1
+    assert "--backends needs at least one backend" in capsys.readouterr().err
+
+
+def test_requests_are_lost_when_every_stage_dies_at_start(tmp_path: Path) -> None:
+    from omni_plugins.pipeline import run_pipeline
+
+    path = tiny_pipeline(tmp_path, extra=f"{{namespace: bad, shm_dir: {tmp_path / 'missing'}}}")
+    report = run_pipeline(path, RunOptions(requests=2, progress=False))
+    assert report.deaths and report.completed == 0 and not report.failed
+    assert len(report.lost) == 2
+    assert "0/2 requests completed" in report.table() and "lost 2, failed 0" in report.table()
+
+
+def test_every_request_is_completed_failed_or_lost_after_a_timeout(tmp_path: Path, shm_ns: str) -> None:
+    """Requests that complete while the stages stop are not also counted lost."""
+    from omni_plugins.pipeline import run_pipeline
+
+    path = tiny_pipeline(tmp_path, extra=f"{{namespace: {shm_ns}}}", steps=2)
+    report = run_pipeline(path, RunOptions(requests=3, concurrency=3, timeout_s=1e-6, progress=False))
+    assert any("timed out" in p for p in report.problems)
+    assert report.completed + len(report.failed) + len(report.lost) == 3
+    assert not set(report.lost) & set(report.failed)
