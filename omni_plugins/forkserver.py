@@ -11,6 +11,7 @@ tests their children (:mod:`omni_plugins.testing.processes`).
 from __future__ import annotations
 
 import multiprocessing as mp
+import signal
 from collections.abc import Sequence
 from multiprocessing.context import ForkServerContext, SpawnContext
 
@@ -26,3 +27,24 @@ def preloaded_context(preload: Sequence[str]) -> ForkServerContext | SpawnContex
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(preload))
     return ctx
+
+
+def start_shielded(ctx: ForkServerContext | SpawnContext) -> None:
+    """Start ``ctx``'s fork server now, with SIGINT blocked while it is launched.
+
+    Ctrl-C reaches the whole process group. The server ignores SIGINT only once its
+    preload (seconds: torch) is done, so one arriving earlier would kill it and every
+    later child start would fail (``EOFError``). Launched with SIGINT blocked, the
+    server and the children it forks keep it blocked; the caller's pending SIGINT is
+    delivered when its mask is restored, so no Ctrl-C is lost. (The stdlib launches
+    its resource tracker the same way.) Nothing to do for ``spawn`` or a running server.
+    """
+    if ctx.get_start_method() != "forkserver":
+        return
+    from multiprocessing import forkserver
+
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -13,6 +13,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from omni_plugins.cli.interrupts import first_interrupt_only
 from omni_plugins.errors import OmniPluginsError
 
 #: subcommand modules, in the order ``--help`` lists them
@@ -58,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return int(args.handler(args) or 0)
+        with first_interrupt_only():  # a second Ctrl-C must not cut the cleanup short
+            return int(args.handler(args) or 0)
     except OmniPluginsError as exc:
         print(f"omni-plugins: error: {exc}", file=sys.stderr)
         return 1

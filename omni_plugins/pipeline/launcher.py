@@ -16,13 +16,14 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omni_plugins.forkserver import preloaded_context
+from omni_plugins.forkserver import preloaded_context, start_shielded
 from omni_plugins.pipeline.leaks import backend_leaks, health_leaks
 from omni_plugins.pipeline.report import RunReport, edge_summary
 from omni_plugins.pipeline.spec import PipelinePlan
@@ -75,6 +76,48 @@ class _Proc:
         return f"stage {self.stage} rank {self.rank}"
 
 
+class _Interrupts:
+    """SIGINT (Ctrl-C) during a run, as a flag instead of an exception at an arbitrary point.
+
+    The first asks the run to end: the orchestrator stops and cleans up the stages
+    exactly as after a failure, then hands the interrupt to the handler that was
+    installed before (:meth:`redeliver`). A second one cuts the wait for stages to
+    stop to :data:`HURRY_S` (stuck stages are then killed); neither aborts the
+    cleanup half-way. Only in the main thread (where signals arrive), and not when
+    SIGINT is ignored.
+    """
+
+    HURRY_S = 10.0
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.hurry_deadline: float | None = None
+        self._previous: Any = None
+        self._installed = False
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 2:
+            self.hurry_deadline = time.monotonic() + self.HURRY_S
+            print(f"omni-plugins: interrupted again: stages that have not stopped in {self.HURRY_S:.0f}s are killed", file=sys.stderr)
+
+    def __enter__(self) -> _Interrupts:
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self._installed = True
+        return self
+
+    def redeliver(self) -> None:
+        """After an interrupted run: the previous handler's reaction (KeyboardInterrupt by default), KeyboardInterrupt anyway."""
+        if callable(self._previous):
+            self._previous(signal.SIGINT, None)
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 def _stage_context() -> Any:
     """How stage processes start: ``forkserver`` with torch and the stage module preloaded (see :mod:`omni_plugins.forkserver`)."""
     return preloaded_context(["torch", "omni_plugins.pipeline.stage", "omni_plugins.runtime", "omni_plugins.wire"])
@@ -94,9 +137,11 @@ class Orchestrator:
         self.progress: dict[str, set[tuple[int, int]]] = {}  # request -> stage ranks done with it
         self.run_tag = uuid.uuid4().hex[:6]
         self.ids = [f"req-{self.run_tag}-{i:05d}" for i in range(options.requests)]
+        self.interrupts = _Interrupts()
 
     # ------------------------------------------------------------------ processes
     def spawn(self) -> None:
+        start_shielded(self.ctx)
         data = self.plan.config.model_dump(mode="python")
         for sp in self.plan.stages:
             port = _free_port() if sp.stage.tp_size > 1 else None
@@ -180,15 +225,18 @@ class Orchestrator:
 
         started = time.monotonic()
         bar = tqdm(total=self.opts.requests, desc="requests", unit="req", file=sys.stderr, disable=not self.opts.progress, leave=False)
-        try:
-            self.spawn()
-            if self._wait_ready(bar):
-                self._feed(bar, started)
-        finally:
-            bar.close()
-            self._stop_all(bar)
-            self._count_lost()
-            self.report.duration_s = time.monotonic() - started
+        with self.interrupts:
+            try:
+                self.spawn()
+                if self._wait_ready(bar):
+                    self._feed(bar, started)
+            finally:
+                bar.close()
+                self._stop_all(bar)
+                self._count_lost()
+                self.report.duration_s = time.monotonic() - started
+        if self.interrupts.count:
+            self.interrupts.redeliver()
         self._collect()
         return self.report
 
@@ -199,6 +247,8 @@ class Orchestrator:
     def _wait_ready(self, bar: Any) -> bool:
         deadline = time.monotonic() + self.opts.start_timeout_s
         while not all(p.ready for p in self.procs):
+            if self.interrupts.count:
+                return False
             dead = self._dead()
             if dead:
                 self.report.deaths += dead
@@ -214,7 +264,7 @@ class Orchestrator:
         pending = list(reversed(self.ids))
         first = self.inboxes[self.plan.first.stage_id]
         last_progress = time.monotonic()
-        while pending or self.in_flight:
+        while (pending or self.in_flight) and not self.interrupts.count:
             while pending and len(self.in_flight) < self.opts.concurrency:
                 rid = pending.pop()
                 self.in_flight.add(rid)
@@ -239,12 +289,17 @@ class Orchestrator:
         for q in self.inboxes.values():
             q.put(("stop",))
         deadline = time.monotonic() + self.opts.stop_timeout_s
-        while time.monotonic() < deadline:
+
+        def left() -> float:
+            hurry = self.interrupts.hurry_deadline
+            return (deadline if hurry is None else min(deadline, hurry)) - time.monotonic()
+
+        while left() > 0:
             if all(p.final is not None or p.process.exitcode is not None for p in self.procs):
                 break
             self._pump(0.1, bar)
         for p in self.procs:
-            p.process.join(max(0.1, min(10.0, deadline - time.monotonic())))
+            p.process.join(max(0.1, min(10.0, left())))
         self._pump(0.05, bar)
         for p in self.procs:
             if p.process.exitcode is None and p.final is not None:

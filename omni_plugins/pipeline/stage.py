@@ -372,6 +372,10 @@ def _jsonable(obj: Any) -> Any:
 
 def stage_main(launch: StageLaunch, inbox: Any, downstream: Any, results: Any) -> None:
     """Process entry point (``multiprocessing`` spawn target)."""
+    # Ctrl-C reaches the whole process group: a stage dying of it would leave its connector's backend state
+    # (shm slot table, wake file, owner markers) behind. The orchestrator stops the stages ("stop") instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # blocked by the fork server's launch; ignored is enough
     logging.basicConfig(level=launch.log_level, format=f"%(levelname)s stage{launch.stage_id}.r{launch.rank} %(name)s: %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the orchestrator asks for stacks before killing a stuck stage
     try:
