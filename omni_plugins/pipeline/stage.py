@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from omni_plugins.config.models import PipelineConfig
+from omni_plugins.errors import ConnectorError
 from omni_plugins.pipeline.builders import BUILDER_PATH
 from omni_plugins.pipeline.checksums import step_output
 from omni_plugins.pipeline.inputs import InputCheck
@@ -296,7 +297,29 @@ class StageRunner:
         self.post("finished", rid=req.rid, reason=req.failed)
 
     # ------------------------------------------------------------------ loop
+    def check_backend(self) -> None:
+        """Fail at start, not at the run's timeout, when the connector cannot reach its backend.
+
+        The test is the connector's ``health()``: ``ok`` false *with* an ``error`` (the check itself
+        failed, e.g. a connection refused). ``ok`` false without one (a peer not started yet, a stale
+        announcement) may heal once every stage runs, so it is only logged.
+        """
+        connector = self.rt.connector
+        if connector is None:
+            return
+        try:
+            health = connector.health()
+        except Exception as exc:
+            health = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if health.get("ok", True):
+            return
+        if health.get("error"):
+            self.rt.shutdown()
+            raise ConnectorError(f"connector {self.me.connector!r} ({connector.name}) cannot reach its backend: {health['error']}")
+        logger.info("connector %r reports not ok at start (continuing): %s", self.me.connector, health)
+
     def run(self) -> None:
+        self.check_backend()
         self.post("ready", pid=os.getpid())
         idle = True
         step_s = self.me.synthetic.step_ms / 1000.0

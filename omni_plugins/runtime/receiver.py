@@ -327,11 +327,16 @@ class Receiver:
                 self.stats["waits"] += 1
                 try:
                     ready = self._wait(list(pending), min(self._wait_bound, max(next_sweep - now, 0.0)), now)
-                except Exception:  # a backend failure: keep going (deadlines still fire), log at most once a second
+                except Exception as exc:  # a backend failure: keep going (deadlines still fire), log at most once a second
                     self.stats["errors"] += 1
                     if now - self._last_error_log > 1.0:
                         self._last_error_log = now
-                        logger.warning("wait_any failed (retrying until the requests time out)", exc_info=True)
+                        logger.warning(
+                            "wait_any failed (retrying until the requests time out): %s: %s",
+                            type(exc).__name__,
+                            exc,
+                            exc_info=logger.isEnabledFor(logging.INFO),
+                        )
                     self._stop.wait(t.poll_max_s)
                     continue
                 if not ready:
@@ -416,12 +421,18 @@ class Receiver:
             logger.error("payload under %s cannot be decoded; request %s reported failed", key, state.request_id, exc_info=True)
             self._cleanup_one(key)
             return _UNDECODABLE
-        except Exception:
+        except Exception as exc:
             self.stats["errors"] += 1
             now = time.monotonic()
             if now - self._last_error_log > 1.0:
                 self._last_error_log = now
-                logger.warning("get of %s failed (retrying until the request times out)", key, exc_info=True)
+                logger.warning(
+                    "get of %s failed (retrying until the request times out): %s: %s",
+                    key,
+                    type(exc).__name__,
+                    exc,
+                    exc_info=logger.isEnabledFor(logging.INFO),
+                )
             return _ABSENT
         if result is None:
             return _ABSENT

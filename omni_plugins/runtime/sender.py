@@ -272,8 +272,8 @@ class Sender:
             ok = bool(result.ok)
             if not ok:
                 logger.warning("put of %s failed: %s", task.key, (result.metadata or {}).get("error", "backend refused"))
-        except Exception:
-            logger.warning("put of %s raised", task.key, exc_info=True)
+        except Exception as exc:  # retried: one line each, the traceback with -v (INFO)
+            logger.warning("put of %s raised %s: %s", task.key, type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.INFO))
             ok = False
         self.put_mean_s += _PUT_EWMA_WEIGHT * (time.monotonic() - started - self.put_mean_s)
         self.stats["puts" if ok else "put_failures"] += 1

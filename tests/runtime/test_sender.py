@@ -56,6 +56,21 @@ def test_put_dropped_after_three_retries_and_reported(runtimes: list, namespace:
     assert _read_all(namespace, ["r_0_1"])[0] == {"x": [1], "meta": {"finished": False}}
 
 
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_raising_put_is_one_line_unless_verbose(verbose: bool, runtimes: list, namespace: str, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO if verbose else logging.WARNING, logger="omni_plugins.runtime.sender")
+    conn = FlakyConnector(namespace, fail_puts=1, mode="raise")
+    p = make_runtime(0, namespace, connector=conn, **STREAM)
+    runtimes.append(p)
+    p.send_chunk(Req("r"), {"x": [0]})
+    assert p.wait_sends()
+    [raised] = [r for r in caplog.records if "raised" in r.getMessage()]
+    assert "RuntimeError: injected put failure for r_0_0" in raised.getMessage()
+    assert bool(raised.exc_info) is verbose  # the traceback only with -v
+
+
 def test_other_requests_are_not_blocked_by_a_failing_one(runtimes: list, namespace: str) -> None:
     conn = FlakyConnector(namespace, fail_puts=3, fail_keys=lambda k: k.startswith("bad_"))
     p = make_runtime(0, namespace, connector=conn, **STREAM)
