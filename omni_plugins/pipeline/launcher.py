@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_plugins.forkserver import preloaded_context, start_shielded
-from omni_plugins.pipeline.leaks import backend_leaks, health_leaks
+from omni_plugins.pipeline.leaks import backend_leaks, health_leaks, reclaim
 from omni_plugins.pipeline.report import RunReport, edge_summary
 from omni_plugins.pipeline.spec import PipelinePlan
 from omni_plugins.pipeline.stage import StageLaunch, stage_main
@@ -363,6 +363,9 @@ class Orchestrator:
                 edges[st.edge].merge(st)
         used = {s.connector for s in self.plan.stages if s.connector}
         self.report.leaks += backend_leaks(self.plan.config, used)  # type: ignore[arg-type]
+        # whatever was left (a stage killed, a run interrupted) is reported above and then freed here,
+        # so no run leaves segments or keys behind; only provably stale or this run's data is touched
+        self.report.reclaimed = reclaim(self.plan.config, used, self.run_tag)  # type: ignore[arg-type]
         self.report.edges = [edge_summary(edges[name]) for name in order]
 
 

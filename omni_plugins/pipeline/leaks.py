@@ -81,6 +81,73 @@ def backend_leaks(config: PipelineConfig, used: set[str]) -> list[str]:
     return out
 
 
+def _shm_reclaim(instance: str, config: Any, run_tag: str) -> list[str]:
+    from omni_plugins_shm import gc  # type: ignore[import-not-found]
+
+    # every stage process has exited: gc removes exactly the files of dead owners in the namespace
+    report = gc.collect(config.namespace, shm_dir=config.shm_dir)
+    return [f"connector {instance!r}: removed {len(report.removed)} shm file(s) of stopped stages"] if report.removed else []
+
+
+def _redis_reclaim(instance: str, config: Any, run_tag: str) -> list[str]:
+    import redis
+
+    if config.cluster or config.tls or config.unix_socket:
+        return []
+    password = config.password.get_secret_value() if config.password is not None else None
+    if config.url:
+        client = redis.Redis.from_url(config.url, password=password, username=config.username, socket_timeout=10)
+    else:
+        client = redis.Redis(
+            host=config.host, port=config.port, db=config.db, username=config.username, password=password, socket_timeout=10
+        )
+    # only this run's keys: every key of a payload is <prefix>{<key>}..., and this run's keys start with its request ids
+    pattern = f"{_glob_escape(config.key_prefix)}{{req-{run_tag}-*"
+    removed = 0
+    try:
+        batch: list[Any] = []
+        for key in client.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) >= 500:
+                removed += int(client.delete(*batch))
+                batch = []
+        if batch:
+            removed += int(client.delete(*batch))
+    finally:
+        client.close()
+    return [f"connector {instance!r}: deleted {removed} Redis key(s) of this run"] if removed else []
+
+
+def _glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+#: per canonical connector name: remove what a run left (only what is provably this run's or a dead process's)
+RECLAIMS: dict[str, Callable[[str, Any, str], list[str]]] = {"shm": _shm_reclaim, "redis": _redis_reclaim}
+
+
+def reclaim(config: PipelineConfig, used: set[str], run_tag: str) -> list[str]:
+    """After a run that left something (a stage killed, a run interrupted): free it, so nothing stays behind.
+
+    Returns one line per connector instance that had something removed. Call after every stage
+    process exited. Backends without a safe way to tell this run's leftovers from others' (the
+    Mooncake store) are left alone; their leak lines stay the only record.
+    """
+    from omni_plugins.factory import resolve_connector, validate_connector_config
+
+    out: list[str] = []
+    for instance in sorted(used):
+        conn = config.connectors[instance]
+        fix = RECLAIMS.get(resolve_connector(conn.name).name)
+        if fix is None:
+            continue
+        try:
+            out += fix(instance, validate_connector_config(conn.name, conn.extra), run_tag)
+        except Exception as exc:
+            out.append(f"connector {instance!r}: reclaim failed: {type(exc).__name__}: {exc}")
+    return out
+
+
 def health_leaks(where: str, health: dict[str, Any]) -> list[str]:
     """Payloads a stage process's connector still held before closing, from its ``health()``."""
     out = []

@@ -53,6 +53,8 @@ class RunReport:
     stages: list[dict[str, Any]] = field(default_factory=list)
     duration_s: float = 0.0
     servers: list[str] = field(default_factory=list)
+    #: what the orchestrator freed after the stages stopped (leftovers of killed stages); not a failure by itself
+    reclaimed: list[str] = field(default_factory=list)
 
     @property
     def mismatches(self) -> int:
@@ -87,6 +89,7 @@ class RunReport:
             "problems": self.problems,
             "stages": self.stages,
             "servers": self.servers,
+            "reclaimed": self.reclaimed,
         }
 
     def write_json(self, path: str | Path) -> None:
@@ -117,7 +120,7 @@ class RunReport:
             f"(concurrency {self.concurrency}); lost {len(self.lost)}, failed {len(self.failed)}, "
             f"mismatches {self.mismatches}, leaks {len(self.leaks)}, dead stages {len(self.deaths)}"
         )
-        for title, items in (("dead", self.deaths), ("leak", self.leaks), ("problem", self.problems)):
+        for title, items in (("dead", self.deaths), ("leak", self.leaks), ("problem", self.problems), ("reclaimed", self.reclaimed)):
             lines += [f"  {title}: {item}" for item in items]
         for rid, why in list(self.failed.items())[:10]:
             lines.append(f"  failed: {rid}: {why}")
