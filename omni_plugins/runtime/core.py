@@ -29,6 +29,7 @@ from omni_plugins.errors import ConfigError, OmniPluginsError
 from omni_plugins.factory import create_connector, format_validation_error
 from omni_plugins.payload import ResolvedBuilder, resolve_stage_builder
 from omni_plugins.runtime.accumulate import FullPayloadAccumulator
+from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.compat import CodePromptView, PutChunkView, RequestPayloadView
 from omni_plugins.runtime.delivery import Delivery
 from omni_plugins.runtime.kvbridge import KVBridge
@@ -167,6 +168,8 @@ class StageTransferRuntime:
 
         self._sender: Sender | None = None
         self._receiver: Receiver | None = None
+        #: key scans a backend error cut short (timeouts, aborts), retried at shutdown
+        self._cleanup_backlog = CleanupBacklog()
         self._closed = False
         if connector is not None:
             tag = f"stage{self.stage_id}-r{self.local_rank}"
@@ -189,6 +192,7 @@ class StageTransferRuntime:
                     to_stage=self.stage_id,
                     tuning=self.tuning,
                     name=f"omni-recv-{tag}",
+                    cleanup_backlog=self._cleanup_backlog,
                 )
         logger.info(
             "stage %s runtime: connector=%s async_chunk=%s worker=%s next_stage=%s builder=%s arrival=%s",
@@ -554,13 +558,7 @@ class StageTransferRuntime:
         connector = self._connector
         if connector is None or connector.closed:
             return
-        for key in keys:
-            try:
-                if not connector.cleanup(key):
-                    break
-            except Exception:
-                logger.debug("cleanup of %s failed", key, exc_info=True)
-                break
+        self._cleanup_backlog.free_in_order(connector, keys)
 
     def prune_inactive_requests(self, active_req_ids: Iterable[str] | None) -> set[str]:
         """Drop requests not in ``active_req_ids``, except those waiting for input or
@@ -589,6 +587,9 @@ class StageTransferRuntime:
             self._sender.stop(self.tuning.join_timeout_s)
         if self._receiver is not None:
             self._receiver.stop(self.tuning.join_timeout_s)
+        if self._connector is not None and len(self._cleanup_backlog) and not self._connector.closed:
+            freed = self._cleanup_backlog.retry(self._connector, self.tuning.drain_timeout_s)
+            logger.info("stage %s: freed %d key(s) whose cleanup had failed", self.stage_id, freed)
         if self._owns_kv and self._kv.manager is not None:
             try:
                 self._kv.manager.close()

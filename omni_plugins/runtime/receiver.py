@@ -40,6 +40,7 @@ from typing import Any, Protocol
 
 from omni_plugins.contract import Connector
 from omni_plugins.errors import WireFormatError
+from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.rhythm import ArrivalRhythm
 from omni_plugins.runtime.state import RequestRegistry, RequestState
 from omni_plugins.runtime.threads import preemptions, thread_cpu_seconds
@@ -99,8 +100,10 @@ class Receiver:
         to_stage: int,
         tuning: RuntimeTuning,
         name: str = "omni-recv",
+        cleanup_backlog: CleanupBacklog | None = None,
     ) -> None:
         self._connector = connector
+        self._backlog = cleanup_backlog if cleanup_backlog is not None else CleanupBacklog()
         self._registry = registry
         self._handler = handler
         #: the stage ids as the connector's get takes them (``Connector.get`` would ``str()`` each per call)
@@ -228,10 +231,9 @@ class Receiver:
             return None if best is None else (best, best.next_recv_chunk, self._handler.recv_key(best))
 
     def _cleanup(self, keys: list[str]) -> None:
-        """Free keys of a dropped request; they are sequential, so the first miss ends the scan."""
-        for key in keys:
-            if not self._cleanup_one(key):
-                break
+        """Free keys of a dropped request; they are sequential, so the first miss ends the scan
+        (a backend error keeps the rest for a retry at shutdown)."""
+        self._backlog.free_in_order(self._connector, keys)
 
     def _cleanup_one(self, key: str) -> bool:
         try:

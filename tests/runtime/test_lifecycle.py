@@ -9,7 +9,7 @@ import pytest
 import torch
 from rt_helpers import FAST, RawConnector, Req, collect_until, make_runtime, wait_until
 
-from omni_plugins.memory import MemoryConfig
+from omni_plugins.memory import MemoryConfig, MemoryConnector
 from omni_plugins.runtime import RuntimeTuning
 
 STREAM = {"async_chunk": True, "custom_process_next_stage_input_func": "rt_builders.stream"}
@@ -234,3 +234,36 @@ def test_normal_cleanup_keeps_chunks_for_the_consumer(runtimes: list, namespace:
     p.cleanup_finished_request("r")
     assert p.connector.keys() == ["r_0_0"]
     p.connector.cleanup("r_0_0")
+
+
+class _CleanupOutage(MemoryConnector):
+    """Memory connector whose ``cleanup`` raises while ``down`` is set (a backend restarting)."""
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(MemoryConfig(namespace=namespace))
+        self.down = True
+
+    def _cleanup(self, key: str) -> bool:
+        if self.down:
+            raise ConnectionError("backend restarting")
+        return super()._cleanup(key)
+
+
+def test_cleanup_cut_short_by_a_backend_error_is_retried_at_shutdown(namespace: str) -> None:
+    """A request times out while the backend fails; chunks put afterwards (a producer's retried puts
+    landing after a restart) are freed when the runtime shuts down, not left to the backend's expiry."""
+    conn = _CleanupOutage(namespace)
+    producer = MemoryConnector(MemoryConfig(namespace=namespace))  # its keys outlive the consumer's close
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True, recv_timeout_s=0.3)
+    try:
+        c.register_chunk_recv(Req("r"))
+        collect_until(c, lambda s: "r" in s.timed_out)  # the timeout's cleanup of r_0_0... hit the outage
+        for i in range(3):
+            producer.put(0, 1, f"r_0_{i}", {"ids": {"prompt": [i]}})  # landed after the restart
+        conn.down = False
+        assert producer.keys() == ["r_0_0", "r_0_1", "r_0_2"]
+        c.shutdown()
+        assert producer.keys() == []
+    finally:
+        c.shutdown()
+        producer.close()
