@@ -42,3 +42,30 @@ def produce(specs: dict[str, dict[str, Any]], key: str, seed: int, ready: Any, d
     finally:
         for conn in conns.values():
             conn.close()
+
+
+def produce_small(config: dict[str, Any], key: str, ready: Any, done: Any, report: Any) -> None:
+    """A ``mooncake-te`` producer holding one small payload under ``key`` until told; reports health and its config's text."""
+    from omni_plugins_mooncake.testing import loopback_environment
+
+    loopback_environment()
+    import torch
+
+    from omni_plugins import create_connector
+
+    try:
+        conn = create_connector("mooncake-te", config)
+    except Exception as exc:  # let the test fail at once, not at its queue timeout
+        ready.put(f"error: {exc!r}")
+        raise
+    try:
+        assert conn.put(0, 1, key, {"v": torch.arange(1000), "key": key}).ok
+        ready.put(conn.address)  # type: ignore[attr-defined]
+        done.wait(120)
+        for _ in range(200):  # a reader's one-way "finish" may still be in flight
+            if conn.health()["staged"] == 0:
+                break
+            time.sleep(0.05)
+        report.put({"health": conn.health(), "texts": [repr(conn.config), str(conn.config), conn.config.model_dump_json()]})
+    finally:
+        conn.close()

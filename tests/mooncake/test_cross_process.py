@@ -12,12 +12,15 @@ from omni_plugins.testing.processes import process_context
 from . import _children
 from .conftest import store_config
 
+# processes that list peers explicitly share the control channel's secret (a rendezvous_dir would carry it instead)
+TE_SECRET = "cross-process-test-secret-0123456789"
+
 
 def test_64mib_payload_between_processes(master: MooncakeMaster) -> None:
     ctx = process_context()
     ready, report, done = ctx.Queue(), ctx.Queue(), ctx.Event()
     key = f"big-{uuid.uuid4().hex}"
-    specs = {"mooncake-store": store_config(master), "mooncake-te": {"pool_size": "256MiB"}}
+    specs = {"mooncake-store": store_config(master), "mooncake-te": {"pool_size": "256MiB", "secret": TE_SECRET}}
     child = ctx.Process(target=_children.produce, args=(specs, key, 7, ready, done, report))
     child.start()
     try:
@@ -25,7 +28,7 @@ def test_64mib_payload_between_processes(master: MooncakeMaster) -> None:
         consumers = {
             # the consumer contributes no segment: the bytes stay in the producer's until read
             "mooncake-store": store_config(master, global_segment_size=0),
-            "mooncake-te": {"listen_address": None, "peers": [addresses["mooncake-te"]]},
+            "mooncake-te": {"listen_address": None, "peers": [addresses["mooncake-te"]], "secret": TE_SECRET},
         }
         for name, config in consumers.items():
             with create_connector(name, config) as conn:
@@ -56,11 +59,12 @@ def test_te_read_from_a_producer_killed_after_the_claim_fails_fast() -> None:
 
     ctx = process_context()
     ready, report, done = ctx.Queue(), ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=_children.produce, args=({"mooncake-te": {"pool_size": "256MiB"}}, "k", 3, ready, done, report))
+    te = {"pool_size": "256MiB", "secret": TE_SECRET}
+    child = ctx.Process(target=_children.produce, args=({"mooncake-te": te}, "k", 3, ready, done, report))
     child.start()
     try:
         addresses, _ = ready.get(timeout=180)
-        with create_connector("mooncake-te", {"listen_address": None, "peers": [addresses["mooncake-te"]]}) as conn:
+        with create_connector("mooncake-te", {"listen_address": None, "peers": [addresses["mooncake-te"]], "secret": TE_SECRET}) as conn:
             read = conn._read  # type: ignore[attr-defined]
 
             def kill_then_read(*args: Any) -> int:

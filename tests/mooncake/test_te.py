@@ -1,19 +1,32 @@
-"""``mooncake-te`` with real TransferEngines over loopback TCP: roles, failures, a 64 MiB cross-process move."""
+"""``mooncake-te`` with real TransferEngines over loopback TCP: roles, failures, the authenticated control channel."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
 import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 
 from omni_plugins import create_connector
 from omni_plugins.contract import Connector
 from omni_plugins.errors import ConnectorError
+from omni_plugins.testing.processes import process_context
+
+from . import _children
 
 TE = "mooncake-te"
+SECRET = "te-test-secret-" + "0123456789abcdef"
 
 
 @pytest.fixture
@@ -92,13 +105,14 @@ def test_dead_peer_is_an_error_not_a_hang() -> None:
 
 def test_producer_dying_after_a_claim_makes_the_read_fail() -> None:
     """The claim answer points at memory that vanishes with its process: the read must fail cleanly."""
-    producer = create_connector(TE, {})
+    producer = create_connector(TE, {"secret": SECRET})
     consumer = consumer_of(producer, socket_timeout=1.0)
     try:
         producer.put(0, 1, "k", {"v": torch.arange(10)})
         from omni_plugins_mooncake.te.control import ControlClient
 
-        reply = ControlClient(producer.address, timeout=1).request({"op": "claim", "key": "k"})  # type: ignore[attr-defined]
+        client = ControlClient(producer.address, secret=SECRET.encode(), timeout=1)  # type: ignore[attr-defined]
+        reply = client.request({"op": "claim", "key": "k"})
         assert reply["found"] is True
         producer.close()
         with pytest.raises(ConnectorError):
@@ -151,3 +165,168 @@ def test_read_past_its_deadline_strands_the_buffer_and_returns_the_claim(produce
         got = consumer.get(0, 1, "k", timeout=5)  # the claim was returned: the payload can be read again
         assert got is not None and torch.equal(got.data["v"], torch.arange(10))
         assert not stranded.address <= got.data["v"].data_ptr() < stranded.address + stranded.size
+
+
+# -- the control channel is authenticated -----------------------------------------------------------------
+# Another local user (uid 65534 when the tests run as root) talks to a producer's control port as the
+# security review's reproducer did: without a hello, with a garbage hello, with a wrong secret.
+ATTACKER = r"""
+import hashlib, hmac, json, os, socket, struct, sys
+host, port, variant, discard, claim, rdv = sys.argv[1], int(sys.argv[2]), sys.argv[3], *map(bytes.fromhex, sys.argv[4:6]), sys.argv[6]
+out = {"uid": os.getuid(), "replies": [], "closed": False}
+if rdv:
+    try:
+        out["rendezvous"] = [open(os.path.join(rdv, n)).read() for n in os.listdir(rdv)]
+    except OSError as exc:
+        out["rendezvous"] = type(exc).__name__
+s = socket.create_connection((host, port), timeout=5)
+s.settimeout(2)
+buf = b""
+def frame(body):
+    return struct.pack(">I", len(body)) + body
+def read():
+    global buf
+    try:
+        while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
+            data = s.recv(4096)
+            if not data:
+                out["closed"] = True
+                return None
+            buf += data
+    except ConnectionResetError:
+        out["closed"] = True
+        return None
+    except OSError:
+        return None
+    n = struct.unpack(">I", buf[:4])[0]
+    body, buf = buf[4 : 4 + n], buf[4 + n :]
+    return body
+challenge = read()
+out["challenge"] = challenge[:1].hex() if challenge else None
+if variant == "no-hello":
+    first = [discard, claim]
+elif variant == "garbage-hello":
+    first = [b"\x11" + os.urandom(64), discard, claim]
+else:  # a well-formed proof made with a wrong secret
+    ns, nc = (challenge or b"")[2:], os.urandom(32)
+    label = b"omni-plugins mooncake-te control v2 client\x00"
+    first = [b"\x11" + nc + hmac.new(b"not-the-secret-0123456789", label + ns + nc, hashlib.sha256).digest()]
+s.sendall(b"".join(frame(b) for b in first))
+while len(out["replies"]) < 5 and (reply := read()) is not None:
+    out["replies"].append(reply.hex())
+    try:
+        s.sendall(frame(discard) + frame(claim))  # try again after whatever came back
+    except OSError:
+        pass
+print(json.dumps(out))
+"""
+
+ATTACKS = ("no-hello", "garbage-hello", "wrong-secret")
+
+
+def _other_user(argv: list[str]) -> list[str]:
+    """``argv`` run as uid/gid 65534 (nobody) when the tests run as root, else as this user (who has no secret either)."""
+    if os.getuid() == 0 and shutil.which("setpriv"):
+        return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
+    return argv
+
+
+def _attack(address: str, variant: str, key: str, rendezvous: str = "") -> dict[str, Any]:
+    host, port = address.rsplit(":", 1)
+    discard = msgpack.packb({"v": 1, "op": "discard", "key": key}).hex()
+    claim = (b"\x01" + key.encode()).hex()
+    argv = _other_user([sys.executable, "-c", ATTACKER, host, port, variant, discard, claim, rendezvous])
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd="/", env={"PATH": os.environ.get("PATH", "")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["uid"] == (65534 if argv[0] == "setpriv" else os.getuid())
+    return out
+
+
+def _assert_refused(out: dict[str, Any]) -> None:
+    assert all(r.startswith("13") for r in out["replies"]), out  # a refusal at most: no claim, no discard answered
+    assert out["challenge"] == "10", out  # (the server's challenge is all it says before a valid hello)
+    assert out["closed"] is True, out  # and it hangs up
+
+
+def _start_producer(config: dict[str, Any], key: str) -> tuple[Any, str, Any, Any]:
+    ctx = process_context()
+    ready, report, done = ctx.Queue(), ctx.Queue(), ctx.Event()
+    child = ctx.Process(target=_children.produce_small, args=(config, key, ready, done, report))
+    child.start()
+    address = ready.get(timeout=180)
+    if address.startswith("error"):
+        child.join(30)
+        raise AssertionError(f"producer process failed: {address}")
+    return child, address, done, report
+
+
+def _stop_producer(child: Any, done: Any, report: Any) -> dict[str, Any]:
+    done.set()
+    result: dict[str, Any] = report.get(timeout=60)
+    child.join(60)
+    assert child.exitcode == 0
+    return result
+
+
+def _assert_payload(got: Any, key: str) -> None:
+    assert got is not None and torch.equal(got.data["v"], torch.arange(1000)) and got.data["key"] == key
+
+
+def test_explicit_peers_need_the_configured_secret_and_strangers_are_refused() -> None:
+    """Producer and consumer in two processes share a configured secret; nobody else can claim or discard."""
+    key = f"private-{uuid.uuid4().hex}"
+    child, address, done, report = _start_producer({"secret": SECRET, "pool_size": "32MiB"}, key)
+    try:
+        for variant in ATTACKS:
+            _assert_refused(_attack(address, variant, key))
+        with consumer_of(address) as stranger, pytest.raises(ConnectorError, match="no secret for peer"):
+            stranger.get(0, 1, key)
+        with consumer_of(address, secret="a-different-secret-0123456789") as wrong:
+            with pytest.raises(ConnectorError, match="refused this instance's secret"):
+                wrong.get(0, 1, key)
+            assert wrong.cleanup(key) is False  # its discard is refused too (logged, as any unreachable peer)
+            assert wrong.health()["unreachable_peers"] == [address]
+        with consumer_of(address, secret=SECRET) as consumer:  # the payload survived all of that
+            _assert_payload(consumer.get(0, 1, key, timeout=10), key)
+            assert consumer.get(0, 1, key) is None
+    finally:
+        result = _stop_producer(child, done, report)
+    assert result["health"]["staged"] == 0 and result["health"]["control_secret"] == "configured"
+    for text in [*result["texts"], json.dumps(result["health"])]:
+        assert SECRET not in text
+
+
+def test_rendezvous_without_configuration_works_for_the_user_only(tmp_path: Path) -> None:
+    """No secret configured: the producer's generated one sits in its 0600 announcement, readable by this user only."""
+    rdv = tmp_path / "peers"
+    key = f"private-{uuid.uuid4().hex}"
+    child, address, done, report = _start_producer({"rendezvous_dir": str(rdv), "pool_size": "32MiB"}, key)
+    try:
+        for variant in ATTACKS:
+            out = _attack(address, variant, key, rendezvous=str(rdv))
+            if out["uid"] != os.getuid():
+                assert out["rendezvous"] == "PermissionError"  # another user cannot read the secret
+            _assert_refused(out)
+        assert stat.S_IMODE(rdv.stat().st_mode) == 0o700
+        (announcement,) = rdv.glob("*.peer")
+        assert stat.S_IMODE(announcement.stat().st_mode) == 0o600
+        announced, generated = announcement.read_text().split()
+        assert announced == address and len(generated) >= 32
+        with consumer_of(address) as stranger, pytest.raises(ConnectorError, match="no secret for peer"):
+            stranger.get(0, 1, key)  # the address alone is not enough
+        with create_connector(TE, {"rendezvous_dir": str(rdv), "listen_address": None}) as consumer:
+            _assert_payload(consumer.get(0, 1, key, timeout=10), key)
+    finally:
+        result = _stop_producer(child, done, report)
+    assert result["health"]["staged"] == 0 and result["health"]["control_secret"] == "generated"
+    for text in [*result["texts"], json.dumps(result["health"])]:
+        assert generated not in text
+    assert list(rdv.glob("*.peer")) == []  # removed on close
+
+
+def test_secret_stays_out_of_config_text_and_health(producer: Connector) -> None:
+    with create_connector(TE, {"secret": SECRET, "peers": [producer.address]}) as conn:  # type: ignore[attr-defined]
+        texts = [repr(conn.config), str(conn.config), conn.config.model_dump_json(), repr(conn.health()), repr(conn)]
+        assert all(SECRET not in t for t in texts)
+        assert "**********" in repr(conn.config)

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import gc
+import hashlib
+import hmac
+import os
 import socket
+import stat
 import struct
 import sys
 import threading
 import time
+from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 from omni_plugins_mooncake._direct import Registrations
@@ -17,12 +23,23 @@ from omni_plugins_mooncake._remover import Remover
 from omni_plugins_mooncake.config import MooncakeStoreConfig, MooncakeTEConfig
 from omni_plugins_mooncake.memory import SlabPool, size_class
 from omni_plugins_mooncake.te import transfer as transfer_module
-from omni_plugins_mooncake.te.control import Claim, ControlClient, ControlServer, ProtocolError, claim_reply, parse_claim_reply, parse_token
+from omni_plugins_mooncake.te.control import (
+    AuthenticationError,
+    Claim,
+    ControlClient,
+    ControlServer,
+    PeerUnreachableError,
+    ProtocolError,
+    claim_reply,
+    parse_claim_reply,
+    parse_token,
+)
+from omni_plugins_mooncake.te.discovery import PeerDirectory
 from omni_plugins_mooncake.te.pool import StagingTable
 from omni_plugins_mooncake.te.transfer import DONE, FAILED, TIMED_OUT, Reader
 
 from omni_plugins import create_connector, wire
-from omni_plugins.errors import ConfigError, PluginLoadError
+from omni_plugins.errors import ConfigError, ConnectorError, PluginLoadError
 
 
 def _pool(**kw: object) -> tuple[SlabPool, list[int]]:
@@ -205,16 +222,60 @@ def test_replacing_a_payload_being_read_defers_the_free() -> None:
 
 
 # -- control channel ---------------------------------------------------------------------------------
-def test_control_server_survives_garbage_and_answers() -> None:
-    server = ControlServer("127.0.0.1:0", lambda req: {"ok": True, "echo": req.get("op")}, idle_timeout=2)
+SECRET = b"unit-test-secret-0123456789abcdef"
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def _read_frame(s: socket.socket) -> bytes | None:
+    """One frame's body, or None when the server closed the connection (or reset it) first."""
+    buf = b""
     try:
-        host, port = server.address.split(":")
+        while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
+            data = s.recv(4096)
+            if not data:
+                return None
+            buf += data
+    except ConnectionResetError:
+        return None
+    return buf[4:]
+
+
+def _client_handshake(s: socket.socket, secret: bytes) -> bytes:
+    """The handshake as docs/mooncake.md writes it (independent of the module's code); returns the verdict body."""
+    challenge = _read_frame(s)
+    assert challenge is not None and challenge[:2] == b"\x10\x02" and len(challenge) == 34
+    ns, nc = challenge[2:], os.urandom(32)
+    proof = hmac.new(secret, b"omni-plugins mooncake-te control v2 client\0" + ns + nc, hashlib.sha256).digest()
+    s.sendall(_frame(b"\x11" + nc + proof))
+    verdict = _read_frame(s)
+    assert verdict is not None
+    if verdict[:1] == b"\x12":
+        server_proof = hmac.new(secret, b"omni-plugins mooncake-te control v2 server\0" + ns + nc, hashlib.sha256).digest()
+        assert verdict[1:] == server_proof
+    return verdict
+
+
+def _connect(server: ControlServer, secret: bytes | None = SECRET) -> socket.socket:
+    """A raw connection to ``server``, through the handshake when ``secret`` is given."""
+    host, port = server.address.split(":")
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.settimeout(5)
+    if secret is not None:
+        assert _client_handshake(s, secret)[:1] == b"\x12"
+    return s
+
+
+def test_control_server_survives_garbage_and_answers() -> None:
+    server = ControlServer("127.0.0.1:0", lambda req: {"ok": True, "echo": req.get("op")}, secret=SECRET, idle_timeout=2)
+    try:
         for junk in (b"\xff\xff\xff\xff", struct.pack(">I", 3) + b"\xc1\xc1\xc1", struct.pack(">I", 1) + b"\x01"):
-            with socket.create_connection((host, int(port)), timeout=2) as s:
+            with _connect(server) as s:  # authenticated, then garbage
                 s.sendall(junk)
-                s.settimeout(2)
                 assert s.recv(16) == b""  # the server hangs up on a bad frame
-        client = ControlClient(server.address, timeout=2)
+        client = ControlClient(server.address, secret=SECRET, timeout=2)
         assert client.request({"op": "ping"})["echo"] == "ping"
         client.close()
     finally:
@@ -235,23 +296,169 @@ def test_binary_claim_and_finish_round_trip_and_bad_frames_drop_the_client() -> 
         key = body[1:].decode()
         return claim_reply(Claim("127.0.0.1:15001", 4096, 1 << 20, 7, 60.0) if key == "k" else None)
 
-    server = ControlServer("127.0.0.1:0", lambda req: {"ok": True, "echo": req.get("op")}, fast=fast, idle_timeout=2)
+    server = ControlServer("127.0.0.1:0", lambda req: {"ok": True, "echo": req.get("op")}, secret=SECRET, fast=fast, idle_timeout=2)
     try:
-        client = ControlClient(server.address, timeout=2)
+        client = ControlClient(server.address, secret=SECRET, timeout=2)
         assert client.claim("k") == Claim("127.0.0.1:15001", 4096, 1 << 20, 7, 60.0)
         assert client.claim("other") is None
         client.finish(7)  # one-way: the next request on the same connection still gets its own answer
         assert client.request({"op": "ping"})["echo"] == "ping"
         assert seen[-1] == b"\x02" + (7).to_bytes(8, "big")
-        host, port = server.address.split(":")
         for junk in (b"\x02\x00", b"\x7f", b""):  # short finish, unknown binary op, empty frame
-            with socket.create_connection((host, int(port)), timeout=2) as s:
+            with _connect(server) as s:
                 s.sendall(struct.pack(">I", len(junk)) + junk)
-                s.settimeout(2)
                 assert s.recv(16) == b""
         client.close()
     finally:
         server.close()
+
+
+def _recording_server(**kw: object) -> tuple[ControlServer, list[object]]:
+    """A server whose handlers record every request they are asked to serve (none may arrive unauthenticated)."""
+    served: list[object] = []
+
+    def handler(req: dict[str, object]) -> dict[str, object]:
+        served.append(req)
+        return {"ok": True, "released": True}
+
+    def fast(body: bytes) -> bytes | None:
+        served.append(body)
+        return claim_reply(Claim("127.0.0.1:15001", 4096, 1 << 20, 7, 60.0))
+
+    return ControlServer("127.0.0.1:0", handler, secret=SECRET, fast=fast, **kw), served  # type: ignore[arg-type]
+
+
+DISCARD = msgpack.packb({"v": 1, "op": "discard", "key": "k"})
+
+
+@pytest.mark.parametrize(
+    "first_frame",
+    [
+        pytest.param(DISCARD, id="discard-without-hello"),
+        pytest.param(b"\x01k", id="binary-claim-without-hello"),
+        pytest.param(b"\x11" + bytes(64), id="hello-of-zeros"),
+        pytest.param(b"\x11" + os.urandom(64), id="random-hello"),
+        pytest.param(b"\x11" + os.urandom(20), id="short-hello"),
+        pytest.param(b"\x11" + os.urandom(200), id="long-hello"),
+    ],
+)
+def test_control_server_serves_nothing_before_a_valid_hello(first_frame: bytes) -> None:
+    """Before a valid hello the server sends only its challenge and a refusal, then closes; no handler runs."""
+    server, served = _recording_server()
+    try:
+        with _connect(server, secret=None) as s:
+            challenge = _read_frame(s)
+            assert challenge is not None and challenge[:1] == b"\x10"
+            s.sendall(_frame(first_frame) + _frame(DISCARD) + _frame(b"\x01k"))  # and requests right behind it
+            verdict = _read_frame(s)
+            assert verdict is None or verdict.startswith(b"\x13")  # refused (or reset), never an answer
+            assert _read_frame(s) is None  # closed
+        assert served == []
+    finally:
+        server.close()
+
+
+def test_control_server_refuses_a_wrong_secret_and_serves_the_right_one() -> None:
+    server, served = _recording_server()
+    try:
+        with _connect(server, secret=None) as s:
+            assert _client_handshake(s, b"wrong-secret-0123456789abcdef")[:1] == b"\x13"  # refused
+            try:
+                s.sendall(_frame(DISCARD))
+            except OSError:
+                pass
+            assert _read_frame(s) is None
+        wrong = ControlClient(server.address, secret=b"wrong-secret-0123456789abcdef", timeout=2)
+        with pytest.raises(AuthenticationError, match="refused this instance's secret"):
+            wrong.request({"op": "discard", "key": "k"})
+        with pytest.raises(AuthenticationError):
+            wrong.claim("k")
+        wrong.close()
+        assert served == []
+        with _connect(server) as s:  # the documented handshake, then a request
+            s.sendall(_frame(DISCARD))
+            reply = _read_frame(s)
+            assert reply is not None and msgpack.unpackb(reply) == {"ok": True, "released": True}
+        assert served == [{"v": 1, "op": "discard", "key": "k"}]
+    finally:
+        server.close()
+
+
+def test_a_silent_client_is_dropped_after_the_handshake_timeout() -> None:
+    server, served = _recording_server(handshake_timeout=0.3)
+    try:
+        with _connect(server, secret=None) as s:
+            assert (_read_frame(s) or b"")[:1] == b"\x10"
+            started = time.monotonic()
+            assert _read_frame(s) is None  # no hello: closed
+            assert time.monotonic() - started < 4
+        assert served == []
+    finally:
+        server.close()
+
+
+def test_connections_waiting_in_the_handshake_are_capped() -> None:
+    server, _ = _recording_server(max_pending=2, handshake_timeout=5)
+    try:
+        idle = [_connect(server, secret=None) for _ in range(2)]
+        for s in idle:
+            assert (_read_frame(s) or b"")[:1] == b"\x10"
+        with _connect(server, secret=None) as extra:
+            assert _read_frame(extra) is None  # closed at once, no challenge
+        client = ControlClient(server.address, secret=SECRET, timeout=2)
+        with pytest.raises(PeerUnreachableError):
+            client.request({"op": "ping"})  # also turned away while the two hold their slots
+        for s in idle:
+            s.close()
+        for _ in range(100):  # their threads notice the close and free the slots
+            try:
+                assert client.request({"op": "ping"})["ok"] is True
+                break
+            except PeerUnreachableError:
+                time.sleep(0.05)
+        else:
+            raise AssertionError("slots never freed")
+        client.close()
+    finally:
+        server.close()
+
+
+def test_client_without_a_secret_does_not_authenticate() -> None:
+    server, served = _recording_server()
+    try:
+        client = ControlClient(server.address, secret=lambda: None, timeout=2)
+        with pytest.raises(AuthenticationError, match="no secret for peer"):
+            client.request({"op": "discard", "key": "k"})
+        assert served == []
+    finally:
+        server.close()
+
+
+def test_client_refuses_a_server_that_does_not_know_the_secret() -> None:
+    """A process squatting a producer's port cannot feed a consumer fake claims: the server must prove the secret too."""
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+        address = f"127.0.0.1:{fake.getsockname()[1]}"
+
+        def impostor() -> None:
+            conn, _ = fake.accept()
+            with conn:
+                conn.sendall(_frame(b"\x10\x02" + os.urandom(32)))
+                _read_frame(conn)
+                conn.sendall(_frame(b"\x12" + os.urandom(32)))  # "accepted", with a proof it cannot make
+                _read_frame(conn)
+
+        thread = threading.Thread(target=impostor, daemon=True)
+        thread.start()
+        client = ControlClient(address, secret=SECRET, timeout=2)
+        with pytest.raises(AuthenticationError, match="does not know the secret"):
+            client.claim("k")
+        client.close()
+        thread.join(5)
+
+
+def test_control_server_needs_a_secret() -> None:
+    with pytest.raises(ValueError, match="secret"):
+        ControlServer("127.0.0.1:0", lambda req: {"ok": True}, secret=b"")
 
 
 @pytest.mark.parametrize("body", [b"", b"\x01short", b"\x03", b"\x01" + bytes(32) + b"\xff"])
@@ -263,10 +470,51 @@ def test_malformed_claim_reply_is_a_protocol_error(body: bytes) -> None:
 def test_silent_peer_times_out_instead_of_hanging() -> None:
     with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts (backlog) but never answers
         address = f"127.0.0.1:{silent.getsockname()[1]}"
-        client = ControlClient(address, timeout=0.3)
+        client = ControlClient(address, secret=SECRET, timeout=0.3)
         with pytest.raises(Exception, match="unreachable"):
             client.request({"op": "claim", "key": "k"})
         client.close()
+
+
+# -- control secret: config and the rendezvous directory ---------------------------------------------
+def test_te_secret_is_hidden_validated_and_optional() -> None:
+    secret = "config-secret-" + "x" * 20
+    cfg = MooncakeTEConfig.model_validate({"secret": secret})
+    assert cfg.secret is not None and cfg.secret.get_secret_value() == secret
+    for text in (repr(cfg), str(cfg), cfg.model_dump_json(), repr(cfg.model_dump())):
+        assert secret not in text
+    assert MooncakeTEConfig.model_validate({"secret": ""}).secret is None  # `${VAR:-}` with VAR unset
+    with pytest.raises(ConfigError, match="at least 16 characters") as err:
+        create_connector("mooncake-te", {"secret": "tooshort"})
+    assert "tooshort" not in str(err.value)
+
+
+def test_rendezvous_dir_must_be_private(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConnectorError, match="private to this user"):
+        PeerDirectory(shared)
+    fresh = PeerDirectory(tmp_path / "new" / "peers")
+    assert stat.S_IMODE(os.stat(fresh.path).st_mode) == 0o700
+    fresh.announce("127.0.0.1:7", "generated-secret")
+    (announced,) = fresh.path.glob("*.peer")
+    assert stat.S_IMODE(os.stat(announced).st_mode) == 0o600
+
+
+def test_rendezvous_entries_carry_secrets_and_other_users_files_are_ignored(tmp_path: Path) -> None:
+    mine, reader = PeerDirectory(tmp_path / "peers"), PeerDirectory(tmp_path / "peers")
+    mine.announce("127.0.0.1:7001", "generated-secret")
+    (reader.path / "old.peer").write_text("127.0.0.1:7002")  # an announcement without a secret (configured one)
+    peers = reader.peers()
+    assert peers["127.0.0.1:7001"].secret == "generated-secret" and peers["127.0.0.1:7002"].secret is None
+    if os.getuid() == 0:  # a file another user managed to place is not trusted
+        planted = reader.path / "planted.peer"
+        planted.write_text("127.0.0.1:7003\nattacker-chosen\n")
+        os.chown(planted, 65534, 65534)
+        assert "127.0.0.1:7003" not in reader.peers()
+    mine.close()
+    assert "127.0.0.1:7001" not in reader.peers()
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, ByteSize, Field, field_validator
+from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator
 
 from omni_plugins.settings import ConnectorSettings
 
 MiB = 1 << 20
+MIN_SECRET_LENGTH = 16
 
 
 def parse_host_port(value: str, *, what: str) -> tuple[str, int]:
@@ -101,6 +102,12 @@ class MooncakeTEConfig(_Engine):
         description="host:port of this instance's control channel (port 0 = any free port); null = consume only",
     )
     peers: list[str] = Field(default_factory=list, description="control addresses of the producers this instance reads from")
+    secret: SecretStr | None = Field(
+        default=None,
+        description="shared secret of the control channel (at least 16 characters; same value on producers and their "
+        "consumers; e.g. ${OMNI_TE_SECRET} in YAML). None or empty: each listener generates its own, which reaches "
+        "instances in the same process and, through rendezvous_dir, same-user processes on this host",
+    )
     pool_size: ByteSize = Field(
         default=ByteSize(2048 * MiB),
         gt=0,
@@ -130,6 +137,17 @@ class MooncakeTEConfig(_Engine):
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"listen_address must look like 'host:port' (port 0 = any), got {value!r}")
         return value.strip()
+
+    @field_validator("secret")
+    @classmethod
+    def _check_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or value.get_secret_value() == "":  # `${VAR:-}` with VAR unset: none configured
+            return None
+        if len(value.get_secret_value()) < MIN_SECRET_LENGTH:
+            raise ValueError(
+                f"secret must be at least {MIN_SECRET_LENGTH} characters (e.g. python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            )
+        return value
 
     @field_validator("peers")
     @classmethod

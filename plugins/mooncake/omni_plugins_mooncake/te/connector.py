@@ -7,11 +7,18 @@ decoded in place; otherwise each peer is asked (a binary claim on the control
 channel), the payload is read with one one-sided transfer
 (:class:`~.transfer.Reader`) into a registered receive slab, the claim is
 finished (the producer frees its slab) and the bytes are decoded zero-copy.
+
+Every control connection is authenticated with a shared secret (``control``):
+the configured ``secret``, or, when there is none, one each listener generates.
+A consumer finds a peer's secret, in this order, in the listeners of its own
+process, in the peer's rendezvous file, then in its own config.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import secrets
 import threading
 import time
 from typing import Any
@@ -36,13 +43,18 @@ from omni_plugins_mooncake.te.control import (
     parse_key,
     parse_token,
 )
-from omni_plugins_mooncake.te.discovery import PeerDirectory
+from omni_plugins_mooncake.te.discovery import PeerDirectory, PeerEntry
 from omni_plugins_mooncake.te.pool import Staged, StagingTable
 from omni_plugins_mooncake.te.transfer import DONE, FAILED, TIMED_OUT, Reader
 
 logger = logging.getLogger(__name__)
 
 _CLAIM_MARGIN = 1.0  # seconds of claim left below which the reader asks whether its claim held
+
+# control address -> secret of every listener open in this process: instances of one process reach each
+# other without configuring a secret (the secret never leaves the process)
+_local_secrets: dict[str, bytes] = {}
+_local_secrets_lock = threading.Lock()
 
 
 class MooncakeTransferEngineConnector(Connector):
@@ -83,13 +95,26 @@ class MooncakeTransferEngineConnector(Connector):
         self._server: ControlServer | None = None
         self._directory: PeerDirectory | None = None
         self._stop = threading.Event()
+        self._configured_secret: bytes | None = None if cfg.secret is None else cfg.secret.get_secret_value().encode()
         try:
-            if cfg.listen_address is not None:
-                self._server = self._listen(cfg.listen_address)
             if cfg.rendezvous_dir is not None:
                 self._directory = PeerDirectory(cfg.rendezvous_dir)
-                if self._server is not None:
-                    self._directory.announce(self._server.address)
+            if cfg.listen_address is not None:
+                generated = None if self._configured_secret is not None else secrets.token_urlsafe(32)
+                secret = generated.encode() if generated is not None else self._configured_secret or b""
+                self._server = self._listen(cfg.listen_address, secret)
+                with _local_secrets_lock:
+                    _local_secrets[self._server.address] = secret
+                if self._directory is not None:
+                    # a generated secret goes into the (0600) announcement; a configured one stays out of files
+                    self._directory.announce(self._server.address, generated)
+                elif generated is not None:
+                    logger.info(
+                        "mooncake-te %s: no secret configured; the control channel on %s uses a generated one, so only "
+                        "instances in this process can read from it (set `secret`, or use rendezvous_dir)",
+                        self.segment,
+                        self._server.address,
+                    )
         except BaseException:
             self._close()
             raise
@@ -143,6 +168,7 @@ class MooncakeTransferEngineConnector(Connector):
             "ok": not unreachable,
             "segment": self.segment,
             "listen_address": self.address,
+            "control_secret": self._secret_source(),
             "peers": [a for a, _ in peers],
             "unreachable_peers": unreachable,
             **self._table.stats(),
@@ -151,11 +177,19 @@ class MooncakeTransferEngineConnector(Connector):
             "stranded_receive_buffers": len(self._stranded),
         }
 
+    def _secret_source(self) -> str:
+        """Where this instance's control secret comes from (never the secret itself)."""
+        if self._configured_secret is not None:
+            return "configured"
+        return "none (consume only)" if self._server is None else "generated"
+
     def _close(self) -> None:
         self._stop.set()
         if self._directory is not None:
             self._directory.close()
         if self._server is not None:
+            with _local_secrets_lock:
+                _local_secrets.pop(self._server.address, None)
             self._server.close()
         with self._clients_lock:
             clients, self._clients = list(self._clients.values()), {}
@@ -189,7 +223,7 @@ class MooncakeTransferEngineConnector(Connector):
             if claim is not None:
                 return self._read_remote(client, key, claim, claimed_at)
         if failures:
-            raise ConnectorError(f"mooncake-te: key {key!r} not found and some peers are down: " + "; ".join(failures))
+            raise ConnectorError(f"mooncake-te: key {key!r} not found and some peers could not be asked: " + "; ".join(failures))
         return None
 
     def _decode_local(self, entry: Staged) -> GetResult:
@@ -282,14 +316,28 @@ class MooncakeTransferEngineConnector(Connector):
                     continue
                 client = self._clients.get(address)
                 if client is None:
-                    client = self._clients[address] = ControlClient(address, timeout=self.config.socket_timeout)
+                    client = self._clients[address] = ControlClient(
+                        address, secret=functools.partial(self._secret_for, address), timeout=self.config.socket_timeout
+                    )
                 out.append((address, client))
         return out
+
+    def _secret_for(self, address: str) -> bytes | None:
+        """The control secret of the peer at ``address`` (asked when a connection to it opens)."""
+        with _local_secrets_lock:
+            local = _local_secrets.get(address)
+        if local is not None:
+            return local
+        if self._directory is not None:
+            entry = self._directory.peers().get(address)
+            if entry is not None and entry.secret is not None:
+                return entry.secret.encode()
+        return self._configured_secret
 
     def _peer_failed(self, address: str, exc: PeerUnreachableError, key: str) -> bool:
         """Handle an unreachable peer; True when it is an error (a configured peer), False when it was a stale announcement."""
         if address not in self.config.peers and self._directory is not None and exc.refused:
-            entry = self._directory.peers().get(address)
+            entry: PeerEntry | None = self._directory.peers().get(address)
             if entry is not None:
                 self._directory.forget(entry)
             with self._clients_lock:
@@ -300,9 +348,9 @@ class MooncakeTransferEngineConnector(Connector):
         return True
 
     # -- producer ---------------------------------------------------------------
-    def _listen(self, address: str) -> ControlServer:
+    def _listen(self, address: str, secret: bytes) -> ControlServer:
         try:
-            return ControlServer(address, self._handle, fast=self._handle_fast, name=f"mooncake-te {self.segment}")
+            return ControlServer(address, self._handle, secret=secret, fast=self._handle_fast, name=f"mooncake-te {self.segment}")
         except OSError as exc:
             raise ConnectorError(f"mooncake-te cannot listen on {address}: {exc}") from exc
 

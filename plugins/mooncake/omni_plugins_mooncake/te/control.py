@@ -1,6 +1,20 @@
-"""The control channel: "where is key K" and "release K", as length-prefixed msgpack over TCP.
+"""The control channel: "where is key K" and "release K", as length-prefixed msgpack over authenticated TCP.
 
-Frame: 4-byte big-endian length, then a msgpack map (at most 64 KiB). Requests::
+Frame: 4-byte big-endian length, then a body (at most 64 KiB).
+
+Every connection starts with a handshake that proves, both ways, knowledge of a
+shared secret (HMAC-SHA256 over two fresh nonces; the secret itself never
+crosses the wire). The server sends nothing but the challenge and its verdict,
+and serves nothing, before a valid proof; a bad one gets a refusal and the
+connection is closed::
+
+    server -> 0x10 version:u8 server_nonce(32)                      (challenge, on accept)
+    client -> 0x11 client_nonce(32) HMAC(secret, "client" | Ns | Nc)  (proof)
+    server -> 0x12 HMAC(secret, "server" | Ns | Nc)                  (accepted: the client checks it)
+            | 0x13 reason(utf-8), then close                         (refused)
+
+Clients reuse connections, so this costs one round trip (plus the challenge)
+per connection, not per request. After it, a body is a msgpack map::
 
     {"op": "claim",   "key": K}            -> {"ok": true, "found": false}
                                             | {"ok": true, "found": true, "segment": S, "addr": A, "size": N, "token": T}
@@ -30,7 +44,10 @@ with small limits.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import socket
 import struct
 import threading
@@ -50,7 +67,14 @@ _T = TypeVar("_T")
 _TIMEVAL = struct.Struct("@ll")  # struct timeval
 _RECV_SIZE = 4096  # a reply or request fits; bigger frames take more calls
 MAX_FRAME = 64 * 1024
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: every connection starts with the secret handshake
+
+HELLO_CHALLENGE, HELLO_PROOF, HELLO_ACCEPTED, HELLO_REFUSED = 0x10, 0x11, 0x12, 0x13
+_NONCE = 32  # bytes of each side's nonce; the MACs are SHA-256 (32 bytes)
+_PROOF_SIZE = 1 + _NONCE + 32
+_HELLO_MAX = 1024  # the longest frame read before a connection is authenticated
+_CLIENT_LABEL = b"omni-plugins mooncake-te control v2 client\0"
+_SERVER_LABEL = b"omni-plugins mooncake-te control v2 server\0"
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 FastHandler = Callable[[bytes], "bytes | None"]  # a binary request body -> reply body, or None (one-way)
@@ -83,6 +107,14 @@ class PeerUnreachableError(ConnectorError):
         super().__init__(message)
         self.address = address
         self.refused = refused
+
+
+class AuthenticationError(PeerUnreachableError):
+    """The handshake failed: no secret for the peer, the peer refused ours, or it could not prove it knows it."""
+
+
+def _mac(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
+    return hmac.new(secret, label + server_nonce + client_nonce, hashlib.sha256).digest()
 
 
 def set_io_timeout(sock: socket.socket, seconds: float) -> None:
@@ -189,14 +221,14 @@ class Channel:
         """The next frame as a map; ``ConnectionError`` when the peer hung up, ``ProtocolError`` for a bad frame."""
         return _unpack(self.receive_body())
 
-    def receive_body(self) -> bytes:
-        """The next frame's body (not empty)."""
+    def receive_body(self, limit: int = MAX_FRAME) -> bytes:
+        """The next frame's body (not empty, at most ``limit`` bytes)."""
         buf = self._pending
         while len(buf) < _LEN.size:
             buf += self._recv()
         (length,) = _LEN.unpack_from(buf)
-        if length > MAX_FRAME:
-            raise ProtocolError(f"control frame of {length} bytes exceeds {MAX_FRAME}")
+        if length > limit:
+            raise ProtocolError(f"control frame of {length} bytes exceeds {limit}")
         if length == 0:
             raise ProtocolError("empty control frame")
         end = _LEN.size + length
@@ -216,15 +248,36 @@ class Channel:
 
 
 class ControlServer:
-    """A tiny threaded TCP server: one daemon thread accepts, one per connection answers."""
+    """A tiny threaded TCP server: one daemon thread accepts, one per connection answers.
+
+    Every connection must pass the handshake (module docstring) with ``secret``
+    within ``handshake_timeout`` seconds before any request is read; at most
+    ``max_pending`` connections may be in the handshake at once (more are closed
+    at once), so unauthenticated clients cannot hold many threads.
+    """
 
     def __init__(
-        self, address: str, handler: Handler, *, fast: FastHandler | None = None, idle_timeout: float = 120.0, name: str = "control"
+        self,
+        address: str,
+        handler: Handler,
+        *,
+        secret: bytes,
+        fast: FastHandler | None = None,
+        idle_timeout: float = 120.0,
+        handshake_timeout: float = 5.0,
+        max_pending: int = 64,
+        name: str = "control",
     ) -> None:
+        if not secret:
+            raise ValueError("a control server needs a non-empty secret")
         host, _, port = address.rpartition(":")
         self._handler = handler
         self._fast = fast
+        self._secret = secret
         self._idle_timeout = idle_timeout
+        self._handshake_timeout = handshake_timeout
+        self._max_pending = max_pending
+        self._pending = 0
         self._name = name
         self._listener = socket.create_server((host.strip("[]"), int(port)), backlog=64)
         self._listener.settimeout(0.25)  # lets the accept loop notice close()
@@ -251,19 +304,38 @@ class ControlServer:
     def _accept_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return  # listener closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn", daemon=True).start()
+                full = self._pending >= self._max_pending
+                if not full:
+                    self._pending += 1
+                    self._conns.add(conn)
+            if full:
+                logger.warning(
+                    "%s %s: %d connections already in the handshake; closing one from %s", self._name, self.address, self._max_pending, peer
+                )
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"{self._name}-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: object = None) -> None:
         channel = Channel(conn)
         try:
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                set_io_timeout(conn, self._handshake_timeout)  # an unauthenticated client holds this thread at most this long
+                accepted = self._handshake(channel, peer)
+            except OSError:
+                accepted = False
+            finally:
+                with self._lock:
+                    self._pending -= 1
+            if not accepted:
+                return
             set_io_timeout(conn, self._idle_timeout)  # bounds both waiting for a request and sending a reply
             while not self._stopping.is_set():
                 try:
@@ -286,6 +358,31 @@ class ControlServer:
                 self._conns.discard(conn)
             conn.close()
 
+    def _handshake(self, channel: Channel, peer: object) -> bool:
+        """Challenge the client and check its proof (constant time); True when it knows the secret."""
+        server_nonce = os.urandom(_NONCE)
+        try:
+            channel.send_body(bytes((HELLO_CHALLENGE, PROTOCOL_VERSION)) + server_nonce)
+            proof = channel.receive_body(_HELLO_MAX)
+        except (OSError, ConnectionError, ProtocolError) as exc:
+            level = logging.DEBUG if isinstance(exc, ConnectionError) else logging.WARNING  # a client that just hung up is no news
+            logger.log(level, "%s %s: closing a connection from %s without a valid handshake: %s", self._name, self.address, peer, exc)
+            return False
+        client_nonce = proof[1 : 1 + _NONCE]
+        expected = _mac(self._secret, _CLIENT_LABEL, server_nonce, client_nonce)
+        # compare even a malformed proof (against a digest it cannot match), so timing says nothing about the secret
+        ok = hmac.compare_digest(proof[1 + _NONCE :] if len(proof) == _PROOF_SIZE else b"", expected)
+        ok = ok and proof[0] == HELLO_PROOF
+        try:
+            if ok:
+                channel.send_body(bytes((HELLO_ACCEPTED,)) + _mac(self._secret, _SERVER_LABEL, server_nonce, client_nonce))
+                return True
+            logger.warning("%s %s: refusing a connection from %s: bad handshake (wrong secret?)", self._name, self.address, peer)
+            channel.send_body(bytes((HELLO_REFUSED,)) + b"authentication failed")
+        except OSError:
+            pass
+        return False
+
     def _answer(self, request: dict[str, Any]) -> bytes | None:
         try:
             reply = self._handler(request)
@@ -307,11 +404,16 @@ class ControlServer:
 
 
 class ControlClient:
-    """Requests to one peer over reused connections (one per concurrent caller)."""
+    """Requests to one peer over reused connections (one per concurrent caller).
 
-    def __init__(self, address: str, *, timeout: float, max_idle_age: float = 30.0) -> None:
+    ``secret`` is the peer's shared secret, or a function returning it (None when
+    it is not known), asked each time a connection is opened.
+    """
+
+    def __init__(self, address: str, *, secret: bytes | Callable[[], bytes | None], timeout: float, max_idle_age: float = 30.0) -> None:
         self.address = address
         self._host, self._port = parse_host_port(address, what="peer address")
+        self._secret = secret
         self._timeout = timeout
         self._max_idle_age = max_idle_age
         self._idle: list[tuple[Channel, float]] = []
@@ -404,12 +506,51 @@ class ControlClient:
             sock = socket.create_connection((self._host, self._port), timeout=self._timeout)
         except OSError as exc:
             raise self._unreachable(exc) from exc
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_io_timeout(sock, self._timeout)
-        return Channel(sock)
+        channel = Channel(sock)
+        try:
+            secret = self._secret() if callable(self._secret) else self._secret
+            if not secret:  # checked once connected, so a peer that is down is reported as down
+                raise AuthenticationError(
+                    self.address,
+                    f"mooncake-te: no secret for peer {self.address}: set the same `secret` on the producer and this "
+                    f"instance (e.g. secret: ${{OMNI_TE_SECRET}}), or let both use one rendezvous_dir",
+                )
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_io_timeout(sock, self._timeout)
+            self._handshake(channel, secret)
+        except BaseException as exc:
+            channel.close()
+            if isinstance(exc, (OSError, ConnectionError)):
+                raise self._unreachable(exc, during="the handshake") from exc
+            raise
+        return channel
 
-    def _unreachable(self, exc: BaseException) -> PeerUnreachableError:
+    def _handshake(self, channel: Channel, secret: bytes) -> None:
+        """Answer the server's challenge and check its proof: both sides show they know ``secret``."""
+        challenge = channel.receive_body(_HELLO_MAX)
+        if len(challenge) != 2 + _NONCE or challenge[0] != HELLO_CHALLENGE:
+            raise ProtocolError(
+                f"mooncake-te peer {self.address} did not open with a control-channel challenge (not a mooncake-te producer?)"
+            )
+        if challenge[1] != PROTOCOL_VERSION:
+            raise ProtocolError(f"mooncake-te peer {self.address} speaks control protocol {challenge[1]}, this instance {PROTOCOL_VERSION}")
+        server_nonce, client_nonce = challenge[2:], os.urandom(_NONCE)
+        channel.send_body(bytes((HELLO_PROOF,)) + client_nonce + _mac(secret, _CLIENT_LABEL, server_nonce, client_nonce))
+        verdict = channel.receive_body(_HELLO_MAX)
+        if verdict[0] == HELLO_REFUSED:
+            reason = verdict[1:].decode(errors="replace")
+            raise AuthenticationError(self.address, f"mooncake-te peer {self.address} refused this instance's secret ({reason})")
+        if verdict[0] != HELLO_ACCEPTED or len(verdict) != 33:
+            raise ProtocolError(f"mooncake-te peer {self.address} sent a malformed handshake verdict ({len(verdict)} bytes)")
+        if not hmac.compare_digest(verdict[1:], _mac(secret, _SERVER_LABEL, server_nonce, client_nonce)):
+            raise AuthenticationError(
+                self.address, f"mooncake-te peer {self.address} does not know the secret (not the producer configured for that address?)"
+            )
+
+    def _unreachable(self, exc: BaseException, during: str = "") -> PeerUnreachableError:
         what = f"no answer within {self._timeout} s" if isinstance(exc, BlockingIOError) else f"{type(exc).__name__}: {exc}"
+        if during:
+            what += f", during {during}"
         return PeerUnreachableError(
             self.address,
             f"mooncake-te peer {self.address} is unreachable ({what})",
