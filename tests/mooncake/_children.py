@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from typing import Any
 
@@ -69,3 +70,26 @@ def produce_small(config: dict[str, Any], key: str, ready: Any, done: Any, repor
         report.put({"health": conn.health(), "texts": [repr(conn.config), str(conn.config), conn.config.model_dump_json()]})
     finally:
         conn.close()
+
+
+#: the user the cross-user tests act as (nobody) when they run as root
+OTHER_UID = 65534
+
+
+def other_user_available() -> bool:
+    """Root, and uid/gid :data:`OTHER_UID` exist in this user namespace.
+
+    The CI runs pytest in a private user namespace (loopback-only network) where only root is
+    mapped; there a process cannot become another user, and the cross-user parts run as this user.
+    """
+    if os.getuid() != 0:
+        return False
+    for table in ("/proc/self/uid_map", "/proc/self/gid_map"):
+        try:
+            with open(table) as f:
+                rows = [tuple(int(x) for x in line.split()) for line in f if line.strip()]
+        except OSError:
+            return False
+        if not any(inside <= OTHER_UID < inside + count for inside, _outside, count in rows):
+            return False
+    return True

@@ -226,7 +226,7 @@ ATTACKS = ("no-hello", "garbage-hello", "wrong-secret")
 
 def _other_user(argv: list[str]) -> list[str]:
     """``argv`` run as uid/gid 65534 (nobody) when the tests run as root, else as this user (who has no secret either)."""
-    if os.getuid() == 0 and shutil.which("setpriv"):
+    if _children.other_user_available() and shutil.which("setpriv"):
         return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
     return argv
 
