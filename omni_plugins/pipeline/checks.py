@@ -11,11 +11,6 @@ from omni_plugins.errors import ConfigError, OmniPluginsError
 from omni_plugins.pipeline.spec import PipelinePlan, build_plan
 
 
-def has_synthetic(config: PipelineConfig) -> bool:
-    """Whether any stage describes a synthetic model (the file is meant for ``omni-plugins run``)."""
-    return any(s.synthetic is not None for s in config.stages)
-
-
 def cross_process_errors(config: PipelineConfig, filename: str) -> list[str]:
     """Every stage is its own process: an in-process-only connector on an edge could never deliver."""
     from omni_plugins.factory import resolve_connector

@@ -26,19 +26,23 @@ def _shm(instance: str, config: Any) -> list[str]:
     return [f"connector {instance!r}: {len(left)} shm file(s) left in {config.shm_dir}: {left[:5]}"] if left else []
 
 
-def _redis(instance: str, config: Any) -> list[str]:
+def _redis_client(instance: str, config: Any, what: str) -> Any:
+    """A plain redis-py client for the connector's server, or None where it would not reach it (cluster/TLS/unix socket)."""
     import redis
 
     if config.cluster or config.tls or config.unix_socket:
-        logger.info("redis leak check skipped for %s (cluster/TLS/unix socket)", instance)
-        return []
+        logger.info("redis %s skipped for %s (cluster/TLS/unix socket)", what, instance)
+        return None
     password = config.password.get_secret_value() if config.password is not None else None
     if config.url:
-        client = redis.Redis.from_url(config.url, password=password, username=config.username, socket_timeout=10)
-    else:
-        client = redis.Redis(
-            host=config.host, port=config.port, db=config.db, username=config.username, password=password, socket_timeout=10
-        )
+        return redis.Redis.from_url(config.url, password=password, username=config.username, socket_timeout=10)
+    return redis.Redis(host=config.host, port=config.port, db=config.db, username=config.username, password=password, socket_timeout=10)
+
+
+def _redis(instance: str, config: Any) -> list[str]:
+    client = _redis_client(instance, config, "leak check")
+    if client is None:
+        return []
     try:
         keys = list(client.scan_iter(match=f"{config.key_prefix}*", count=1000))
     finally:
@@ -90,17 +94,9 @@ def _shm_reclaim(instance: str, config: Any, run_tag: str) -> list[str]:
 
 
 def _redis_reclaim(instance: str, config: Any, run_tag: str) -> list[str]:
-    import redis
-
-    if config.cluster or config.tls or config.unix_socket:
+    client = _redis_client(instance, config, "reclaim")
+    if client is None:
         return []
-    password = config.password.get_secret_value() if config.password is not None else None
-    if config.url:
-        client = redis.Redis.from_url(config.url, password=password, username=config.username, socket_timeout=10)
-    else:
-        client = redis.Redis(
-            host=config.host, port=config.port, db=config.db, username=config.username, password=password, socket_timeout=10
-        )
     # only this run's keys: every key of a payload is <prefix>{<key>}..., and this run's keys start with its request ids
     pattern = f"{_glob_escape(config.key_prefix)}{{req-{run_tag}-*"
     removed = 0

@@ -307,10 +307,7 @@ class StageRunner:
         connector = self.rt.connector
         if connector is None:
             return
-        try:
-            health = connector.health()
-        except Exception as exc:
-            health = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        health = _health(connector)
         if health.get("ok", True):
             return
         if health.get("error"):
@@ -362,12 +359,7 @@ class StageRunner:
         leftover_ids = sorted(self.rt.debug_state().get("requests", {}))[:10]
         kv_tracked = self.rt.kv_manager.tracked_request_ids() if self.rt.kv_manager is not None else []
         connector = self.rt.connector
-        health: dict[str, Any] = {}
-        if connector is not None:
-            try:
-                health = connector.health()
-            except Exception as exc:
-                health = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        health = _health(connector) if connector is not None else {}
         self.rt.shutdown()
         if self.tp is not None:
             import torch.distributed as dist
@@ -394,6 +386,14 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (str, int, float, bool)) or obj is None:
         return obj
     return str(obj)
+
+
+def _health(connector: Any) -> dict[str, Any]:
+    """``connector.health()``; a check that raised is ``ok: false`` with the error."""
+    try:
+        return dict(connector.health())
+    except Exception as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def stage_main(launch: StageLaunch, inbox: Any, downstream: Any, results: Any) -> None:

@@ -181,16 +181,7 @@ class ShmConnector(Connector):
         slots = self._slots
         if slots is None or self._closed or self._expiry is not None or CurrentPid.value != self._pid:
             return super().put(from_stage, to_stage, key, data)
-        encoder = wire.native_c_api()
-        try:
-            got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
-            if got >= 0:
-                return _put_ok((True, got, None))
-            return self._put_declined(slots, key, data, got, None)
-        except WireFormatError:
-            raise
-        except ValueError as exc:  # the C table refuses a damaged mapping (its header checks)
-            raise self._table_damaged(key, exc) from exc
+        return self._put_slots(slots, key, data, None)
 
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
         if CurrentPid.value != self._pid:
@@ -201,7 +192,11 @@ class ShmConnector(Connector):
         slots = self._slots
         if slots is None:
             return self._put_file(key, wire.encode(data), expiry, None)
-        # the slot table: one C call (reserve, encode straight into the slot, replace, publish, ring)
+        return self._put_slots(slots, key, data, expiry)
+
+    def _put_slots(self, slots: SlotTable, key: str, data: Any, expiry: Expiry | None) -> PutResult:
+        """A put with the slot table: one C call (reserve, encode straight into the slot, replace, publish,
+        ring), else :meth:`_put_declined`. A damaged table is a :class:`ConnectorError` naming the cure."""
         encoder = wire.native_c_api()
         try:
             got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
@@ -211,13 +206,10 @@ class ShmConnector(Connector):
         except WireFormatError:
             raise
         except ValueError as exc:  # the C table refuses a damaged mapping (its header checks)
-            raise self._table_damaged(key, exc) from exc
-
-    def _table_damaged(self, key: str, exc: ValueError) -> ConnectorError:
-        return ConnectorError(
-            f"shm put of key {key!r}: the slot table of namespace {self.config.namespace!r} in {self._pubdir} is damaged ({exc}); "
-            f"stop its instances and run 'omni-plugins shm gc --namespace {self.config.namespace}'"
-        )
+            raise ConnectorError(
+                f"shm put of key {key!r}: the slot table of namespace {self.config.namespace!r} in {self._pubdir} is damaged ({exc}); "
+                f"stop its instances and run 'omni-plugins shm gc --namespace {self.config.namespace}'"
+            ) from exc
 
     def _put_declined(self, slots: SlotTable, key: str, data: Any, got: int, expiry: Expiry | None) -> PutResult:
         """``put`` after the slot table's ``put_obj`` declined (``got`` < 0): the Python encoder, then a slot or the file path."""
