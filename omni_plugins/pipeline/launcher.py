@@ -362,7 +362,7 @@ class Orchestrator:
                     order.append(st.edge)
                 edges[st.edge].merge(st)
         used = {s.connector for s in self.plan.stages if s.connector}
-        self.report.leaks += backend_leaks(self.plan.config, used)  # type: ignore[arg-type]
+        self.report.leaks += backend_leaks(self.plan.config, used, self.run_tag)  # type: ignore[arg-type]
         # whatever was left (a stage killed, a run interrupted) is reported above and then freed here,
         # so no run leaves segments or keys behind; only provably stale or this run's data is touched
         self.report.reclaimed = reclaim(self.plan.config, used, self.run_tag)  # type: ignore[arg-type]

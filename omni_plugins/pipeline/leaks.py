@@ -19,7 +19,7 @@ logger = logging.getLogger(__name__)
 HELD_FIELDS = ("staged", "being_read")
 
 
-def _shm(instance: str, config: Any) -> list[str]:
+def _shm(instance: str, config: Any, run_tag: str | None) -> list[str]:
     from omni_plugins_shm.testing import namespace_segments  # type: ignore[import-not-found]
 
     left = namespace_segments(config.namespace, config.shm_dir)
@@ -39,7 +39,7 @@ def _redis_client(instance: str, config: Any, what: str) -> Any:
     return redis.Redis(host=config.host, port=config.port, db=config.db, username=config.username, password=password, socket_timeout=10)
 
 
-def _redis(instance: str, config: Any) -> list[str]:
+def _redis(instance: str, config: Any, run_tag: str | None) -> list[str]:
     client = _redis_client(instance, config, "leak check")
     if client is None:
         return []
@@ -50,7 +50,14 @@ def _redis(instance: str, config: Any) -> list[str]:
     return [f"connector {instance!r}: {len(keys)} Redis key(s) left under {config.key_prefix!r}: {keys[:5]}"] if keys else []
 
 
-def _mooncake_store(instance: str, config: Any) -> list[str]:
+def _mooncake_store(instance: str, config: Any, run_tag: str | None) -> list[str]:
+    """This run's objects still in the store; removed, as the store cannot count keys by pattern without removing them.
+
+    Only keys of this run's requests (``req-<run_tag>-...``) are touched: a master is often shared,
+    and every other object on it belongs to someone else. Without a run tag there is nothing to match.
+    """
+    if run_tag is None:
+        return []
     from mooncake.store import MooncakeDistributedStore
 
     probe = MooncakeDistributedStore()
@@ -58,17 +65,31 @@ def _mooncake_store(instance: str, config: Any) -> list[str]:
     if rc != 0:
         return [f"connector {instance!r}: cannot reach mooncake_master at {config.master_address} to check for leftovers"]
     try:
-        count = int(probe.remove_all(True))
+        count = int(probe.remove_by_regex(run_key_regex(run_tag), True))
     finally:
         probe.close()
-    return [f"connector {instance!r}: {count} store object(s) left on {config.master_address}"] if count > 0 else []
+    if count < 0:
+        return [f"connector {instance!r}: leak check failed: mooncake_master at {config.master_address} answered {count}"]
+    return [f"connector {instance!r}: {count} store object(s) of this run left on {config.master_address} (removed)"] if count > 0 else []
 
 
-CHECKS: dict[str, Callable[[str, Any], list[str]]] = {"shm": _shm, "redis": _redis, "mooncake-store": _mooncake_store}
+def run_key_regex(run_tag: str) -> str:
+    """Every key of a run's requests: the runtime's and the KV manager's keys start with the request id."""
+    if not run_tag.isalnum():  # the launcher's tags are hex; anything else could widen the pattern
+        raise ValueError(f"run tag must be alphanumeric, got {run_tag!r}")
+    return f"^req-{run_tag}-.*"
 
 
-def backend_leaks(config: PipelineConfig, used: set[str]) -> list[str]:
-    """Leftovers in the backends of the connector instances in ``used`` (call after every stage process exited)."""
+#: per canonical connector name: what the backend still holds (``run_tag``: this run's id, where a check is scoped to it)
+CHECKS: dict[str, Callable[[str, Any, str | None], list[str]]] = {"shm": _shm, "redis": _redis, "mooncake-store": _mooncake_store}
+
+
+def backend_leaks(config: PipelineConfig, used: set[str], run_tag: str | None = None) -> list[str]:
+    """Leftovers in the backends of the connector instances in ``used`` (call after every stage process exited).
+
+    shm and Redis report everything in the connector's namespace / key prefix; the Mooncake store
+    reports (and removes) only the objects of the run ``run_tag``.
+    """
     from omni_plugins.factory import resolve_connector, validate_connector_config
 
     out: list[str] = []
@@ -79,7 +100,7 @@ def backend_leaks(config: PipelineConfig, used: set[str]) -> list[str]:
         if check is None:
             continue
         try:
-            out += check(instance, validate_connector_config(conn.name, conn.extra))
+            out += check(instance, validate_connector_config(conn.name, conn.extra), run_tag)
         except Exception as exc:
             out.append(f"connector {instance!r}: leak check failed: {type(exc).__name__}: {exc}")
     return out
@@ -126,8 +147,8 @@ def reclaim(config: PipelineConfig, used: set[str], run_tag: str) -> list[str]:
     """After a run that left something (a stage killed, a run interrupted): free it, so nothing stays behind.
 
     Returns one line per connector instance that had something removed. Call after every stage
-    process exited. Backends without a safe way to tell this run's leftovers from others' (the
-    Mooncake store) are left alone; their leak lines stay the only record.
+    process exited. The Mooncake store's leftovers of this run were already removed by its leak
+    check (:func:`backend_leaks`), which cannot count them otherwise.
     """
     from omni_plugins.factory import resolve_connector, validate_connector_config
 

@@ -101,3 +101,34 @@ def test_health_fields_of_held_payloads() -> None:
         "stage 0 rank 0: connector still holds 2 staged payload(s)",
         "stage 0 rank 0: connector still holds 1 being_read payload(s)",
     ]
+
+
+def test_mooncake_store_check_removes_only_this_runs_objects(tmp_path: Path) -> None:
+    """The store cannot count keys by pattern without removing them: the check removes this run's, and nobody else's."""
+    pytest.importorskip("mooncake.store")
+    from mooncake.store import MooncakeDistributedStore
+    from omni_plugins_mooncake.testing import MooncakeMaster, loopback_environment
+
+    loopback_environment()
+    with MooncakeMaster() as master:
+        config = load_pipeline_config(tiny_pipeline(tmp_path, name="mooncake-store", extra=f'{{master_address: "{master.address}"}}'))
+        client = MooncakeDistributedStore()
+        assert client.setup("127.0.0.1", "P2PHANDSHAKE", 64 << 20, 16 << 20, "tcp", "", master.address) == 0
+        try:
+            mine = ["req-abc123-00001_0_0", "req-abc123-00002_1_0_0_1"]  # a chunk key and a KV shard key of run abc123
+            theirs = ["req-abc1234-00001_0_0", "req-zzz999-00001_0_0", "other_0_0", "xreq-abc123-00001_0_0"]
+            for key in mine + theirs:
+                assert client.put(key, b"payload") == 0
+            assert backend_leaks(config, {"c"}) == []  # no run: nothing to match, nothing removed
+            assert master.key_count() == 6
+            leaks = backend_leaks(config, {"c"}, "abc123")
+            assert leaks == [f"connector 'c': 2 store object(s) of this run left on {master.address} (removed)"]
+            assert [client.is_exist(k) for k in mine] == [0, 0]
+            assert [client.is_exist(k) for k in theirs] == [1, 1, 1, 1]
+            assert backend_leaks(config, {"c"}, "abc123") == []
+            [failed] = backend_leaks(config, {"c"}, ".*")  # a tag that would widen the pattern is refused
+            assert "leak check failed" in failed and "alphanumeric" in failed
+            assert master.key_count() == 4
+        finally:
+            client.remove_all(True)
+            client.close()
