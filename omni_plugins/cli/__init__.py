@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -67,6 +69,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("omni-plugins: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # a connector's socket, not our reader
+        # the reader went away (``omni-plugins list --json | head``): stop quietly, as a shell tool
+        # does on SIGPIPE; stdout now points at /dev/null so the interpreter's last flush cannot fail
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13  # SIGPIPE
+
+
+def _stdout_closed() -> bool:
+    """True when stdout is a pipe whose reading end is closed (poll reports an error on it)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fileno (captured), no poll (Windows)
+        return False
 
 
 if __name__ == "__main__":

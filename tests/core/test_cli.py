@@ -70,3 +70,16 @@ def test_shm_gc_is_reachable_from_the_core_cli(run_cli: RunCli) -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["dry_run"] is True and report["removed"] == [] and report["errors"] == []
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly() -> None:
+    """``omni-plugins list --json | head``: the pipe's reader is gone before the first write; no traceback, exit 141."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "omni_plugins", "schema", "memory"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reading end is closed: every write of the child fails with EPIPE
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err
