@@ -61,7 +61,7 @@ def validate_connector_config(name: str, config: Mapping[str, Any] | BaseModel |
     try:
         return model.model_validate(dict(config or {}))
     except ValidationError as exc:
-        origin = f"plugin {spec.plugin!r}" + (f" ({spec.distribution} {spec.version})" if spec.distribution else "")
+        origin = spec.origin
         fields = format_validation_error(exc, prefix=where)
         raise ConnectorConfigError(
             f"invalid config for connector {spec.name!r} from {origin}: {fields}", connector=spec.name, origin=origin, model=model, errors=exc.errors()
@@ -72,11 +72,12 @@ def create_connector(name: str, config: Mapping[str, Any] | BaseModel | None = N
     """Create a connector by registered name with a validated config (a dict or the plugin's model)."""
     spec = resolve_connector(name)
     settings = validate_connector_config(name, config)
-    cls = spec.load_class()
-    try:
-        connector = cls(settings)  # type: ignore[call-arg]
-    except TypeError as exc:
-        raise PluginLoadError(f"connector class {spec.connector!r} must accept its config model as the only argument: {exc}") from exc
+    cls = spec.load_class()  # checks the class can be created with the settings as its only argument
+    connector = cls(settings)  # type: ignore[call-arg]  # what __init__ raises is the backend's own error: not rewrapped
+    if getattr(connector, "_close_lock", None) is None:
+        raise PluginLoadError(
+            f"connector class {spec.connector!r} (connector {spec.name!r}, {spec.origin}): its __init__ does not call super().__init__()"
+        )
     connector.name = spec.name
     return connector
 

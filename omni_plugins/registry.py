@@ -6,6 +6,7 @@ nothing heavy; the class and its config model are imported when chosen.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -38,18 +39,43 @@ class ConnectorSpec:
     def canonical_name(self) -> str:
         return canonical(self.name)
 
+    @property
+    def origin(self) -> str:
+        """Who provides this connector, for error messages: ``plugin 'x' (dist version)``."""
+        who = " ".join(p for p in (self.distribution, self.version) if p)
+        return f"plugin {self.plugin!r}" + (f" ({who})" if who else "")
+
     def load_class(self) -> type[Connector]:
+        """Import the connector class and check what can be checked without creating one.
+
+        A class that cannot be instantiated (abstract primitives left) or whose ``__init__`` cannot take the
+        config model as its only argument fails here -- at ``validate`` time -- rather than in a stage process.
+        """
         from omni_plugins.contract import Connector
 
         try:
             cls = import_string(self.connector)
         except ImportError as exc:
-            raise PluginLoadError(
-                f"connector {self.name!r} (plugin {self.plugin!r}, {self.distribution or 'unknown distribution'}) "
-                f"cannot be imported from {self.connector!r}: {exc}"
-            ) from exc
+            raise PluginLoadError(f"connector {self.name!r} ({self.origin}) cannot be imported from {self.connector!r}: {exc}") from exc
         if not (isinstance(cls, type) and issubclass(cls, Connector)):
-            raise PluginLoadError(f"{self.connector!r} (connector {self.name!r}) is not a subclass of omni_plugins.Connector")
+            raise PluginLoadError(f"{self.connector!r} (connector {self.name!r}, {self.origin}) is not a subclass of omni_plugins.Connector")
+        missing = sorted(getattr(cls, "__abstractmethods__", ()))
+        if missing:
+            raise PluginLoadError(
+                f"connector class {self.connector!r} (connector {self.name!r}, {self.origin}) does not implement {', '.join(missing)}"
+            )
+        try:
+            signature = inspect.signature(cls)
+        except (TypeError, ValueError):  # no introspectable signature: the call itself will tell
+            signature = None
+        if signature is not None:
+            try:
+                signature.bind(object())
+            except TypeError as exc:
+                raise PluginLoadError(
+                    f"connector class {self.connector!r} (connector {self.name!r}, {self.origin}) must accept its config model as "
+                    f"the only argument, __init__{signature}: {exc}"
+                ) from None
         return cls
 
     def load_config_model(self) -> type[BaseModel]:
@@ -64,9 +90,11 @@ class ConnectorSpec:
         try:
             model = import_string(self.config)
         except ImportError as exc:
-            raise PluginLoadError(f"config model of connector {self.name!r} cannot be imported from {self.config!r}: {exc}") from exc
+            raise PluginLoadError(
+                f"config model of connector {self.name!r} ({self.origin}) cannot be imported from {self.config!r}: {exc}"
+            ) from exc
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
-            raise PluginLoadError(f"{self.config!r} (config of connector {self.name!r}) is not a pydantic model")
+            raise PluginLoadError(f"{self.config!r} (config of connector {self.name!r}, {self.origin}) is not a pydantic model")
         return model
 
     def to_json(self) -> dict[str, Any]:

@@ -1,0 +1,113 @@
+"""Mistakes plugin authors make: each fails early (when the connector is chosen or validated) with a message naming it."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omni_plugins import PluginLoadError, create_connector, hookimpl
+from omni_plugins.factory import resolve_connector
+from omni_plugins.testing import isolated_plugin_manager, register_plugin
+
+MODULE = textwrap.dedent(
+    """
+    import os
+
+    from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+    from omni_plugins.memory import MemoryConfig
+
+
+    class Good(Connector):
+        capabilities = Capabilities(cross_process=True)
+
+        def __init__(self, config):
+            super().__init__()
+            self.store = {}
+
+        def _put(self, f, t, key, data):
+            self.store[key] = data
+            return PutResult(True, 1)
+
+        def _get(self, f, t, key, timeout):
+            return GetResult(self.store.pop(key), 1) if key in self.store else None
+
+        def _cleanup(self, key):
+            return self.store.pop(key, None) is not None
+
+
+    class NoCleanup(Connector):
+        def __init__(self, config):
+            super().__init__()
+
+        def _put(self, f, t, key, data):
+            return PutResult(True, 1)
+
+        def _get(self, f, t, key, timeout):
+            return None
+
+
+    class NoArgs(Good):
+        def __init__(self):
+            super().__init__(None)
+
+
+    class InitFails(Good):
+        def __init__(self, config):
+            super().__init__(config)
+            os.makedirs(None)  # a TypeError of the backend's own, not a signature problem
+
+
+    class NoSuper(Good):
+        def __init__(self, config):
+            self.store = {}
+    """
+)
+
+
+@pytest.fixture
+def mistakes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A module of connector classes (importable as ``omni_test_mistakes``) and a plugin registering each."""
+    (tmp_path / "omni_test_mistakes.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Plugin:
+        @hookimpl
+        def omni_register_connectors(self, registry):  # type: ignore[no-untyped-def]
+            for name in ("Good", "NoCleanup", "NoArgs", "InitFails", "NoSuper"):
+                registry.register(f"m-{name.lower()}", connector=f"omni_test_mistakes:{name}", config="omni_plugins.memory:MemoryConfig")
+
+    with isolated_plugin_manager(), register_plugin(Plugin(), name="mistakes"):
+        yield "mistakes"
+    sys.modules.pop("omni_test_mistakes", None)
+
+
+def test_the_good_one_works(mistakes: str) -> None:
+    with create_connector("m-good") as conn:
+        assert conn.put(0, 1, "k", {"a": 1}).ok
+
+
+def test_an_abstract_primitive_left_is_named_at_load_time(mistakes: str) -> None:
+    with pytest.raises(PluginLoadError, match=r"'m-nocleanup'.*plugin 'mistakes'.*does not implement _cleanup"):
+        resolve_connector("m-nocleanup").load_class()  # what 'validate' does for a run file: no instance needed
+
+
+def test_an_init_without_the_config_argument_is_named_at_load_time(mistakes: str) -> None:
+    with pytest.raises(PluginLoadError, match=r"'m-noargs'.*must accept its config model as the only argument"):
+        resolve_connector("m-noargs").load_class()
+
+
+def test_a_type_error_inside_init_is_not_blamed_on_the_signature(mistakes: str) -> None:
+    resolve_connector("m-initfails").load_class()  # the class itself is fine
+    with pytest.raises(TypeError) as info:
+        create_connector("m-initfails")
+    assert "must accept its config model" not in str(info.value)
+    assert not isinstance(info.value, PluginLoadError)
+
+
+def test_a_missing_super_init_is_named_at_creation(mistakes: str) -> None:
+    with pytest.raises(PluginLoadError, match=r"'m-nosuper'.*does not call super\(\).__init__\(\)"):
+        create_connector("m-nosuper")
