@@ -96,7 +96,10 @@ class Connector(abc.ABC):
     def put(self, from_stage: StageId, to_stage: StageId, key: str, data: Any) -> PutResult:
         """Store ``data`` under ``key`` for the edge ``from_stage -> to_stage``."""
         self._check_open()
-        return self._put(str(from_stage), str(to_stage), key, data)
+        result = self._put(str(from_stage), str(to_stage), key, data)
+        if not isinstance(result, PutResult):
+            raise TypeError(self._wrong_return("_put", result, "a PutResult"))
+        return result
 
     def get(self, from_stage: StageId, to_stage: StageId, key: str, *, timeout: float | None = None) -> GetResult | None:
         """Return the payload stored under ``key``, or None when it is absent.
@@ -104,7 +107,10 @@ class Connector(abc.ABC):
         With ``timeout`` (seconds) wait up to that long for the key to arrive.
         """
         self._check_open()
-        return self._get(str(from_stage), str(to_stage), key, timeout)
+        result = self._get(str(from_stage), str(to_stage), key, timeout)
+        if result is not None and not isinstance(result, GetResult):
+            raise TypeError(self._wrong_return("_get", result, "a GetResult(data, size) or None"))
+        return result
 
     def wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
         """Block until at least one of ``keys`` is probably available, or ``timeout`` seconds pass.
@@ -160,7 +166,10 @@ class Connector(abc.ABC):
         if self._closed:
             return {"ok": False, "connector": self.name, "closed": True}
         status = {"ok": True, "connector": self.name}
-        status.update(self._health())
+        extra = self._health()
+        if not isinstance(extra, dict):
+            raise TypeError(self._wrong_return("_health", extra, "a dict"))
+        status.update(extra)
         return status
 
     def close(self) -> None:
@@ -233,6 +242,14 @@ class Connector(abc.ABC):
 
     def _close(self) -> None:
         return None
+
+    def _wrong_return(self, primitive: str, value: object, expected: str) -> str:
+        """The message for a primitive that broke the contract (a plugin bug): names the connector and its class."""
+        cls = type(self)
+        return (
+            f"connector {self.name!r} ({cls.__module__}.{cls.__qualname__}): {primitive}() returned "
+            f"{type(value).__name__} {value!r:.80}, expected {expected}"
+        )
 
     def _check_open(self) -> None:
         if self._closed:

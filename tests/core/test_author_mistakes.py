@@ -6,10 +6,11 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from omni_plugins import PluginLoadError, create_connector, hookimpl
+from omni_plugins import Connector, PluginLoadError, create_connector, hookimpl
 from omni_plugins.factory import resolve_connector
 from omni_plugins.testing import isolated_plugin_manager, register_plugin
 
@@ -111,3 +112,36 @@ def test_a_type_error_inside_init_is_not_blamed_on_the_signature(mistakes: str) 
 def test_a_missing_super_init_is_named_at_creation(mistakes: str) -> None:
     with pytest.raises(PluginLoadError, match=r"'m-nosuper'.*does not call super\(\).__init__\(\)"):
         create_connector("m-nosuper")
+
+
+class _Sloppy(Connector):
+    """Primitives that return the wrong things: the data itself, a bare bool, nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.store: dict[str, Any] = {}
+
+    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> Any:
+        self.store[key] = data
+        return True
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> Any:
+        return self.store.pop(key, None)
+
+    def _cleanup(self, key: str) -> bool:
+        return self.store.pop(key, None) is not None
+
+    def _health(self) -> Any:
+        return None
+
+
+def test_primitives_returning_the_wrong_type_are_named_where_they_are_called() -> None:
+    conn = _Sloppy()
+    conn.name = "sloppy"
+    with pytest.raises(TypeError, match=r"connector 'sloppy' \(.*_Sloppy\): _put\(\) returned bool True, expected a PutResult"):
+        conn.put(0, 1, "k", {"a": 1})
+    with pytest.raises(TypeError, match=r"_get\(\) returned dict .*expected a GetResult\(data, size\) or None"):
+        conn.get(0, 1, "k")
+    assert conn.get(0, 1, "k") is None  # None stays the answer for an absent key
+    with pytest.raises(TypeError, match=r"_health\(\) returned NoneType None, expected a dict"):
+        conn.health()
