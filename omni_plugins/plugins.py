@@ -69,8 +69,25 @@ def _env_list(var: str) -> set[str] | None:
 
 
 def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
+    """``Type: message`` on one line; a multi-line message (pluggy's validation errors) keeps every line, joined."""
+    text = " / ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    if len(text) > 500:
+        text = text[:497] + "..."
+    return f"{type(exc).__name__}: {text}".rstrip(": ")
+
+
+def _no_hook_hint(plugin: object) -> str:
+    """Why a plugin object has no hook implementation: an undecorated or misspelled function nearby, if any."""
+    import difflib
+
+    hook = "omni_register_connectors"
+    names = [n for n in dir(plugin) if not n.startswith("__") and callable(getattr(plugin, n, None))]
+    if hook in names:
+        return f"; it defines {hook}() without the @omni_plugins.hookimpl decorator"
+    close = difflib.get_close_matches(hook, names, n=1, cutoff=0.75)
+    if close:
+        return f"; it defines {close[0]}(): a misspelling of {hook}, and without @omni_plugins.hookimpl?"
+    return ""
 
 
 class PluginManager:
@@ -149,14 +166,29 @@ class PluginManager:
             plugin_name = name or getattr(plugin, "__name__", None) or repr(plugin)
             try:
                 self.pm.register(plugin, name=plugin_name)
-            except ValueError as exc:  # already registered under this name
+            except (ValueError, pluggy.PluginValidationError) as exc:  # already registered under this name; a hookimpl not matching the spec
                 return self._failed(plugin_name, distribution, version, exc)
             try:
                 self.pm.check_pending()
                 sink = RegistrationSink(self.registry, plugin_name, distribution, version)
-                for impl in self.pm.hook.omni_register_connectors.get_hookimpls():
-                    if impl.plugin_name == plugin_name:
-                        impl.function(**({"registry": sink} if "registry" in impl.argnames else {}))
+                impls = [i for i in self.pm.hook.omni_register_connectors.get_hookimpls() if i.plugin_name == plugin_name]
+                if not impls:
+                    raise PluginLoadError(
+                        f"plugin {plugin_name!r} has no @hookimpl omni_register_connectors(registry), so it registers no connector"
+                        + _no_hook_hint(plugin)
+                    )
+                for impl in impls:
+                    returned = impl.function(**({"registry": sink} if "registry" in impl.argnames else {}))
+                    if returned is not None:
+                        raise PluginLoadError(
+                            f"plugin {plugin_name!r}: omni_register_connectors returned {type(returned).__name__} {returned!r:.80}; "
+                            "a return value is ignored: call registry.register(name, connector=..., config=...) and return None"
+                        )
+                if not sink.registered:
+                    raise PluginLoadError(
+                        f"plugin {plugin_name!r}: omni_register_connectors registered no connector "
+                        "(call registry.register(name, connector=..., config=...))"
+                    )
             except Exception as exc:
                 self.registry.remove_plugin(plugin_name)
                 self.pm.unregister(name=plugin_name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -145,3 +146,50 @@ def test_primitives_returning_the_wrong_type_are_named_where_they_are_called() -
     assert conn.get(0, 1, "k") is None  # None stays the answer for an absent key
     with pytest.raises(TypeError, match=r"_health\(\) returned NoneType None, expected a dict"):
         conn.health()
+
+
+class _Undecorated:
+    def omni_register_connectors(self, registry):  # type: ignore[no-untyped-def]  # forgot @hookimpl
+        registry.register("undecorated", connector="omni_plugins.memory:MemoryConnector")
+
+
+class _UndecoratedTypo:
+    def omni_register_connector(self, registry):  # type: ignore[no-untyped-def]  # typo and no @hookimpl
+        registry.register("typo", connector="omni_plugins.memory:MemoryConnector")
+
+
+class _Returns:
+    @hookimpl
+    def omni_register_connectors(self, registry):  # type: ignore[no-untyped-def]
+        return [{"name": "returned", "connector": "omni_plugins.memory:MemoryConnector"}]
+
+
+class _RegistersNothing:
+    @hookimpl
+    def omni_register_connectors(self, registry):  # type: ignore[no-untyped-def]
+        pass
+
+
+class _WrongArgument:
+    @hookimpl
+    def omni_register_connectors(self, reg):  # type: ignore[no-untyped-def]
+        reg.register("wrongarg", connector="omni_plugins.memory:MemoryConnector")
+
+
+@pytest.mark.parametrize(
+    ("plugin", "expected"),
+    [
+        (_Undecorated(), r"no @hookimpl omni_register_connectors.*without the @omni_plugins.hookimpl decorator"),
+        (_UndecoratedTypo(), r"no @hookimpl .*it defines omni_register_connector\(\): a misspelling"),
+        (_Returns(), r"returned list .*call registry.register"),
+        (_RegistersNothing(), r"registered no connector"),
+        # pluggy's message spans lines: all of it is kept (the useful part is not the first line)
+        (_WrongArgument(), r"Argument\(s\) \{'reg'\} are declared in the hookimpl"),
+    ],
+)
+def test_a_plugin_that_registers_nothing_fails_to_load_and_says_why(plugin: object, expected: str) -> None:
+    with isolated_plugin_manager() as manager, register_plugin(plugin, name="sloppy") as status:
+        assert status.status == "failed"
+        assert re.search(expected, status.error or ""), status.error
+        assert "\n" not in (status.error or "")
+        assert manager.statuses["sloppy"].status == "failed"
