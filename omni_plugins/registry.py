@@ -86,7 +86,9 @@ class ConnectorSpec:
         if self.config is None:
             cls = self.load_class()
             model = getattr(cls, "config_model", None)
-            return model if isinstance(model, type) and issubclass(model, BaseModel) else ConnectorSettings
+            if not (isinstance(model, type) and issubclass(model, BaseModel)):
+                return ConnectorSettings
+            return self._check_forbids_extra(model, f"{self.connector}.config_model")
         try:
             model = import_string(self.config)
         except ImportError as exc:
@@ -95,6 +97,16 @@ class ConnectorSpec:
             ) from exc
         if not (isinstance(model, type) and issubclass(model, BaseModel)):
             raise PluginLoadError(f"{self.config!r} (config of connector {self.name!r}, {self.origin}) is not a pydantic model")
+        return self._check_forbids_extra(model, self.config)
+
+    def _check_forbids_extra(self, model: type[BaseModel], where: str) -> type[BaseModel]:
+        """A model that ignores unknown keys would turn a typo in the YAML's ``extra:`` into a silently used default."""
+        if model.model_config.get("extra") != "forbid":
+            raise PluginLoadError(
+                f"config model {where!r} of connector {self.name!r} ({self.origin}) accepts unknown fields "
+                f"(extra={model.model_config.get('extra', 'ignore')!r}), so a misspelled setting would be ignored: "
+                "derive it from omni_plugins.ConnectorSettings (or set model_config extra='forbid')"
+            )
         return model
 
     def to_json(self) -> dict[str, Any]:

@@ -193,3 +193,33 @@ def test_a_plugin_that_registers_nothing_fails_to_load_and_says_why(plugin: obje
         assert re.search(expected, status.error or ""), status.error
         assert "\n" not in (status.error or "")
         assert manager.statuses["sloppy"].status == "failed"
+
+
+def test_a_config_model_that_ignores_unknown_fields_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain pydantic model ignores unknown keys: 'directroy: /x' in the YAML would silently use the default."""
+    (tmp_path / "omni_test_lax").mkdir()
+    (tmp_path / "omni_test_lax" / "__init__.py").write_text("")
+    (tmp_path / "omni_test_lax" / "mod.py").write_text(
+        "from pydantic import BaseModel\n"
+        "from omni_plugins.memory import MemoryConnector\n"
+        "class LaxConfig(BaseModel):\n"
+        "    directory: str = '/tmp/x'\n"
+        "class LaxConnector(MemoryConnector):\n"
+        "    config_model = LaxConfig\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Plugin:
+        @hookimpl
+        def omni_register_connectors(self, registry):  # type: ignore[no-untyped-def]
+            registry.register("lax", connector="omni_plugins.memory:MemoryConnector", config="omni_test_lax.mod:LaxConfig")
+
+    try:
+        with isolated_plugin_manager(), register_plugin(Plugin(), name="laxplugin"):
+            with pytest.raises(PluginLoadError, match=r"'omni_test_lax.mod:LaxConfig' of connector 'lax' \(plugin 'laxplugin'.*accepts unknown"):
+                create_connector("lax", {"directroy": "/x"})
+            with pytest.raises(PluginLoadError, match=r"LaxConnector.config_model.*ConnectorSettings"):
+                create_connector("omni_test_lax.mod:LaxConnector")
+    finally:
+        for name in ("omni_test_lax", "omni_test_lax.mod"):
+            sys.modules.pop(name, None)
