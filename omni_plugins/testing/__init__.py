@@ -14,7 +14,13 @@ used without importing pytest or torch.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
+
+if "pytest" in sys.modules:
+    # the kit is imported from a plugin's tests, outside the test files pytest rewrites: without this its plain
+    # asserts fail as a bare "AssertionError", with none of the values compared
+    sys.modules["pytest"].register_assert_rewrite("omni_plugins.testing.contract", "omni_plugins.testing.payloads")
 
 _EXPORTS = {
     "ConnectorContract": "omni_plugins.testing.contract",

@@ -270,10 +270,14 @@ class ConnectorContract:
             for j in range(10):
                 key = f"{prefix}-{i}-{j}"
                 value = torch.full((32 + i,), float(i * 100 + j))
-                if not producer.put(0, 1, key, {"v": value}).ok:
-                    errors.append(f"put {key} failed")
+                try:
+                    if not producer.put(0, 1, key, {"v": value}).ok:
+                        errors.append(f"put {key} failed")
+                        continue
+                    got = consumer.get(0, 1, key, timeout=self.wait_timeout)
+                except Exception as exc:  # a connector that is not thread-safe: say how, not just that a thread died
+                    errors.append(f"thread {i}, key {key}: {type(exc).__name__}: {exc}")
                     continue
-                got = consumer.get(0, 1, key, timeout=self.wait_timeout)
                 if got is None or not torch.equal(got.data["v"], value):
                     errors.append(f"get {key} returned {None if got is None else got.data}")
 
@@ -284,7 +288,7 @@ class ConnectorContract:
             t.join(120)
         try:
             assert not any(t.is_alive() for t in threads), "a worker thread hung"
-            assert errors == []
+            assert errors == [], f"{len(errors)} of 80 put/get pairs from 8 threads failed:\n" + "\n".join(errors[:10])
         finally:
             producer.close()
             consumer.close()
