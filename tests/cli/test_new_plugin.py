@@ -69,3 +69,20 @@ def test_connector_class_carries_its_config_model(tmp_path: Path, monkeypatch: p
     assert type(settings).__name__ == f"{names.cls}Config" and settings.directory == str(tmp_path / "d")  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="directoy"):
         validate_connector_config(path, {"directoy": "x"})
+
+
+def test_generated_connector_reports_leftovers_where_run_looks_for_leaks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``omni-plugins run`` finds a plugin's leftovers only in its ``health()`` (``staged``): the scaffold must report them."""
+    import uuid
+
+    from omni_plugins import create_connector
+    from omni_plugins.pipeline.leaks import health_leaks
+
+    names = plugin_names(f"probe{uuid.uuid4().hex[:8]}")
+    root, _ = generate(names.name, tmp_path / names.dist)
+    monkeypatch.syspath_prepend(str(root))
+    with create_connector(f"{names.pkg}.connector:{names.cls}Connector", {"directory": str(tmp_path / "d")}) as conn:
+        assert health_leaks("stage 0", conn.health()) == []
+        conn.put(0, 1, "never-read", {"v": 1})
+        assert health_leaks("stage 0", conn.health()) == ["stage 0: connector still holds 1 staged payload(s)"]
+        assert conn.cleanup("never-read")
