@@ -235,9 +235,29 @@ class ConnectorRegistry:
                 missing = sorted({d for k, d in KNOWN_BACKENDS.items() if k not in self._by_name and close_matches(key, [k], cutoff=0.8)})
                 for dist in missing:
                     parts.append(f"A close match is provided by a plugin that is not installed (pip install {dist}).")
+            unregistered = _installed_without_entry_point(key)
+            if unregistered is not None:
+                parts.append(
+                    f"Distribution {unregistered!r} is installed but declares no entry point in group 'omni_plugins', so it is "
+                    "never loaded: add [project.entry-points.omni_plugins] to its pyproject.toml and reinstall it."
+                )
         parts.append(f"Available: {', '.join(available) if available else '(none)'}.")
         parts.append("A 'package.module:Class' path loads an unregistered connector; 'omni-plugins list' shows plugins.")
         return ConnectorNotFoundError(" ".join(parts))
+
+
+def _installed_without_entry_point(key: str) -> str | None:
+    """The installed distribution ``omni-plugins-<key>`` (or ``<key>``) when it has no ``omni_plugins`` entry point."""
+    import importlib.metadata as md
+
+    for candidate in (f"omni-plugins-{key}", key):
+        try:
+            dist = md.distribution(candidate.replace("_", "-"))
+        except (md.PackageNotFoundError, ValueError):
+            continue
+        if not any(ep.group == "omni_plugins" for ep in dist.entry_points):
+            return str(dist.metadata["Name"])
+    return None
 
 
 class RegistrationSink:

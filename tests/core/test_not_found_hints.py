@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from omni_plugins.errors import ConnectorNotFoundError
 from omni_plugins.plugins import PluginManager
 from omni_plugins.registry import ConnectorRegistry, ConnectorSpec
+from omni_plugins.testing import isolated_plugin_manager
 
 SHM = ConnectorSpec("shm", "omni_plugins_shm.connector:ShmConnector", aliases=("SharedMemoryConnector",), distribution="omni-plugins-shm")
 
@@ -59,3 +62,17 @@ def test_the_plugin_manager_records_disabled_and_blocked_plugins(monkeypatch: py
     manager = PluginManager()
     manager.load()
     assert "not loaded: it is not in OMNI_PLUGINS='nothing-else'" in _message(manager.registry, "shm")
+
+
+def test_an_installed_distribution_without_the_entry_point_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin installed before its pyproject had the entry point (or without one): 'unknown connector' alone misleads."""
+    info = tmp_path / "omni_plugins_noentry-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: omni-plugins-noentry\nVersion: 0.1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with isolated_plugin_manager() as manager:
+        with pytest.raises(ConnectorNotFoundError, match=r"'omni-plugins-noentry' is installed but declares no entry point.*reinstall"):
+            manager.registry.resolve("noentry")
+        with pytest.raises(ConnectorNotFoundError) as info_:
+            manager.registry.resolve("nothing-at-all")
+        assert "entry point" not in str(info_.value)
