@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from omni_plugins.errors import ConnectorClosedError
+from omni_plugins.errors import ConnectorClosedError, ConnectorContractError
 
 StageId = int | str
 
@@ -98,7 +98,7 @@ class Connector(abc.ABC):
         self._check_open()
         result = self._put(str(from_stage), str(to_stage), key, data)
         if not isinstance(result, PutResult):
-            raise TypeError(self._wrong_return("_put", result, "a PutResult"))
+            raise ConnectorContractError(self._wrong_return("_put", result, "a PutResult"))
         return result
 
     def get(self, from_stage: StageId, to_stage: StageId, key: str, *, timeout: float | None = None) -> GetResult | None:
@@ -109,7 +109,7 @@ class Connector(abc.ABC):
         self._check_open()
         result = self._get(str(from_stage), str(to_stage), key, timeout)
         if result is not None and not isinstance(result, GetResult):
-            raise TypeError(self._wrong_return("_get", result, "a GetResult(data, size) or None"))
+            raise ConnectorContractError(self._wrong_return("_get", result, "a GetResult(data, size) or None"))
         return result
 
     def wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
@@ -168,7 +168,7 @@ class Connector(abc.ABC):
         status = {"ok": True, "connector": self.name}
         extra = self._health()
         if not isinstance(extra, dict):
-            raise TypeError(self._wrong_return("_health", extra, "a dict"))
+            raise ConnectorContractError(self._wrong_return("_health", extra, "a dict"))
         status.update(extra)
         return status
 

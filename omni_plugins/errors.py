@@ -55,5 +55,13 @@ class CorruptPayloadError(WireFormatError, ConnectorError):
     """
 
 
+class ConnectorContractError(OmniPluginsError, TypeError):
+    """A connector plugin broke the contract: a primitive returned the wrong type (a plugin bug).
+
+    Not retried: the same code returns the same wrong thing again. The runtime
+    reports the request failed at once instead of retrying until its timeout.
+    """
+
+
 class BuilderError(ConfigError):
     """A payload builder cannot be imported or has the wrong signature."""

@@ -39,7 +39,7 @@ import time
 from typing import Any, Protocol
 
 from omni_plugins.contract import Connector
-from omni_plugins.errors import WireFormatError
+from omni_plugins.errors import ConnectorContractError, WireFormatError
 from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.rhythm import ArrivalRhythm
 from omni_plugins.runtime.state import RequestRegistry, RequestState
@@ -421,6 +421,10 @@ class Receiver:
             result = self._connector.get(*self._edge, key, timeout=timeout)
         except WireFormatError:
             logger.error("payload under %s cannot be decoded; request %s reported failed", key, state.request_id, exc_info=True)
+            self._cleanup_one(key)
+            return _UNDECODABLE
+        except ConnectorContractError as exc:  # a plugin bug: retrying returns the same wrong thing until the timeout
+            logger.error("get of %s broke the connector contract; request %s reported failed: %s", key, state.request_id, exc)
             self._cleanup_one(key)
             return _UNDECODABLE
         except Exception as exc:

@@ -116,6 +116,27 @@ def test_undecodable_payload_fails_the_request(runtimes: list, namespace: str) -
     assert c.active_request_count() == 0 and conn.keys() == []
 
 
+class _GetReturnsTheData(MemoryConnector):
+    """A plugin bug: ``_get`` returns the payload itself instead of a ``GetResult``."""
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> object:  # type: ignore[override]
+        got = super()._get(from_stage, to_stage, key, timeout)
+        return None if got is None else got.data
+
+
+def test_a_get_that_breaks_the_contract_fails_the_request_at_once(runtimes: list, namespace: str) -> None:
+    """Retrying a plugin bug returns the same wrong thing until the request's timeout (here 60 s): it fails now."""
+    conn = _GetReturnsTheData(MemoryConfig(namespace=namespace))
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True, recv_timeout_s=60)
+    runtimes.append(c)
+    c.register_chunk_recv(Req("r"))
+    conn.put(0, 1, "r_0_0", {"ids": {"prompt": [0]}, "meta": {"finished": False}})
+    conn.put(0, 1, "r_0_1", {"ids": {"prompt": [1]}, "meta": {"finished": True}})
+    seen = collect_until(c, lambda s: bool(s.failed or s.timed_out))
+    assert seen[-1].failed == {"r"} and not seen[-1].timed_out
+    assert c.active_request_count() == 0 and conn.keys() == []  # its later chunk is freed too
+
+
 def test_undecodable_chunk_mid_stream_frees_the_chunks_after_it(runtimes: list, namespace: str) -> None:
     """Chunk 1 is consumed and unusable: the cleanup of the failed request starts at chunk 2 (a scan
     from chunk 1 would stop at once, it is gone, and leave chunk 2 behind)."""
