@@ -71,7 +71,9 @@ def slice_for_rank(payload: KVPayload, from_tp: int, to_tp: int, local_rank: int
     """Narrow a sender's full shard to receiver rank ``local_rank``'s heads (``from_tp < to_tp``).
 
     With ``r = to_tp // from_tp`` the receiver keeps head block ``local_rank % r``
-    of ``r`` equal blocks. A layer whose head count is not divisible by ``r`` is
+    of ``r`` equal blocks. With fewer heads ``h`` than ``r`` and ``r`` a multiple
+    of ``h`` (GQA: each KV head is replicated on ``r // h`` receiver ranks) it
+    keeps the single head ``(local_rank % r) * h // r``. Any other layer is
     kept whole (and logged): the receiver then holds more heads than its share
     and must pick them itself. ``sliced_for_local_rank`` is recorded in the
     metadata when at least one layer was sliced. For ``from_tp >= to_tp`` the
@@ -92,7 +94,17 @@ def slice_for_rank(payload: KVPayload, from_tp: int, to_tp: int, local_rank: int
                 layers.append(None)
                 continue
             heads = t.shape[-2]
-            if heads % r:
+            if heads and not heads % r:
+                per = heads // r
+                layers.append(t.narrow(-2, part * per, per).contiguous())
+                sliced_any = True
+            elif heads and not r % heads:
+                # GQA with fewer KV heads than receiving ranks: each KV head is
+                # replicated on r // heads consecutive receiver ranks, so this
+                # rank keeps the one head it replicates (vLLM's assignment).
+                layers.append(t.narrow(-2, part * heads // r, 1).contiguous())
+                sliced_any = True
+            else:
                 logger.warning(
                     "KV slice: %s layer %d has %d heads, not divisible by TP ratio %d; keeping it whole on rank %d",
                     name,
@@ -102,10 +114,6 @@ def slice_for_rank(payload: KVPayload, from_tp: int, to_tp: int, local_rank: int
                     local_rank,
                 )
                 layers.append(t)
-                continue
-            per = heads // r
-            layers.append(t.narrow(-2, part * per, per).contiguous())
-            sliced_any = True
         out[name] = layers
     metadata = dict(payload["metadata"])
     if sliced_any:

@@ -96,6 +96,26 @@ def test_slice_non_divisible_heads_kept_whole(caplog: pytest.LogCaptureFixture) 
     assert "not divisible" in caplog.text
 
 
+@pytest.mark.parametrize(("from_tp", "to_tp", "kv_heads"), [(1, 4, 2), (1, 2, 1), (2, 4, 1), (1, 8, 2), (2, 8, 2)])
+def test_slice_gqa_replicated_heads(from_tp: int, to_tp: int, kv_heads: int) -> None:
+    """Fewer KV heads than receiving ranks: each receiver keeps exactly the one head vLLM replicates on it."""
+    full = _payload(kv_heads, 0.0)
+    r = to_tp // from_tp
+    for rank in range(to_tp):
+        src = rank // r
+        # the sender's shard: its heads (one replicated head when kv_heads < from_tp)
+        per_src = max(1, kv_heads // from_tp)
+        first = src * kv_heads // from_tp if kv_heads < from_tp else src * per_src
+        keys = [t[:, first : first + per_src] for t in full["layer_blocks"]["key_cache"]]
+        values = [t[:, first : first + per_src] for t in full["layer_blocks"]["value_cache"]]
+        out = slice_for_rank(make_payload(keys, values, {}), from_tp, to_tp, rank)
+        head = rank * kv_heads // to_tp
+        for i in range(2):
+            assert torch.equal(out["layer_blocks"]["key_cache"][i], full["layer_blocks"]["key_cache"][i][:, head : head + 1])
+            assert torch.equal(out["layer_blocks"]["value_cache"][i], full["layer_blocks"]["value_cache"][i][:, head : head + 1])
+        assert out["metadata"]["sliced_for_local_rank"] == rank
+
+
 def test_slice_missing_layer_and_noop_cases() -> None:
     out = slice_for_rank(_payload(4, 0.0, missing=(0,)), 1, 2, 0)
     assert out["layer_blocks"]["key_cache"][0] is None
