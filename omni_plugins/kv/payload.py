@@ -34,7 +34,8 @@ def validate_payload(obj: Any, where: str = "KV payload") -> KVPayload:
     """Check ``obj`` has the payload structure and return a normalised shallow copy.
 
     Bytes from a backend are untrusted: this is called on every received shard
-    before anything indexes into it. ``metadata`` may be absent (becomes ``{}``).
+    before anything indexes into it. A layer's key and value must both be
+    ``None`` or both tensors agreeing in every dim but the last. ``metadata`` may be absent (becomes ``{}``).
     Raises :class:`KVPayloadError` naming ``where`` and the offending part.
     """
     if not isinstance(obj, Mapping):
@@ -59,6 +60,13 @@ def validate_payload(obj: Any, where: str = "KV payload") -> KVPayload:
         lists[name] = list(layers)
     if len(lists["key_cache"]) != len(lists["value_cache"]):
         raise KVPayloadError(f"{where}: key_cache has {len(lists['key_cache'])} layers but value_cache has {len(lists['value_cache'])}")
+    for i, (k, v) in enumerate(zip(lists["key_cache"], lists["value_cache"], strict=True)):
+        if (k is None) != (v is None):
+            raise KVPayloadError(f"{where}: layer {i} has a {'key' if v is None else 'value'} tensor but no {'value' if v is None else 'key'}")
+        if k is not None and v is not None and k.shape[:-1] != v.shape[:-1]:
+            raise KVPayloadError(
+                f"{where}: layer {i}: key {tuple(k.shape)} and value {tuple(v.shape)} differ in tokens or heads (all dims but the last)"
+            )
     metadata = obj.get("metadata", {})
     if metadata is None:
         metadata = {}

@@ -62,10 +62,23 @@ def test_merge_rejects_inconsistent_shards() -> None:
         merge_shards([_payload(2, 0.0, layers=2), _payload(2, 2.0, layers=3)])
     other_seq = _payload(2, 2.0)
     other_seq["layer_blocks"]["key_cache"][0] = torch.zeros(6, 2, 4)
+    other_seq["layer_blocks"]["value_cache"][0] = torch.zeros(6, 2, 4)
     with pytest.raises(KVPayloadError, match="head dim"):
         merge_shards([_payload(2, 0.0), other_seq])
     with pytest.raises(KVPayloadError, match="dict"):
         merge_shards([_payload(2, 0.0), "junk"])  # type: ignore[list-item]
+
+
+def test_merge_and_slice_reject_key_value_mismatch_within_a_layer() -> None:
+    """An untrusted shard whose key and value disagree must not come out as a half or ragged layer."""
+    lone_value = _payload(2, 2.0)
+    lone_value["layer_blocks"]["key_cache"][0] = None
+    with pytest.raises(KVPayloadError, match="layer 0 has a value tensor but no key"):
+        merge_shards([_payload(2, 0.0), lone_value])
+    ragged = _payload(4, 0.0)
+    ragged["layer_blocks"]["value_cache"][1] = torch.zeros(4, 4, 4)  # 4 tokens of value, 5 of key
+    with pytest.raises(KVPayloadError, match="differ in tokens or heads"):
+        slice_for_rank(ragged, 1, 2, 0)
 
 
 @pytest.mark.parametrize(("from_tp", "to_tp"), [(1, 2), (1, 4), (2, 4), (2, 8)])
