@@ -62,7 +62,9 @@ def validate_payload(obj: Any, where: str = "KV payload") -> KVPayload:
         raise KVPayloadError(f"{where}: key_cache has {len(lists['key_cache'])} layers but value_cache has {len(lists['value_cache'])}")
     for i, (k, v) in enumerate(zip(lists["key_cache"], lists["value_cache"], strict=True)):
         if (k is None) != (v is None):
-            raise KVPayloadError(f"{where}: layer {i} has a {'key' if v is None else 'value'} tensor but no {'value' if v is None else 'key'}")
+            raise KVPayloadError(
+                f"{where}: layer {i} has a {'key' if v is None else 'value'} tensor but no {'value' if v is None else 'key'}"
+            )
         if k is not None and v is not None and k.shape[:-1] != v.shape[:-1]:
             raise KVPayloadError(
                 f"{where}: layer {i}: key {tuple(k.shape)} and value {tuple(v.shape)} differ in tokens or heads (all dims but the last)"
