@@ -336,6 +336,8 @@ class KVTransferManager:
             key = ranks.kv_key(request_id, self.from_stage, KV_CHUNK, src, self.local_rank)
             try:
                 shard = self._get_shard(connector, key, deadline)
+                if shard is not None:
+                    self._check_routing(shard, request_id, src)
             except OmniPluginsError as exc:  # ConnectorClosedError, WireFormatError, KVPayloadError: retrying cannot help
                 logger.error("KV receive %s (stage %s rank %s): %s", request_id, self.stage_id, self.local_rank, exc)
                 return None, 0
@@ -401,6 +403,20 @@ class KVTransferManager:
             if not connector.capabilities.consume_on_get:
                 self._cleanup_key(connector, key)  # read once, like a consuming backend
             return _Shard(key, validate_payload(result.data, f"KV shard {key}"), int(result.size))
+
+    def _check_routing(self, shard: _Shard, request_id: str, src: int) -> None:
+        """Raise :class:`KVPayloadError` when a shard's routing metadata contradicts its key.
+
+        A shard is only trusted to hold the heads its key promises: one written
+        for another request, by another sender rank or under another TP mapping
+        would be merged or sliced into the wrong heads without a shape error.
+        Fields absent from the metadata are not checked.
+        """
+        meta = shard.payload["metadata"]
+        expected: dict[str, Any] = {"request_id": request_id, "from_rank": src, "from_tp": self.from_tp, "to_tp": self.to_tp}
+        wrong = {name: meta[name] for name, want in expected.items() if name in meta and meta[name] != want}
+        if wrong:
+            raise KVPayloadError(f"KV shard {shard.key}: metadata {wrong} contradicts the key and this rank's mapping {expected}")
 
     def receive_cfg_companion(
         self, cfg_request_ids: Mapping[str, str], target_device: torch.device | str | None = None, *, timeout_s: float | None = None

@@ -464,3 +464,26 @@ def test_closed_connector_is_not_retried(memory_namespace: str, caplog: pytest.L
         assert _receiver(flaky, 2, 1, 0).receive_kv_cache_for_request("a", timeout_s=30) == (None, 0)
     assert flaky.attempts == 1
     assert "closed under us" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [{"request_id": "other"}, {"from_rank": 0}, {"from_tp": 4}, {"to_tp": 2}],
+    ids=["wrong-request", "wrong-rank", "wrong-from-tp", "wrong-to-tp"],
+)
+def test_shard_whose_metadata_contradicts_its_key_is_rejected(
+    memory_connector: MemoryConnector, caplog: pytest.LogCaptureFixture, lie: dict[str, Any]
+) -> None:
+    """Shard 1 of a 2 -> 1 merge claims another request / rank / mapping: merging it would put foreign heads in place."""
+    r = _receiver(memory_connector, 2, 1, 0)
+    keys = r.recv_keys("a")
+    honest = {"request_id": "a", "from_tp": 2, "to_tp": 1}
+    for src, key in enumerate(keys):
+        meta = {**honest, "from_rank": src, **(lie if src == 1 else {})}
+        memory_connector.put(
+            0, 1, key, {"layer_blocks": {"key_cache": [torch.zeros(5, 2, 3)], "value_cache": [torch.zeros(5, 2, 3)]}, "metadata": meta}
+        )
+    with caplog.at_level(logging.ERROR):
+        assert r.receive_kv_cache_for_request("a", timeout_s=1) == (None, 0)
+    assert "contradicts" in caplog.text
+    assert memory_connector.keys() == [] and r.tracked_request_ids() == []
