@@ -178,12 +178,13 @@ def test_merge_and_slice_through_runtime() -> None:
     rt.shutdown()
 
     rt2 = StageTransferRuntime(StageConfig(stage_id=1, rank_mapping={"from_tp": 1, "to_tp": 2}), local_rank=1)
-    full = {"layer_blocks": {"key_cache": [torch.arange(12.0).reshape(1, 4, 3)], "value_cache": [torch.zeros(1, 3, 3)]}, "metadata": {}}
+    layers = [torch.arange(12.0).reshape(1, 4, 3), torch.zeros(1, 3, 3)]
+    full = {"layer_blocks": {"key_cache": layers, "value_cache": [t.clone() for t in layers]}, "metadata": {}}
     sliced = rt2.slice_rank_sharded_kv_payload(full)
     assert sliced is not None
     assert sliced["layer_blocks"]["key_cache"][0].shape == (1, 2, 3)
     assert sliced["layer_blocks"]["key_cache"][0][0, 0, 0] == 6.0  # heads 2..3
-    assert sliced["layer_blocks"]["value_cache"][0].shape == (1, 3, 3)  # 3 heads do not divide by 2: kept whole
+    assert sliced["layer_blocks"]["value_cache"][1].shape == (1, 3, 3)  # 3 heads do not divide by 2: kept whole
     assert sliced["metadata"]["sliced_for_local_rank"] == 1
     rt2.shutdown()
 
