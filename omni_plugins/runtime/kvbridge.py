@@ -81,6 +81,12 @@ class KVBridge:
     def recv_companions(
         self, cfg_request_ids: Mapping[str, str], target_device: Any = None
     ) -> dict[str, tuple[dict[str, Any] | None, int]]:
+        if self.manager is None:
+            return {role: (None, 0) for role in cfg_request_ids}
+        companion = getattr(self.manager, "receive_cfg_companion", None)
+        if callable(companion):
+            # one deadline for all roles: a missing companion costs one timeout, not one per role
+            return dict(companion(cfg_request_ids, target_device=target_device))
         return {role: self.recv(rid, target_device) for role, rid in cfg_request_ids.items()}
 
     def recv_multi(

@@ -151,7 +151,9 @@ def test_rank_routing(from_tp: int, to_tp: int, local: int, recv_from: list[int]
 
 def test_rank_mapping_from_connector_config(namespace: str) -> None:
     rt = StageTransferRuntime(
-        StageConfig(stage_id=1), {"name": "memory", "extra": {"namespace": namespace}, "rank_mapping": {"from_tp": 4, "to_tp": 2}}, local_rank=1
+        StageConfig(stage_id=1),
+        {"name": "memory", "extra": {"namespace": namespace}, "rank_mapping": {"from_tp": 4, "to_tp": 2}},
+        local_rank=1,
     )
     assert rt.get_kv_remote_ranks() == [2, 3]
     assert rt.get_kv_rank_mapping() == {"from_tp": 4, "to_tp": 2, "local_rank": 1, "is_data_transfer_rank": True}
@@ -213,4 +215,26 @@ def test_real_kv_manager_round_trip(namespace: str) -> None:
         assert p.connector.keys() == []
     finally:
         p.shutdown()
+        c.shutdown()
+
+
+def test_cfg_companions_share_one_deadline(namespace: str) -> None:
+    """Missing companions cost one receive timeout in total, not one per role (docs/kv.md)."""
+    c = StageTransferRuntime(
+        StageConfig(stage_id=1, kv_transfer=True, recv_timeout_s=0.2), {"name": "memory", "extra": {"namespace": namespace}}
+    )
+    try:
+        assert c.connector is not None
+        timeouts: list[float] = []
+        real_get = c.connector.get
+
+        def spy_get(from_stage: Any, to_stage: Any, key: str, timeout: float | None = None) -> Any:
+            timeouts.append(0.0 if timeout is None else timeout)
+            return real_get(from_stage, to_stage, key, timeout=timeout)
+
+        c.connector.get = spy_get  # type: ignore[method-assign]
+        out = c.receive_cfg_companion_kv_payloads({"neg": "n1", "uncond": "n2"})
+        assert out == {"neg": (None, 0), "uncond": (None, 0)}
+        assert len(timeouts) == 2 and timeouts[0] > 0 and timeouts[1] == 0.0  # the second role waits only for what is left
+    finally:
         c.shutdown()
