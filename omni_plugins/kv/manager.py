@@ -410,6 +410,7 @@ class KVTransferManager:
         A shard is only trusted to hold the heads its key promises: one written
         for another request, by another sender rank or under another TP mapping
         would be merged or sliced into the wrong heads without a shape error.
+        Its ``num_layers`` and ``seq_len`` must match the tensors it carries.
         Fields absent from the metadata are not checked.
         """
         meta = shard.payload["metadata"]
@@ -417,6 +418,15 @@ class KVTransferManager:
         wrong = {name: meta[name] for name, want in expected.items() if name in meta and meta[name] != want}
         if wrong:
             raise KVPayloadError(f"KV shard {shard.key}: metadata {wrong} contradicts the key and this rank's mapping {expected}")
+        layers = shard.payload["layer_blocks"]["key_cache"]
+        if "num_layers" in meta and meta["num_layers"] != len(layers):
+            raise KVPayloadError(f"KV shard {shard.key}: metadata num_layers={meta['num_layers']!r} but the shard has {len(layers)} layers")
+        if "seq_len" in meta:
+            tokens = {int(t.shape[0]) for t in layers if t is not None and t.ndim >= 3}
+            if tokens and tokens != {meta["seq_len"]}:
+                raise KVPayloadError(
+                    f"KV shard {shard.key}: metadata seq_len={meta['seq_len']!r} but its layers hold {sorted(tokens)} tokens"
+                )
 
     def receive_cfg_companion(
         self, cfg_request_ids: Mapping[str, str], target_device: torch.device | str | None = None, *, timeout_s: float | None = None

@@ -468,8 +468,8 @@ def test_closed_connector_is_not_retried(memory_namespace: str, caplog: pytest.L
 
 @pytest.mark.parametrize(
     "lie",
-    [{"request_id": "other"}, {"from_rank": 0}, {"from_tp": 4}, {"to_tp": 2}],
-    ids=["wrong-request", "wrong-rank", "wrong-from-tp", "wrong-to-tp"],
+    [{"request_id": "other"}, {"from_rank": 0}, {"from_tp": 4}, {"to_tp": 2}, {"seq_len": 9}, {"num_layers": 2}],
+    ids=["wrong-request", "wrong-rank", "wrong-from-tp", "wrong-to-tp", "wrong-seq-len", "wrong-num-layers"],
 )
 def test_shard_whose_metadata_contradicts_its_key_is_rejected(
     memory_connector: MemoryConnector, caplog: pytest.LogCaptureFixture, lie: dict[str, Any]
@@ -477,7 +477,7 @@ def test_shard_whose_metadata_contradicts_its_key_is_rejected(
     """Shard 1 of a 2 -> 1 merge claims another request / rank / mapping: merging it would put foreign heads in place."""
     r = _receiver(memory_connector, 2, 1, 0)
     keys = r.recv_keys("a")
-    honest = {"request_id": "a", "from_tp": 2, "to_tp": 1}
+    honest = {"request_id": "a", "from_tp": 2, "to_tp": 1, "seq_len": 5, "num_layers": 1}
     for src, key in enumerate(keys):
         meta = {**honest, "from_rank": src, **(lie if src == 1 else {})}
         memory_connector.put(
@@ -485,5 +485,5 @@ def test_shard_whose_metadata_contradicts_its_key_is_rejected(
         )
     with caplog.at_level(logging.ERROR):
         assert r.receive_kv_cache_for_request("a", timeout_s=1) == (None, 0)
-    assert "contradicts" in caplog.text
+    assert "metadata" in caplog.text
     assert memory_connector.keys() == [] and r.tracked_request_ids() == []
