@@ -97,13 +97,28 @@ class RankMapping(_Strict):
 
     from_tp: Int = Field(default=1, gt=0)
     to_tp: Int = Field(default=1, gt=0)
+    #: the model's total KV heads. Needed only when it is smaller than ``from_tp``: each KV head is then
+    #: replicated on ``from_tp // num_kv_heads`` sender ranks, and a receiver merging their shards keeps one copy
+    num_kv_heads: Int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _divisible(self) -> RankMapping:
         big, small = max(self.from_tp, self.to_tp), min(self.from_tp, self.to_tp)
         if big % small:
             raise ValueError(f"the larger TP size must be divisible by the smaller: from_tp={self.from_tp}, to_tp={self.to_tp}")
+        heads = self.num_kv_heads
+        if heads is not None and heads < self.from_tp and self.from_tp % heads:
+            raise ValueError(
+                f"with fewer KV heads than sender ranks, from_tp must be a multiple of num_kv_heads (each head replicated "
+                f"on the same number of ranks): from_tp={self.from_tp}, num_kv_heads={heads}"
+            )
         return self
+
+    @property
+    def head_replicas(self) -> int:
+        """Sender ranks holding a copy of the same KV head (1 unless ``num_kv_heads < from_tp``)."""
+        heads = self.num_kv_heads
+        return self.from_tp // heads if heads is not None and heads < self.from_tp else 1
 
     @property
     def ratio(self) -> int:

@@ -72,6 +72,24 @@ class _RequestKV:
         return rid in (self.request_id, self.external_id)
 
 
+def distinct_head_sources(sources: list[int], head_replicas: int) -> list[int]:
+    """The sender ranks whose shards to merge: one per distinct KV head, in rank order.
+
+    With fewer KV heads than sender ranks (GQA), sender rank ``s`` holds head
+    ``s // head_replicas``: consecutive ranks hold copies, and merging them all would
+    repeat heads. Every shard is still taken from the connector, so none is left behind.
+    """
+    if head_replicas <= 1:
+        return list(sources)
+    kept: list[int] = []
+    heads: set[int] = set()
+    for src in sources:
+        if src // head_replicas not in heads:
+            heads.add(src // head_replicas)
+            kept.append(src)
+    return kept
+
+
 class KVTransferManager:
     """Send and receive rank-sharded KV caches for one stage rank.
 
@@ -123,6 +141,8 @@ class KVTransferManager:
         self.to_stage = to_stage
         self.from_tp = rank_mapping.from_tp
         self.to_tp = rank_mapping.to_tp
+        #: sender ranks holding copies of one KV head (GQA with fewer KV heads than ``from_tp``): a merge keeps one
+        self.head_replicas = rank_mapping.head_replicas
         self.local_rank = local_rank
         self.recv_timeout_s = float(recv_timeout_s)
         self.layout: KVLayout = layout
@@ -361,7 +381,7 @@ class KVTransferManager:
                 return None, 0
             shards[src] = shard
         try:
-            ordered = [shards[s].payload for s in sources]
+            ordered = [shards[s].payload for s in distinct_head_sources(sources, self.head_replicas)]
             payload = merge_shards(ordered) if len(ordered) > 1 else ordered[0]
             payload = slice_for_rank(payload, self.from_tp, self.to_tp, self.local_rank)
             payload = payload_to_device(payload, target_device)

@@ -111,6 +111,35 @@ def test_round_trip_every_topology(memory_namespace: str, from_tp: int, to_tp: i
         m.connector.close()  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize(("from_tp", "to_tp", "kv_heads"), [(4, 1, 2), (4, 2, 2), (2, 1, 1), (4, 2, 1), (8, 2, 2), (8, 1, 2)])
+def test_replicated_kv_heads_are_merged_once(memory_namespace: str, from_tp: int, to_tp: int, kv_heads: int) -> None:
+    """GQA with fewer KV heads than sender ranks: sender rank s holds a copy of head s // (from_tp // kv_heads).
+    With ``num_kv_heads`` in the mapping a receiver keeps one copy of each head (it got every copy before)."""
+    mapping = RankMapping(from_tp=from_tp, to_tp=to_tp, num_kv_heads=kv_heads)
+    replicas = from_tp // kv_heads
+    full = {"a": _full("a", kv_heads)}
+    store = _conn(memory_namespace)
+    for s in range(from_tp):
+        sender = KVTransferManager(store, stage_id=0, from_stage=0, to_stage=1, rank_mapping=mapping, local_rank=s, layout="nhd")
+        entries = {rid: shard_kv(kv, slice(s // replicas, s // replicas + 1)) for rid, kv in full.items()}
+        caches, finished = build_paged_caches(entries, block_size=BLOCK, seed=s)
+        assert sender.handle_finished_requests_kv_transfer(finished, caches, BLOCK, "auto") == ["a"]
+    for j in range(to_tp):
+        receiver = KVTransferManager(store, stage_id=1, from_stage=0, to_stage=2, rank_mapping=mapping, local_rank=j)
+        payload, _ = receiver.receive_kv_cache_for_request("a", timeout_s=5)
+        assert payload is not None
+        want = head_range(kv_heads, to_tp, j) if to_tp <= kv_heads else slice(j * kv_heads // to_tp, j * kv_heads // to_tp + 1)
+        _assert_heads(payload, full["a"], want)
+    assert store.keys() == []  # the copies that were not merged were taken from the connector all the same
+
+
+def test_num_kv_heads_must_divide_the_sender_tp() -> None:
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        RankMapping(from_tp=4, to_tp=1, num_kv_heads=3)
+    assert RankMapping(from_tp=2, to_tp=1, num_kv_heads=8).head_replicas == 1  # more heads than ranks: nothing replicated
+    assert RankMapping(from_tp=8, to_tp=2, num_kv_heads=2).head_replicas == 4
+
+
 def test_non_divisible_heads_kept_whole(memory_namespace: str) -> None:
     full = {"a": _full("a", 3)}
     sender = _sender(_conn(memory_namespace), 1, 2, 0)
