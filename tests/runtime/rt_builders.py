@@ -57,3 +57,27 @@ def only_batch_batch(**kwargs: Any) -> Any:
 
 def only_batch(transfer_manager: Any, pooling_output: Any, request: Any) -> Any:
     return {"which": "only_batch"}
+
+
+# "both": every derived candidate exists; "_full_payload" must win over "_batch"
+def both_full_payload(transfer_manager: Any, pooling_output: Any, request: Any) -> Any:
+    return {"which": "both_full_payload"}
+
+
+def both_batch(transfer_manager: Any, pooling_output: Any, request: Any) -> Any:
+    return {"which": "both_batch"}
+
+
+def both(transfer_manager: Any, pooling_output: Any, request: Any) -> Any:
+    return {"which": "both"}
+
+
+# "plain_only": no derived variant exists, the input func itself is the builder
+def plain_only(transfer_manager: Any, pooling_output: Any, request: Any) -> Any:
+    return {"which": "plain_only"}
+
+
+def kw_stream(**kwargs: Any) -> dict[str, Any] | None:
+    """A ``**kwargs`` builder: it accepts ``is_finished`` and must get it."""
+    CALLS.append({"request": kwargs["request"].request_id, "is_finished": kwargs.get("is_finished", "absent")})
+    return {"x": [1], "meta": {"finished": bool(kwargs.get("is_finished"))}}

@@ -104,6 +104,18 @@ def test_builder_derivation_prefers_full_payload_then_batch_then_plain(runtimes:
     assert not rt.should_accumulate_full_payload_output()
 
 
+def test_builder_derivation_order_when_every_candidate_exists(runtimes: list, namespace: str) -> None:
+    rt = make_runtime(0, namespace, custom_process_input_func="rt_builders.both")
+    runtimes.append(rt)
+    assert rt.builder is not None and rt.builder.path == "rt_builders.both_full_payload"
+
+
+def test_builder_derivation_falls_back_to_the_input_func_itself(runtimes: list, namespace: str) -> None:
+    rt = make_runtime(0, namespace, custom_process_input_func="rt_builders.plain_only")
+    runtimes.append(rt)
+    assert rt.builder is not None and rt.builder.path == "rt_builders.plain_only"
+
+
 def test_explicit_bad_builder_fails_at_startup(namespace: str) -> None:
     with pytest.raises(BuilderError):
         make_runtime(0, namespace, custom_process_next_stage_input_func="rt_builders.only_batch_full_payload")

@@ -165,6 +165,16 @@ def test_builder_gets_is_finished_only_when_it_accepts_it(runtimes: list, namesp
     assert q.send_chunk(Req("s"), torch.ones(1, 1))  # would raise TypeError if is_finished were passed
 
 
+def test_kwargs_builder_gets_is_finished(runtimes: list, namespace: str) -> None:
+    rt_builders.CALLS.clear()
+    p = make_runtime(0, namespace, async_chunk=True, custom_process_next_stage_input_func="rt_builders.kw_stream")
+    runtimes.append(p)
+    req = Req("k")
+    req.done = True
+    assert p.send_chunk(req, None)
+    assert rt_builders.CALLS[-1] == {"request": "k", "is_finished": True}
+
+
 def test_builder_none_means_nothing_sent_and_crash_reports_failed(runtimes: list, namespace: str) -> None:
     p = make_runtime(0, namespace, **STREAM)
     bad = make_runtime(0, namespace, async_chunk=True, custom_process_next_stage_input_func="rt_builders.crashing")
