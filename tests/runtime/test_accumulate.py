@@ -80,6 +80,15 @@ def test_merge_chunk_finished_and_override_keys_replace() -> None:
     assert m["ids"]["output"] == [1, 2]  # not overridden: extends
 
 
+def test_merge_chunk_tensor_finished_flag_replaces() -> None:
+    # a one-element tensor ``meta.finished`` would concatenate under the default merge
+    a = {"meta": {"finished": torch.tensor([False])}, "embed": {"decode": torch.ones(1, 2)}}
+    b = {"meta": {"finished": torch.tensor([True])}, "embed": {"decode": torch.ones(1, 2)}}
+    for lazy in (False, True):
+        m = merge_chunk(merge_chunk(None, a), b, lazy=lazy)
+        assert m["meta"]["finished"].tolist() == [True]
+
+
 def test_merge_chunk_token_span_union_newer_wins() -> None:
     old = {"embed": {"decode": torch.zeros(4, 2), "decode_token_start": 0, "decode_token_end": 4}}
     new = {"embed": {"decode": torch.ones(4, 2), "decode_token_start": 2, "decode_token_end": 6}}

@@ -105,10 +105,11 @@ def test_finish_sentinel_without_content_still_wakes(runtimes: list, namespace: 
     c.register_chunk_recv(Req("r"))
     req = Req("r")
     p.send_chunk(req, {"embed": {"decode": torch.ones(1, 2)}})
+    collect_until(c, lambda s: "r" in s.chunk_ready)  # the content chunk's wake is drained first
     req.done = True
     p.send_chunk(req, {"meta": {}})
     seen = collect_until(c, lambda s: "r" in s.chunk_finished)
-    assert "r" in seen[-1].chunk_ready
+    assert "r" in seen[-1].chunk_ready  # woken by the sentinel itself
 
 
 def test_span_merge_end_to_end(runtimes: list, namespace: str) -> None:
@@ -151,6 +152,36 @@ def test_generation_worker_ignores_chunks_without_codes(runtimes: list, namespac
     wait_until(lambda: c.recv_chunk())
     assert c.get_local_stage_payload("g")["codes"]["audio"] == [5]
     assert "other" not in c.get_local_stage_payload("g")
+
+
+def test_generation_worker_waits_for_the_scheduler_even_when_the_runner_consumed(runtimes: list, namespace: str) -> None:
+    p, c = _pair(runtimes, namespace, worker="generation")
+    c.register_chunk_recv(Req("g"))
+    req = Req("g")
+    for i in range(2):
+        p.send_chunk(req, {"codes": {"audio": [i]}})
+    p.wait_sends()
+    wait_until(lambda: c.debug_state()["requests"]["g"]["next_recv_chunk"] == 1)
+    assert c.pop_local_stage_payload("g")["codes"]["audio"] == [0]  # consumed, but signals not collected yet
+    time.sleep(0.1)  # give the receive thread the chance to (wrongly) take the next chunk
+    assert c.debug_state()["requests"]["g"]["next_recv_chunk"] == 1
+    assert "g" in c.collect_signals().chunk_ready  # handed to the scheduler: the next chunk may come
+    wait_until(lambda: c.debug_state()["requests"]["g"]["next_recv_chunk"] == 2)
+    assert c.get_local_stage_payload("g")["codes"]["audio"] == [1]
+
+
+def test_generation_worker_takes_a_finished_chunk_without_codes(runtimes: list, namespace: str) -> None:
+    p, c = _pair(runtimes, namespace, worker="generation")
+    c.register_chunk_recv(Req("g"))
+    req = Req("g")
+    p.send_chunk(req, {"codes": {"audio": [1]}})
+    collect_until(c, lambda s: "g" in s.chunk_ready)
+    c.pop_local_stage_payload("g")
+    req.done = True
+    p.send_chunk(req, {"codes": {"audio": []}})
+    seen = collect_until(c, lambda s: "g" in s.chunk_finished)
+    assert "g" in seen[-1].chunk_ready
+    assert not c.register_chunk_recv(Req("g"))  # a finished stream is never registered again
 
 
 def test_builder_gets_is_finished_only_when_it_accepts_it(runtimes: list, namespace: str) -> None:
