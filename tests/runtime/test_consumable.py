@@ -42,6 +42,7 @@ def test_finished(payload: object, expected: bool) -> None:
         ({"thinker_reply": torch.ones(2)}, True),
         ({"thinker_reply": None, "empty": []}, False),
         ({}, False),
+        ({"finished": True, "next_stage_prompt_len": 5, "left_context_size": 2}, False),  # legacy flat metadata only
     ],
 )
 def test_consumable(payload: dict, expected: bool) -> None:
