@@ -7,7 +7,7 @@ import time
 import pytest
 import rt_builders
 import torch
-from rt_helpers import PollOnlyConnector, Req, collect_until, make_runtime, wait_until
+from rt_helpers import GatedConnector, PollOnlyConnector, Req, collect_until, make_runtime, wait_until
 
 from omni_plugins import create_connector
 from omni_plugins.memory import MemoryConfig
@@ -228,6 +228,25 @@ def test_payload_is_snapshotted_at_send(runtimes: list, namespace: str) -> None:
     wait_until(c.recv_chunk)
     got = c.get_local_stage_payload("r")
     assert got["ids"]["prompt"] == [1, 2] and got["embed"]["decode"].sum() == 0
+
+
+def test_payload_is_snapshotted_while_the_send_thread_is_busy(runtimes: list, namespace: str) -> None:
+    conn = GatedConnector(namespace)
+    p = make_runtime(0, namespace, connector=conn, **STREAM)
+    c = make_runtime(1, namespace, async_chunk=True)
+    runtimes += [p, c]
+    c.register_chunk_recv(Req("r"))
+    p.send_chunk(Req("r"), {"ids": {"prompt": [0]}})
+    assert conn.entered.wait(5)  # the send thread is stuck in the first put: the next chunk stays queued
+    live_ids = [1, 2]
+    live_t = torch.zeros(1, 2)
+    p.send_chunk(Req("r"), {"ids": {"prompt": live_ids}, "embed": {"decode": live_t}})
+    live_ids.append(3)  # the runner keeps mutating its own objects
+    live_t.fill_(9)
+    conn.gate.set()
+    wait_until(lambda: c.debug_state()["requests"]["r"]["next_recv_chunk"] == 2)
+    got = c.get_local_stage_payload("r")
+    assert got["ids"]["prompt"] == [0, 1, 2] and got["embed"]["decode"].sum() == 0
 
 
 def test_registration_guards(runtimes: list, namespace: str) -> None:
