@@ -63,6 +63,27 @@ def test_cleanup_by_external_id(runtimes: list, namespace: str) -> None:
     assert not c.cleanup_finished_request("ext")
 
 
+def test_cleanup_by_external_id_forgets_signals_under_the_internal_id(runtimes: list, namespace: str) -> None:
+    bad = make_runtime(0, namespace, async_chunk=True, custom_process_next_stage_input_func="rt_builders.crashing")
+    runtimes.append(bad)
+    assert bad.send_chunk(Req("int", "ext"), {"x": 1}) is False  # reported failed under "int"
+    assert bad.cleanup_finished_request("ext")
+    assert bad.active_request_count() == 0
+    assert not bad.collect_signals().failed  # nothing of the request is left, not even its pending report
+
+
+def test_prune_keeps_a_request_active_under_its_external_id(runtimes: list, namespace: str) -> None:
+    p = make_runtime(0, namespace, **STREAM)
+    runtimes.append(p)
+    p.send_chunk(Req("int", "ext"), {"x": [1]})
+    assert p.wait_sends()
+    assert p.prune_inactive_requests({"ext"}) == set()
+    assert p.active_request_count() == 1
+    assert p.prune_inactive_requests(set()) == {"int"}
+    assert p.active_request_count() == 0
+    p.connector.cleanup("ext_0_0")
+
+
 def test_prune_protects_waiting_and_undelivered(runtimes: list, namespace: str) -> None:
     p = make_runtime(0, namespace)
     c = make_runtime(1, namespace)
