@@ -185,6 +185,21 @@ def test_shutdown_stops_threads_and_closes_connector(namespace: str) -> None:
     assert c.send_chunk(Req("r"), {}) is False
 
 
+def test_second_shutdown_is_a_no_op(namespace: str) -> None:
+    class CountingClose(MemoryConnector):
+        closes = 0
+
+        def close(self) -> None:
+            self.closes += 1
+            super().close()
+
+    conn = CountingClose(MemoryConfig(namespace=namespace))
+    c = make_runtime(1, namespace, connector=conn, async_chunk=True)
+    c.shutdown()
+    c.shutdown()
+    assert conn.closes == 1 and c.closed
+
+
 def test_shutdown_lets_queued_sends_finish(namespace: str) -> None:
     p = make_runtime(0, namespace, tuning=FAST, **STREAM)
     from omni_plugins.memory import MemoryConnector
