@@ -44,9 +44,11 @@ def test_no_connector_means_no_ops_and_no_threads() -> None:
         ({"name": "memory", "rank_mapping": {"from_tp": 3, "to_tp": 2}}, "divisible"),
         ({"name": "memory", "rank_mapping": {"from_tp": 0, "to_tp": 1}}, "from_tp"),
         ({"name": "memory", "to_stage": "two"}, "to_stage"),
+        ({"name": "memory", "rank_mapping": {"from_tp": 1, "to_tp": 0}}, "to_tp"),
+        (["memory"], "mapping"),  # not a mapping at all
     ],
 )
-def test_bad_connector_config_names_the_stage(cfg: dict, fragment: str) -> None:
+def test_bad_connector_config_names_the_stage(cfg: object, fragment: str) -> None:
     with pytest.raises(ConfigError) as err:
         StageTransferRuntime(StageConfig(stage_id=3), cfg)
     assert "stage 3" in str(err.value) and fragment in str(err.value)
