@@ -43,6 +43,18 @@ def test_engine_inputs_unwrapped_and_metadata_recorded(runtimes: list, namespace
     assert c.get_local_stage_payload("r")["x"] == [1]
 
 
+def test_receive_thread_unregisters_on_arrival(runtimes: list, namespace: str) -> None:
+    p = make_runtime(0, namespace)
+    c = make_runtime(1, namespace)
+    runtimes += [p, c]
+    c.register_chunk_recv(Req("r"))
+    assert c.debug_state()["receiving"] == ["r"]
+    p.send_full_payload_outputs({"r": {"x": [1]}})
+    wait_until(lambda: c.debug_state()["requests"]["r"]["has_cached"])
+    assert c.debug_state()["receiving"] == []  # before the model thread published it: no more polling
+    assert c.recv_full_payload_inputs() == {"r": {"x": [1]}}
+
+
 def test_builder_none_skips_request(runtimes: list, namespace: str) -> None:
     p = make_runtime(0, namespace, **PRODUCER)
     runtimes.append(p)
