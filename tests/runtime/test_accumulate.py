@@ -54,6 +54,16 @@ def test_accumulator_ignores_none_and_switching_types() -> None:
     assert acc.materialize()["h"] == "now a string"
 
 
+def test_accumulator_non_mapping_output_keeps_the_latest() -> None:
+    acc = FullPayloadAccumulator()
+    acc.add({"h": torch.ones(1, 2)})
+    acc.add([1, 2])  # a raw output (not a dict of fields) replaces what was accumulated
+    acc.add([3])
+    assert acc.materialize() == [3]
+    acc.add({"h": torch.ones(1, 2)})
+    assert acc.materialize()["h"].shape == (1, 2)
+
+
 def test_merge_chunk_concat_extend_and_nested() -> None:
     a = {"embed": {"prefill": torch.ones(2, 4)}, "ids": {"output": [1, 2]}, "top": torch.zeros(1, 2), "extra": {"d": {"x": [1]}}}
     b = {"embed": {"prefill": torch.ones(1, 4)}, "ids": {"output": [3]}, "top": torch.ones(2, 2), "extra": {"d": {"x": [2]}}}
