@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import rt_builders
 import torch
 from rt_helpers import Req, collect_until, make_runtime, wait_until
 
@@ -53,6 +56,21 @@ def test_receive_thread_unregisters_on_arrival(runtimes: list, namespace: str) -
     wait_until(lambda: c.debug_state()["requests"]["r"]["has_cached"])
     assert c.debug_state()["receiving"] == []  # before the model thread published it: no more polling
     assert c.recv_full_payload_inputs() == {"r": {"x": [1]}}
+
+
+def test_full_payload_builder_is_told_the_request_finished(runtimes: list, namespace: str) -> None:
+    rt_builders.CALLS.clear()
+    p = make_runtime(0, namespace, custom_process_next_stage_input_func="rt_builders.stream", model_stage="thinker")
+    runtimes.append(p)
+    done = Req("d")
+    done.done = True
+    assert p.send_full_payload_outputs({"d": ({"x": [1]}, done), "n": ({"x": [2]}, SimpleNamespace(request_id="n"))}) == ["d", "n"]
+    # a request that says it finished, and one that cannot say (a flushed request is finished)
+    assert rt_builders.CALLS == [{"request": "d", "is_finished": True}, {"request": "n", "is_finished": True}]
+    assert p.wait_sends()
+    keys = p.connector.keys()
+    for key in keys:
+        p.connector.cleanup(key)
 
 
 def test_builder_none_skips_request(runtimes: list, namespace: str) -> None:
