@@ -25,6 +25,11 @@ def shallow_copy(payload: Any) -> Any:
     return dict(payload) if isinstance(payload, dict) else payload
 
 
+def _copy_sections(payload: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``payload`` and of each of its section dicts (values are shared)."""
+    return {k: dict(v) if type(v) is dict or isinstance(v, dict) else v for k, v in payload.items()}
+
+
 class Delivery:
     """Receive-side rules for one stage (full-payload or streaming, ``ar`` or ``generation``)."""
 
@@ -187,9 +192,14 @@ class Delivery:
 
     # -- model thread: streaming mode ----------------------------------------------------
     def ready_payloads(self) -> dict[str, Any]:
-        """Lock held: copies of the payloads of requests woken since the last collect."""
+        """Lock held: copies of the payloads of requests woken since the last collect.
+
+        The section dicts are copied too: the cache shares them with the stream's
+        accumulation, so a runner editing a section of its copy would otherwise
+        change what the next chunk is merged into.
+        """
         return {
-            s.request_id: dict(cached) if type(cached := s.settle_cached()) is dict else shallow_copy(cached)
+            s.request_id: _copy_sections(cached) if type(cached := s.settle_cached()) is dict else shallow_copy(cached)
             for s in self._registry.signalled_iter()
             if s.wake and s.has_cached
         }

@@ -84,6 +84,23 @@ def test_recv_chunk_returns_copies_of_ready_payloads(runtimes: list, namespace: 
     assert c.recv_chunk() == {}  # drained by collect_signals
 
 
+def test_recv_chunk_copies_do_not_share_sections_with_the_accumulation(runtimes: list, namespace: str) -> None:
+    p, c = _pair(runtimes, namespace)
+    c.register_chunk_recv(Req("r"))
+    req = Req("r")
+    p.send_chunk(req, {"embed": {"decode": torch.zeros(1, 2)}, "ids": {"prompt": [0]}})
+    got = wait_until(c.recv_chunk)
+    got["r"]["embed"].pop("decode")  # the runner edits its copy
+    got["r"]["ids"]["prompt"] = []
+    assert c.get_local_stage_payload("r")["embed"]["decode"].shape == (1, 2)
+    c.collect_signals()
+    p.send_chunk(req, {"embed": {"decode": torch.ones(1, 2)}, "ids": {"prompt": [1]}})
+    wait_until(lambda: c.debug_state()["requests"]["r"]["next_recv_chunk"] == 2)
+    cached = c.get_local_stage_payload("r")
+    assert cached["embed"]["decode"][:, 0].tolist() == [0, 1]  # the accumulation was not touched
+    assert cached["ids"]["prompt"] == [0, 1]
+
+
 def test_metadata_only_chunk_updates_cache_without_waking(runtimes: list, namespace: str) -> None:
     p, c = _pair(runtimes, namespace)
     c.register_chunk_recv(Req("r"))
