@@ -143,6 +143,7 @@ class KVTransferManager:
         self.to_tp = rank_mapping.to_tp
         #: sender ranks holding copies of one KV head (GQA with fewer KV heads than ``from_tp``): a merge keeps one
         self.head_replicas = rank_mapping.head_replicas
+        self.num_kv_heads = rank_mapping.num_kv_heads
         self.local_rank = local_rank
         self.recv_timeout_s = float(recv_timeout_s)
         self.layout: KVLayout = layout
@@ -383,7 +384,7 @@ class KVTransferManager:
         try:
             ordered = [shards[s].payload for s in distinct_head_sources(sources, self.head_replicas)]
             payload = merge_shards(ordered) if len(ordered) > 1 else ordered[0]
-            payload = slice_for_rank(payload, self.from_tp, self.to_tp, self.local_rank)
+            payload = slice_for_rank(payload, self.from_tp, self.to_tp, self.local_rank, replicated_heads=self.num_kv_heads is not None)
             payload = payload_to_device(payload, target_device)
         except KVPayloadError as exc:
             logger.error("KV receive %s: cannot combine shards: %s", request_id, exc)

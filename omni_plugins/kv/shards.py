@@ -67,15 +67,16 @@ def merge_shards(payloads: Sequence[KVPayload]) -> KVPayload:
     return make_payload(merged["key_cache"], merged["value_cache"], metadata)
 
 
-def slice_for_rank(payload: KVPayload, from_tp: int, to_tp: int, local_rank: int) -> KVPayload:
+def slice_for_rank(payload: KVPayload, from_tp: int, to_tp: int, local_rank: int, *, replicated_heads: bool = False) -> KVPayload:
     """Narrow a sender's full shard to receiver rank ``local_rank``'s heads (``from_tp < to_tp``).
 
     With ``r = to_tp // from_tp`` the receiver keeps head block ``local_rank % r``
-    of ``r`` equal blocks. With fewer heads ``h`` than ``r`` and ``r`` a multiple
-    of ``h`` (GQA: each KV head is replicated on ``r // h`` receiver ranks) it
-    keeps the single head ``(local_rank % r) * h // r``. Any other layer is
-    kept whole (and logged): the receiver then holds more heads than its share
-    and must pick them itself. ``sliced_for_local_rank`` is recorded in the
+    of ``r`` equal blocks. With ``replicated_heads`` (the mapping declares
+    ``num_kv_heads``), fewer heads ``h`` than ``r`` and ``r`` a multiple of ``h``
+    (GQA: each KV head is replicated on ``r // h`` receiver ranks) it keeps the
+    single head ``(local_rank % r) * h // r``. Any other layer is kept whole
+    (and logged), as the specification says: the receiver then holds more heads
+    than its share and must pick them itself. ``sliced_for_local_rank`` is recorded in the
     metadata when at least one layer was sliced. For ``from_tp >= to_tp`` the
     payload is returned unchanged.
     """
@@ -98,7 +99,7 @@ def slice_for_rank(payload: KVPayload, from_tp: int, to_tp: int, local_rank: int
                 per = heads // r
                 layers.append(t.narrow(-2, part * per, per).contiguous())
                 sliced_any = True
-            elif heads and not r % heads:
+            elif replicated_heads and heads and not r % heads:
                 # GQA with fewer KV heads than receiving ranks: each KV head is
                 # replicated on r // heads consecutive receiver ranks, so this
                 # rank keeps the one head it replicates (vLLM's assignment).

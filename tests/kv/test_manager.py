@@ -111,17 +111,21 @@ def test_round_trip_every_topology(memory_namespace: str, from_tp: int, to_tp: i
         m.connector.close()  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize(("from_tp", "to_tp", "kv_heads"), [(4, 1, 2), (4, 2, 2), (2, 1, 1), (4, 2, 1), (8, 2, 2), (8, 1, 2)])
+@pytest.mark.parametrize(
+    ("from_tp", "to_tp", "kv_heads"), [(4, 1, 2), (4, 2, 2), (2, 1, 1), (4, 2, 1), (8, 2, 2), (8, 1, 2), (1, 4, 2), (2, 4, 1), (2, 8, 2)]
+)
 def test_replicated_kv_heads_are_merged_once(memory_namespace: str, from_tp: int, to_tp: int, kv_heads: int) -> None:
-    """GQA with fewer KV heads than sender ranks: sender rank s holds a copy of head s // (from_tp // kv_heads).
-    With ``num_kv_heads`` in the mapping a receiver keeps one copy of each head (it got every copy before)."""
+    """GQA with fewer KV heads than TP ranks, declared by ``num_kv_heads``: sender rank s holds a copy of head
+    s // (from_tp // kv_heads); a receiver merges one copy of each head (it got every copy before) and a receiver
+    with more ranks than heads keeps the one head replicated on it."""
     mapping = RankMapping(from_tp=from_tp, to_tp=to_tp, num_kv_heads=kv_heads)
-    replicas = from_tp // kv_heads
+    replicas = mapping.head_replicas
     full = {"a": _full("a", kv_heads)}
     store = _conn(memory_namespace)
     for s in range(from_tp):
         sender = KVTransferManager(store, stage_id=0, from_stage=0, to_stage=1, rank_mapping=mapping, local_rank=s, layout="nhd")
-        entries = {rid: shard_kv(kv, slice(s // replicas, s // replicas + 1)) for rid, kv in full.items()}
+        heads = slice(s // replicas, s // replicas + 1) if kv_heads < from_tp else head_range(kv_heads, from_tp, s)
+        entries = {rid: shard_kv(kv, heads) for rid, kv in full.items()}
         caches, finished = build_paged_caches(entries, block_size=BLOCK, seed=s)
         assert sender.handle_finished_requests_kv_transfer(finished, caches, BLOCK, "auto") == ["a"]
     for j in range(to_tp):

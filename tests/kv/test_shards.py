@@ -111,7 +111,8 @@ def test_slice_non_divisible_heads_kept_whole(caplog: pytest.LogCaptureFixture) 
 
 @pytest.mark.parametrize(("from_tp", "to_tp", "kv_heads"), [(1, 4, 2), (1, 2, 1), (2, 4, 1), (1, 8, 2), (2, 8, 2)])
 def test_slice_gqa_replicated_heads(from_tp: int, to_tp: int, kv_heads: int) -> None:
-    """Fewer KV heads than receiving ranks: each receiver keeps exactly the one head vLLM replicates on it."""
+    """Fewer KV heads than receiving ranks, declared (``num_kv_heads``): each receiver keeps exactly the one head vLLM
+    replicates on it; undeclared, the layer is kept whole as the specification says."""
     full = _payload(kv_heads, 0.0)
     r = to_tp // from_tp
     for rank in range(to_tp):
@@ -121,7 +122,10 @@ def test_slice_gqa_replicated_heads(from_tp: int, to_tp: int, kv_heads: int) -> 
         first = src * kv_heads // from_tp if kv_heads < from_tp else src * per_src
         keys = [t[:, first : first + per_src] for t in full["layer_blocks"]["key_cache"]]
         values = [t[:, first : first + per_src] for t in full["layer_blocks"]["value_cache"]]
-        out = slice_for_rank(make_payload(keys, values, {}), from_tp, to_tp, rank)
+        shard = make_payload(keys, values, {})
+        if kv_heads // from_tp < r:  # the spec's default: a head count that does not divide is kept whole
+            assert torch.equal(slice_for_rank(shard, from_tp, to_tp, rank)["layer_blocks"]["key_cache"][0], keys[0])
+        out = slice_for_rank(shard, from_tp, to_tp, rank, replicated_heads=True)  # the mapping declares num_kv_heads
         head = rank * kv_heads // to_tp
         for i in range(2):
             assert torch.equal(out["layer_blocks"]["key_cache"][i], full["layer_blocks"]["key_cache"][i][:, head : head + 1])
