@@ -141,9 +141,8 @@ class KVTransferManager:
         self.to_stage = to_stage
         self.from_tp = rank_mapping.from_tp
         self.to_tp = rank_mapping.to_tp
-        #: sender ranks holding copies of one KV head (GQA with fewer KV heads than ``from_tp``): a merge keeps one
-        self.head_replicas = rank_mapping.head_replicas
-        self.num_kv_heads = rank_mapping.num_kv_heads
+        #: with ``num_kv_heads``, replicated GQA heads: a merge keeps one copy of each, a slice keeps the replicated head
+        self.rank_mapping = rank_mapping
         self.local_rank = local_rank
         self.recv_timeout_s = float(recv_timeout_s)
         self.layout: KVLayout = layout
@@ -382,9 +381,10 @@ class KVTransferManager:
                 return None, 0
             shards[src] = shard
         try:
-            ordered = [shards[s].payload for s in distinct_head_sources(sources, self.head_replicas)]
+            ordered = [shards[s].payload for s in distinct_head_sources(sources, self.rank_mapping.head_replicas)]
             payload = merge_shards(ordered) if len(ordered) > 1 else ordered[0]
-            payload = slice_for_rank(payload, self.from_tp, self.to_tp, self.local_rank, replicated_heads=self.num_kv_heads is not None)
+            replicated = self.rank_mapping.num_kv_heads is not None
+            payload = slice_for_rank(payload, self.from_tp, self.to_tp, self.local_rank, replicated_heads=replicated)
             payload = payload_to_device(payload, target_device)
         except KVPayloadError as exc:
             logger.error("KV receive %s: cannot combine shards: %s", request_id, exc)

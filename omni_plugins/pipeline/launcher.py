@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_plugins.forkserver import preloaded_context, start_shielded
-from omni_plugins.pipeline.leaks import backend_leaks, health_leaks, reclaim
+from omni_plugins.pipeline.leaks import backend_leaks, health_leaks, reclaim, run_id_prefix
 from omni_plugins.pipeline.report import RunReport, edge_summary
 from omni_plugins.pipeline.spec import PipelinePlan
 from omni_plugins.pipeline.stage import StageLaunch, stage_main
@@ -136,7 +136,8 @@ class Orchestrator:
         self.done: set[str] = set()
         self.progress: dict[str, set[tuple[int, int]]] = {}  # request -> stage ranks done with it
         self.run_tag = uuid.uuid4().hex[:6]
-        self.ids = [f"req-{self.run_tag}-{i:05d}" for i in range(options.requests)]
+        prefix = run_id_prefix(self.run_tag)
+        self.ids = [f"{prefix}{i:05d}" for i in range(options.requests)]
         self.interrupts = _Interrupts()
 
     # ------------------------------------------------------------------ processes

@@ -8,7 +8,7 @@ connector's ``health()``; :func:`health_leaks` reads the per-process fields.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from omni_plugins.config.models import PipelineConfig
@@ -65,7 +65,7 @@ def _mooncake_store(instance: str, config: Any, run_tag: str | None) -> list[str
     if rc != 0:
         return [f"connector {instance!r}: cannot reach mooncake_master at {config.master_address} to check for leftovers"]
     try:
-        count = int(probe.remove_by_regex(run_key_regex(run_tag), True))
+        count = int(probe.remove_by_regex(f"^{run_id_prefix(run_tag)}.*", True))
     finally:
         probe.close()
     if count < 0:
@@ -73,11 +73,12 @@ def _mooncake_store(instance: str, config: Any, run_tag: str | None) -> list[str
     return [f"connector {instance!r}: {count} store object(s) of this run left on {config.master_address} (removed)"] if count > 0 else []
 
 
-def run_key_regex(run_tag: str) -> str:
-    """Every key of a run's requests: the runtime's and the KV manager's keys start with the request id."""
-    if not run_tag.isalnum():  # the launcher's tags are hex; anything else could widen the pattern
+def run_id_prefix(run_tag: str) -> str:
+    """How every request id of the run ``run_tag`` starts, and so every backend key of its payloads
+    (the runtime's and the KV manager's keys start with the request id): ``req-<run_tag>-``."""
+    if not run_tag.isalnum():  # the launcher's tags are hex; anything else could widen a key pattern built from it
         raise ValueError(f"run tag must be alphanumeric, got {run_tag!r}")
-    return f"^req-{run_tag}-.*"
+    return f"req-{run_tag}-"
 
 
 #: per canonical connector name: what the backend still holds (``run_tag``: this run's id, where a check is scoped to it)
@@ -90,20 +91,7 @@ def backend_leaks(config: PipelineConfig, used: set[str], run_tag: str | None = 
     shm and Redis report everything in the connector's namespace / key prefix; the Mooncake store
     reports (and removes) only the objects of the run ``run_tag``.
     """
-    from omni_plugins.factory import resolve_connector, validate_connector_config
-
-    out: list[str] = []
-    for instance in sorted(used):
-        conn = config.connectors[instance]
-        name = resolve_connector(conn.name).name
-        check = CHECKS.get(name)
-        if check is None:
-            continue
-        try:
-            out += check(instance, validate_connector_config(conn.name, conn.extra), run_tag)
-        except Exception as exc:
-            out.append(f"connector {instance!r}: leak check failed: {type(exc).__name__}: {exc}")
-    return out
+    return _per_connector(config, used, CHECKS, run_tag, "leak check")
 
 
 def _shm_reclaim(instance: str, config: Any, run_tag: str) -> list[str]:
@@ -119,7 +107,7 @@ def _redis_reclaim(instance: str, config: Any, run_tag: str) -> list[str]:
     if client is None:
         return []
     # only this run's keys: every key of a payload is <prefix>{<key>}..., and this run's keys start with its request ids
-    pattern = f"{_glob_escape(config.key_prefix)}{{req-{run_tag}-*"
+    pattern = f"{_glob_escape(config.key_prefix)}{{{run_id_prefix(run_tag)}*"
     removed = 0
     try:
         batch: list[Any] = []
@@ -150,18 +138,25 @@ def reclaim(config: PipelineConfig, used: set[str], run_tag: str) -> list[str]:
     process exited. The Mooncake store's leftovers of this run were already removed by its leak
     check (:func:`backend_leaks`), which cannot count them otherwise.
     """
+    return _per_connector(config, used, RECLAIMS, run_tag, "reclaim")
+
+
+def _per_connector(
+    config: PipelineConfig, used: set[str], steps: Mapping[str, Callable[..., list[str]]], run_tag: str | None, what: str
+) -> list[str]:
+    """Run the step for each used connector instance's backend (by canonical name); a failing step is one line."""
     from omni_plugins.factory import resolve_connector, validate_connector_config
 
     out: list[str] = []
     for instance in sorted(used):
         conn = config.connectors[instance]
-        fix = RECLAIMS.get(resolve_connector(conn.name).name)
-        if fix is None:
+        step = steps.get(resolve_connector(conn.name).name)
+        if step is None:
             continue
         try:
-            out += fix(instance, validate_connector_config(conn.name, conn.extra), run_tag)
+            out += step(instance, validate_connector_config(conn.name, conn.extra), run_tag)
         except Exception as exc:
-            out.append(f"connector {instance!r}: reclaim failed: {type(exc).__name__}: {exc}")
+            out.append(f"connector {instance!r}: {what} failed: {type(exc).__name__}: {exc}")
     return out
 
 

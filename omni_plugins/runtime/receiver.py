@@ -419,12 +419,9 @@ class Receiver:
         self.stats["gets"] += 1
         try:
             result = self._connector.get(*self._edge, key, timeout=timeout)
-        except WireFormatError:
-            logger.error("payload under %s cannot be decoded; request %s reported failed", key, state.request_id, exc_info=True)
-            self._cleanup_one(key)
-            return _UNDECODABLE
-        except ConnectorContractError as exc:  # a plugin bug: retrying returns the same wrong thing until the timeout
-            logger.error("get of %s broke the connector contract; request %s reported failed: %s", key, state.request_id, exc)
+        except (WireFormatError, ConnectorContractError) as exc:  # retrying gets the same bytes, or the same plugin bug
+            why = "cannot be decoded" if isinstance(exc, WireFormatError) else "came from a get that broke the connector contract"
+            logger.error("payload under %s %s; request %s reported failed", key, why, state.request_id, exc_info=True)
             self._cleanup_one(key)
             return _UNDECODABLE
         except Exception as exc:
