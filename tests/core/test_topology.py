@@ -70,3 +70,30 @@ def test_short_and_mapping_edge_forms_are_the_same_edge() -> None:
     )
     assert short.edge_list() == long.edge_list() == [Edge(0, 1, "c", "c", None, "0", kv=False)]
     assert short.stage(0).output_stages() == {1: "c"}
+
+
+def test_round_robin_takes_replicas_in_turn_and_skips_retired_ones() -> None:
+    import pytest
+
+    from omni_plugins.routing import NoReplicaError, ReplicaRouter
+
+    rr = ReplicaRouter(3)
+    assert [rr.pick() for _ in range(4)] == [0, 1, 2, 0]
+    rr.retire(1)
+    assert [rr.pick() for _ in range(3)] == [2, 0, 2]
+    rr.retire(0)
+    rr.retire(2)
+    with pytest.raises(NoReplicaError):
+        rr.pick()
+
+
+def test_least_inflight_takes_the_replica_holding_fewest_requests() -> None:
+    from omni_plugins.routing import ReplicaRouter
+
+    li = ReplicaRouter(2, "least_inflight")
+    assert [li.pick(), li.pick(), li.pick()] == [0, 1, 0]  # ties go to the lowest index
+    li.done(0)
+    li.done(0)
+    assert li.pick() == 0 and li.inflight == [1, 1] and li.routed == [3, 1]
+    li.retire(0)
+    assert li.pick() == 1
