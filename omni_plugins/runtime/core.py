@@ -163,6 +163,7 @@ class StageTransferRuntime:
         self._outputs, self._inputs = self._routes()
         #: output routes grouped by the builder that makes their payload: one build per group and step
         self._send_groups = _send_groups(self._outputs)
+        self._has_builder = any(builder is not None for builder, _ in self._send_groups)
         # the accumulation gate is structural: decide once
         self._accumulate = bool(
             stage_config.custom_process_next_stage_input_func
@@ -446,13 +447,15 @@ class StageTransferRuntime:
         if self.tuning.snapshot_payloads:
             payload = snapshot_payload(payload)
         sent = state.sent
-        signal = None
         with self._lock:
-            for route in routes:
+            route = routes[0]
+            index = sent[route.index]
+            sent[route.index] = index + 1
+            signal = sender.enqueue_locked(state, route, f"{state.external_id}_{route.key_stage}_{index}", payload, hand_over=True)
+            for route in routes[1:]:  # fan-out: the same payload to the other destinations
                 index = sent[route.index]
                 sent[route.index] = index + 1
-                got = sender.enqueue_locked(state, route, f"{state.external_id}_{route.key_stage}_{index}", payload, hand_over=signal is None)
-                signal = signal or got
+                sender.enqueue_locked(state, route, f"{state.external_id}_{route.key_stage}_{index}", payload)
         sender.hand_over(signal)
 
     def _send(self, rid: str, state: RequestState, request: Any, output: Any, is_finished: bool, *, raw: bool) -> int:
@@ -496,10 +499,6 @@ class StageTransferRuntime:
             with self._lock:
                 state = self._registry.ensure(rid, _external_id(request, rid))
         return self._send(rid, state, request, pooling_output, _request_finished(request, False), raw=False) > 0
-
-    @property
-    def _has_builder(self) -> bool:
-        return any(builder is not None for builder, _ in self._send_groups)
 
     def accumulate_full_payload_output(self, req_id: str, output: Any, request: Any = None) -> bool:
         """Full-payload mode, once per step: fold this step's output into the request's accumulator."""
