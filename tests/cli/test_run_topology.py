@@ -113,8 +113,8 @@ def _fanin(tmp_path: Path, shm_ns: str, **stage_changes: dict[str, Any]) -> Path
 def test_fan_in_with_a_slow_source_fails_its_requests_naming_it_and_leaves_nothing(tmp_path: Path, shm_ns: str) -> None:
     from omni_plugins_shm.testing import namespace_segments
 
-    path = _fanin(tmp_path, shm_ns, stage_1={"synthetic": {"steps": 3, "step_ms": 2000, "send": "full", "outputs": [
-        {"name": "embed.image", "shape": [4, 64], "dtype": "bfloat16"}]}}, stage_2={"recv_timeout_s": 1.0})  # fmt: skip
+    path = _fanin(tmp_path, shm_ns, stage_1={"synthetic": {"steps": 2, "step_ms": 4000, "send": "full", "outputs": [
+        {"name": "embed.image", "shape": [4, 64], "dtype": "bfloat16"}]}}, stage_2={"recv_timeout_s": 2.0})  # fmt: skip
     report = run_pipeline(path, RunOptions(requests=2, concurrency=2, progress=False, timeout_s=120))
     assert report.completed == 0 and len(report.failed) == 2
     for reason in report.failed.values():

@@ -185,14 +185,22 @@ def test_fan_in_streams_are_kept_per_source_and_finish_when_every_source_did(run
     r0.done = True
     src0.send_chunk(r0, {"embed": {"decode": torch.zeros(1, 2)}})
     src1.send_chunk(r1, {"embed": {"decode": torch.ones(1, 2)}})
-    seen = collect_until(sink, lambda s: 0 in s.chunk_finished_sources.get("r", ()))
-    assert not any("r" in s.chunk_finished for s in seen)  # source 1 still streams
+    finished: set[int] = set()
+    ready: set[int] = set()
+
+    def both(sig: Any) -> bool:
+        finished.update(sig.chunk_finished_sources.get("r", ()))
+        ready.update(sig.chunk_ready_sources.get("r", ()))
+        return 0 in finished and 1 in ready
+
+    seen = collect_until(sink, both)
+    assert finished == {0} and not any("r" in s.chunk_finished for s in seen)  # source 1 still streams
     payload = sink.get_local_stage_payload("r")
     assert payload[0]["embed"]["decode"].shape == (2, 2) and payload[1]["embed"]["decode"].tolist() == [[1.0, 1.0]]
     r1.done = True
     src1.send_chunk(r1, {"embed": {"decode": torch.ones(1, 2)}})
-    ready = wait_until(lambda: sink.recv_chunk())
-    assert set(ready["r"]) == {1}  # only the source that woke it
+    woken = wait_until(lambda: sink.recv_chunk())
+    assert set(woken["r"]) == {1}  # only the source that woke it
     last = collect_until(sink, lambda s: "r" in s.chunk_finished)[-1]
     assert last.chunk_finished_sources == {"r": {1}}
     sink.cleanup_finished_request("r")
