@@ -64,6 +64,7 @@ def master_on_c(network: TestNetwork, tmp_path_factory: pytest.TempPathFactory) 
         f"--metrics_host={c.address}",
         f"--metrics_port={metrics}",
         "--default_kv_lease_ttl=500",
+        "--client_ttl=30",  # a client cut off for less stays mounted: its payloads survive the partition
         "--enable_http_metadata_server=true",
         f"--http_metadata_server_host={c.address}",
         f"--http_metadata_server_port={http}",

@@ -9,6 +9,7 @@ acknowledged payload reaches the consumer intact, nothing is left behind.
 
 from __future__ import annotations
 
+import sys
 import urllib.request
 import uuid
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 from _exchange import Outcome, exchange
 from conftest import Service
 
-from omni_plugins.testing.netns import TestNetwork
+from omni_plugins.testing.netns import TestHost, TestNetwork
 
 TE_SECRET = "netns-test-secret-0123456789abcdef"
 PARTITION = 10.0  # seconds the service host is cut off
@@ -67,6 +68,11 @@ def _leftovers(name: str, out: Outcome, request: pytest.FixtureRequest, config: 
     return left
 
 
+def _connect(host: TestHost, address: str, port: int) -> bool:
+    probe = "import socket, sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=1).close()"
+    return host.run([sys.executable, "-c", probe, address, str(port)], check=False).returncode == 0
+
+
 def _assert_delivered(out: Outcome) -> None:
     """The workers ran to their end, and every acknowledged payload reached the consumer intact."""
     assert not out.failures, out.failures
@@ -102,7 +108,14 @@ TIGHT = {"redis": {"connect_timeout": 2.0, "socket_timeout": 3.0}, "mooncake-sto
 @pytest.mark.parametrize("name", ["redis", "mooncake-store"])
 def test_partition_from_the_service_host(network: TestNetwork, name: str, request: pytest.FixtureRequest) -> None:
     """Cut host c (Redis / mooncake_master) off for 10 s while a streams puts and b, 3 keys behind, gets them."""
-    c = network.host("c")
+    a, c = network.host("a"), network.host("c")
+    service: Service = request.getfixturevalue("redis_on_c" if name == "redis" else "master_on_c")
+    cut_off: list[bool] = []
+
+    def cut() -> None:
+        network.cut(c)
+        cut_off.append(_connect(a, service.host.address, service.port) is False)
+
     prod, cons = _configs(name, network, request, **TIGHT[name])
     out = exchange(
         name,
@@ -113,12 +126,12 @@ def test_partition_from_the_service_host(network: TestNetwork, name: str, reques
         get_timeout=5.0,
         patience=60.0,
         lag=3,
-        faults=[(8, lambda: network.cut(c)), (PARTITION, lambda: network.heal(c))],
+        faults=[(8, cut), (PARTITION, lambda: network.heal(c))],
         deadline=150.0,
     )
     _assert_delivered(out)
-    failed = {k: v for k, v in out.puts.items() if v[0] != "ok"}
-    print(f"{name}: {len(out.acknowledged)} puts acknowledged, failed: {failed}")
-    print({k: v for k, v in out.gets.items() if len(v) > 1})
+    assert cut_off == [True]  # the partition was real: host a could not reach the service meanwhile
+    outcomes = [o for o, _, _ in out.puts.values()] + [o for attempts in out.gets.values() for o, _ in attempts]
+    assert {o.split(":")[0] for o in outcomes} <= {"ok", "intact", "none", "ConnectorError"}  # failures are typed
     assert out.puts[max(out.puts, key=lambda k: int(k.rsplit("-", 1)[1]))][0] == "ok"  # the service is usable again after the heal
     assert _leftovers(name, out, request, prod) == dict.fromkeys(_leftovers(name, out, request, prod), 0)
