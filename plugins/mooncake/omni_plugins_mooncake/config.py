@@ -119,9 +119,11 @@ class MooncakeTEConfig(_Engine):
         description="registered memory kept for reuse between transfers",
     )
     rendezvous_dir: str | None = Field(
-        default=None,
+        default="auto",
         description="same-host discovery: instances announce their listen address as a file here and read from all "
-        "others (lets identically configured instances in several processes find each other)",
+        "others. 'auto' (the default): a directory private to this user and this network namespace, so processes on "
+        "one host find each other with no configuration; a path: that directory (separates groups of instances); "
+        "null: none",
     )
     claim_timeout: float = Field(default=60.0, gt=0, description="seconds a consumer may take to read a payload it claimed")
     payload_ttl: float = Field(default=300.0, gt=0, description="seconds after which an unconsumed payload is reclaimed")

@@ -43,7 +43,7 @@ from omni_plugins_mooncake.te.control import (
     parse_key,
     parse_token,
 )
-from omni_plugins_mooncake.te.discovery import PeerDirectory, PeerEntry
+from omni_plugins_mooncake.te.discovery import PeerDirectory, PeerEntry, resolve_rendezvous_dir
 from omni_plugins_mooncake.te.pool import Staged, StagingTable
 from omni_plugins_mooncake.te.transfer import DONE, FAILED, TIMED_OUT, Reader
 
@@ -97,8 +97,9 @@ class MooncakeTransferEngineConnector(Connector):
         self._stop = threading.Event()
         self._configured_secret: bytes | None = None if cfg.secret is None else cfg.secret.get_secret_value().encode()
         try:
-            if cfg.rendezvous_dir is not None:
-                self._directory = PeerDirectory(cfg.rendezvous_dir)
+            rendezvous = resolve_rendezvous_dir(cfg.rendezvous_dir)
+            if rendezvous is not None:
+                self._directory = PeerDirectory(rendezvous)
             if cfg.listen_address is not None:
                 generated = None if self._configured_secret is not None else secrets.token_urlsafe(32)
                 secret = generated.encode() if generated is not None else self._configured_secret or b""
