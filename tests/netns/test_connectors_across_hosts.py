@@ -135,3 +135,35 @@ def test_partition_from_the_service_host(network: TestNetwork, name: str, reques
     assert {o.split(":")[0] for o in outcomes} <= {"ok", "intact", "none", "ConnectorError"}  # failures are typed
     assert out.puts[max(out.puts, key=lambda k: int(k.rsplit("-", 1)[1]))][0] == "ok"  # the service is usable again after the heal
     assert _leftovers(name, out, request, prod) == dict.fromkeys(_leftovers(name, out, request, prod), 0)
+
+
+def test_te_consumer_finds_a_producer_on_another_host_through_the_metadata_server(
+    network: TestNetwork, request: pytest.FixtureRequest
+) -> None:
+    """No peers listed: the producer on a announces itself in the roster on c's metadata server, the consumer on b reads it.
+
+    A stale entry (an address that refuses) sits in the roster too: it is skipped, not an error."""
+    import json
+
+    from omni_plugins_mooncake.te.roster import MetadataRoster
+
+    master: Service = request.getfixturevalue("master_on_c")
+    a, b = network.host("a"), network.host("b")
+    group = f"g{uuid.uuid4().hex[:8]}"
+    roster = MetadataRoster(str(master.extra["metadata_url"]), group)
+    stale = f"{a.address}:1"  # nobody listens there; sorts first, so the first get asks it first
+    roster.announce(stale)
+    common = {"metadata_server": master.extra["metadata_url"], "discovery_group": group, "secret": TE_SECRET}
+    producer = {**common, "local_hostname": a.address, "listen_address": f"{a.address}:0", "pool_size": "64MiB", "rendezvous_dir": None}
+    consumer = {**common, "local_hostname": b.address, "listen_address": None, "rendezvous_dir": None}
+    out = exchange("mooncake-te", (a, producer), (b, consumer), count=4)
+    _assert_delivered(out)
+    assert len(out.acknowledged) == 4
+    assert [k for k, got in out.gets.items() if len(got) != 1] == []
+    assert out.health["consumer"]["roster"]["peers"] == 2
+    assert stale not in out.health["consumer"]["peers"]  # refused once, then skipped until its entry is renewed
+    assert out.health["producer"]["staged"] == 0
+    assert list(roster.read()) == [stale]  # the producer left the roster when it closed
+    roster.withdraw(stale)
+    assert roster.read() == {}
+    assert json.dumps(out.health).count(TE_SECRET) == 0
