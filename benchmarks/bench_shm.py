@@ -37,7 +37,7 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
   futex slot -- ``FUTEX_WAKE`` only when the peer waits --, claim ``rename``, ``lstat``, copy out of a
   kept mapping, return ``rename``, ``FUTEX_WAIT`` when the payload is not there yet) without the
   codec and without the connector's Python layers.
-- ``floor_inotify_pingpong``: the previous protocol's floor (publish ``rename`` into a watched
+- ``floor_inotify_pingpong``: the inotify protocol's floor (publish ``rename`` into a watched
   directory, claim, ``lstat``, copy, return; inotify ``poll``/``read`` via the connector's own
   watch) -- the floor of the path without the C extension.
 - ``floor_cas_pingpong``: what a hand-off without any file syscall costs -- publish = a state word
@@ -680,7 +680,7 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
         out["roundtrip_4KiB_floor_vs_pipe"] = _entry(
             small["roundtrip_floor_vs_pipe"], "(context: protocol without codec)", protocol=small["floor_protocol"]
         )
-        out["roundtrip_4KiB_floor_inotify_vs_pipe"] = _entry(small["roundtrip_floor_inotify_vs_pipe"], "(context: previous protocol)")
+        out["roundtrip_4KiB_floor_inotify_vs_pipe"] = _entry(small["roundtrip_floor_inotify_vs_pipe"], "(context: the inotify protocol)")
         if "roundtrip_floor_cas_vs_pipe" in small:
             out["roundtrip_4KiB_floor_cas_vs_pipe"] = _entry(
                 small["roundtrip_floor_cas_vs_pipe"],

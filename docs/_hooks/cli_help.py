@@ -7,7 +7,7 @@ import io
 import os
 
 #: argparse wraps at the terminal width; a fixed one keeps the pages the same on every machine
-COLUMNS = "100"
+COLUMNS = "80"
 
 
 def help_text(command: str) -> str:

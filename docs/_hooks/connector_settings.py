@@ -100,6 +100,6 @@ def _default(prop: dict[str, Any], sized: bool) -> str:
 def _cell(text: str) -> str:
     """Plain text safe inside a table cell: one line, markdown's special characters escaped."""
     text = " ".join(text.split())
-    for char in "\\`*[]<>|":
+    for char in "\\`*[]>|":
         text = text.replace(char, "\\" + char)
-    return text
+    return text.replace("<", "&lt;")  # Markdown has no escape for '<'; the entity keeps it text
