@@ -106,9 +106,11 @@ class KVTransferManager:
         layout: paged-cache layout for extraction (``"auto"``, ``"nhd"``, ``"hnd"``,
             see :mod:`omni_plugins.kv.layout`); can be overridden per send.
         put_attempts: attempts per shard ``put`` before the request's send fails.
-        send_key_stage / recv_key_stage: the sending stage's part of the keys this
-            rank puts / reads (default ``stage_id`` / ``from_stage``; a fanning-out
-            sender's edges key ``{from}-{to}``, see :mod:`omni_plugins.config.topology`).
+        send_key_stage: the sending stage's part of the keys this rank puts (default
+            ``stage_id``; a fanning-out sender's edges key ``{from}-{to}``, see
+            :mod:`omni_plugins.config.topology`).
+        recv_key_stage: the sending stage's part of the keys this rank reads
+            (default ``from_stage``).
         receives: this manager may receive (False: a send-only manager; its
             cleanup does not look for shards addressed to this rank).
     """
