@@ -738,6 +738,7 @@ def run_topologies(args: argparse.Namespace, step_s: float) -> dict[str, Any]:
     latency, cpu = worst(("p50_fanout_vs_chain", "p50_fanin_vs_chain")), worst(("cpu_fanout_vs_chain", "cpu_fanin_vs_chain"))
     return {
         "benchmark": "bench_runtime.topology",
+        "command": " ".join(["python3", "benchmarks/bench_runtime.py", *sys.argv[1:]]),
         "backend": "shm",
         "cross_process": True,
         "config": {k: getattr(args, k) for k in ("streams", "chunks", "period", "pattern", "rounds", "step_ms", "chunk_floats")},
