@@ -14,7 +14,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from omni_plugins.pipeline.report import RunReport, edge_summary
 from omni_plugins.pipeline.spec import PipelinePlan
 from omni_plugins.pipeline.stage import StageLaunch, stage_main
 from omni_plugins.pipeline.stats import EdgeStats
+from omni_plugins.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +43,6 @@ class RunOptions:
     stop_timeout_s: float = 60.0  # every stage reported its final state
     progress: bool = True
     log_level: int = logging.WARNING
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def exit_reason(code: int | None) -> str:
@@ -145,7 +139,7 @@ class Orchestrator:
         start_shielded(self.ctx)
         data = self.plan.config.model_dump(mode="python")
         for sp in self.plan.stages:
-            port = _free_port() if sp.stage.tp_size > 1 else None
+            port = free_port() if sp.stage.tp_size > 1 else None
             for rank in range(sp.stage.tp_size):
                 launch = StageLaunch(data, self.plan.filename, sp.stage_id, rank, port, self.opts.log_level)
                 inbox = self.inboxes[sp.stage_id] if rank == 0 else None

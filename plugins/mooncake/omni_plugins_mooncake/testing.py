@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-LOOPBACK = "127.0.0.1"
+from omni_plugins.ports import LOOPBACK, free_port
 
 
 def loopback_environment() -> None:
@@ -64,13 +64,6 @@ def loopback_namespace_available(timeout: float = 10.0) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port free on ``host`` right now (another process may still take it: callers retry)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:
