@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,16 +113,20 @@ class _Interrupts:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def _stage_context() -> Any:
-    """How stage processes start: ``forkserver`` with torch and the stage module preloaded (see :mod:`omni_plugins.forkserver`)."""
-    return preloaded_context(["torch", "omni_plugins.pipeline.stage", "omni_plugins.runtime", "omni_plugins.wire"])
+def _stage_context(connectors: Iterable[str] = ()) -> Any:
+    """How stage processes start: ``forkserver`` with torch, the stage module and the ``connectors``' plugins' preload
+    modules imported once (see :mod:`omni_plugins.forkserver`)."""
+    from omni_plugins.services import preload_modules
+
+    core = ["torch", "omni_plugins.pipeline.stage", "omni_plugins.runtime", "omni_plugins.wire"]
+    return preloaded_context([*core, *preload_modules(connectors)])
 
 
 class Orchestrator:
     def __init__(self, plan: PipelinePlan, options: RunOptions) -> None:
         self.plan = plan
         self.opts = options
-        self.ctx = _stage_context()
+        self.ctx = _stage_context(c.name for c in plan.config.connectors.values())
         self.results: Any = self.ctx.Queue()
         self.inboxes: dict[int, Any] = {s.stage_id: self.ctx.Queue() for s in plan.stages}
         self.procs: list[_Proc] = []

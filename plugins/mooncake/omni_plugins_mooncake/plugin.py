@@ -18,6 +18,7 @@ def omni_register_connectors(registry: Any) -> None:
         config="omni_plugins_mooncake.config:MooncakeStoreConfig",
         aliases=["MooncakeStoreConnector", "MooncakeConnector"],
         description="Mooncake distributed store (mooncake_master + client segments), TCP or RDMA",
+        services="omni_plugins_mooncake.services:StoreServices",
     )
     registry.register(
         "mooncake-te",
@@ -25,4 +26,5 @@ def omni_register_connectors(registry: Any) -> None:
         config="omni_plugins_mooncake.config:MooncakeTEConfig",
         aliases=["MooncakeTransferEngineConnector"],
         description="Mooncake Transfer Engine point to point (one-sided reads, P2PHANDSHAKE), TCP or RDMA",
+        services="omni_plugins_mooncake.services:TEServices",
     )

@@ -34,6 +34,7 @@ import time
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from omni_plugins.ports import LOOPBACK, free_port
 
@@ -131,6 +132,10 @@ class MooncakeMaster:
     @property
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
+
+    def connector_config(self, **overrides: Any) -> dict[str, Any]:
+        """A ``mooncake-store`` config (a stage's ``extra``) reaching this master, with ``overrides`` applied."""
+        return {"master_address": self.address, **overrides}
 
     def command(self) -> list[str]:
         return [

@@ -19,4 +19,5 @@ def omni_register_connectors(registry: Any) -> None:
         config="omni_plugins_redis.config:RedisConfig",
         aliases=["RedisConnector", "RedisClusterConnector"],
         description="Redis / Redis Cluster: cross-host payloads, chunked pipelined writes, blocking get via BLMOVE",
+        services="omni_plugins_redis.services:RedisServices",
     )

@@ -123,6 +123,11 @@ class RedisServer:
         return "127.0.0.1"
 
     @property
+    def address(self) -> str:
+        """``127.0.0.1:<port>`` (or the unix socket's path); no credentials."""
+        return str(self.socket_path) if self.socket_path is not None else f"127.0.0.1:{self.port}"
+
+    @property
     def url(self) -> str:
         """How to reach the server (without credentials)."""
         if self.socket_path is not None:

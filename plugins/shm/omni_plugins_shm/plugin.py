@@ -15,4 +15,5 @@ def omni_register_connectors(registry: Any) -> None:
         config="omni_plugins_shm.config:ShmConfig",
         aliases=["SharedMemoryConnector"],
         description="POSIX shared memory on one machine, many processes, no server (pooled segments, zero-copy views)",
+        services="omni_plugins_shm.services:ShmServices",
     )
