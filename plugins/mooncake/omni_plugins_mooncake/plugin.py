@@ -5,13 +5,11 @@ Only import strings here: ``mooncake`` is imported when a connector is created.
 
 from __future__ import annotations
 
-from typing import Any
-
-from omni_plugins.hookspecs import hookimpl
+from omni_plugins import RegistrationSink, hookimpl
 
 
 @hookimpl
-def omni_register_connectors(registry: Any) -> None:
+def omni_register_connectors(registry: RegistrationSink) -> None:
     registry.register(
         "mooncake-store",
         connector="omni_plugins_mooncake.store:MooncakeStoreConnector",

@@ -1,14 +1,15 @@
-"""Entry point (group ``omni_plugins``): registers the ``shm`` connector. Imports nothing heavy."""
+"""Entry point (group ``omni_plugins``): registers the ``shm`` connector and the ``omni-plugins shm`` command.
+
+Imports nothing heavy: import strings only.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
-from omni_plugins import hookimpl
+from omni_plugins import CommandSink, RegistrationSink, hookimpl
 
 
 @hookimpl
-def omni_register_connectors(registry: Any) -> None:
+def omni_register_connectors(registry: RegistrationSink) -> None:
     registry.register(
         "shm",
         connector="omni_plugins_shm.connector:ShmConnector",
@@ -17,3 +18,8 @@ def omni_register_connectors(registry: Any) -> None:
         description="POSIX shared memory on one machine, many processes, no server (pooled segments, zero-copy views)",
         services="omni_plugins_shm.services:ShmServices",
     )
+
+
+@hookimpl
+def omni_register_commands(commands: CommandSink) -> None:
+    commands.register("shm", main="omni_plugins_shm.cli:main", help="shared-memory maintenance: 'shm gc' frees segments of crashed processes")
