@@ -32,6 +32,8 @@ if "pytest" in sys.modules:
 
 _EXPORTS = {
     "ConnectorContract": "omni_plugins.testing.contract",
+    "ConnectorFactory": "omni_plugins.testing.pytest_plugin",
+    "ServerFactory": "omni_plugins.testing.pytest_plugin",
     "ServicesContract": "omni_plugins.testing.services",
     "sample_payload": "omni_plugins.testing.contract",
     "isolated_plugin_manager": "omni_plugins.testing.isolation",
