@@ -81,15 +81,19 @@ class ConnectorServices(Generic[ConfigT]):
         raise NotImplementedError
 
 
-#: every service a :class:`ConnectorServices` subclass may override, in documentation order
+#: every service a :class:`ConnectorServices` subclass may override
 SERVICE_METHODS: tuple[str, ...] = ("census", "reclaim", "start_server", "server_environment", "bench_config", "raw_baseline")
 #: every declaration (class attribute) it may set
-SERVICE_ATTRIBUTES: tuple[str, ...] = ("preload", "server_variables")
+SERVICE_ATTRIBUTES: tuple[str, ...] = ("server_variables", "preload")
+#: all of them in documentation order (how ``omni-plugins list`` shows them)
+_ORDER: tuple[str, ...] = ("census", "reclaim", "start_server", "server_environment", "server_variables", "bench_config", "raw_baseline", "preload")
 
 
 def offered(services: ConnectorServices[Any] | type[ConnectorServices[Any]]) -> tuple[str, ...]:
     """The services ``services`` (an instance or the class) offers: the methods its class overrides, the attributes it sets."""
     cls = services if isinstance(services, type) else type(services)
-    methods = [n for n in SERVICE_METHODS if getattr(cls, n) is not getattr(ConnectorServices, n)]
-    attrs = [n for n in SERVICE_ATTRIBUTES if getattr(cls, n)]
-    return tuple(methods + attrs)
+    return tuple(
+        n
+        for n in _ORDER
+        if (getattr(cls, n) is not getattr(ConnectorServices, n) if n in SERVICE_METHODS else bool(getattr(cls, n)))
+    )

@@ -1,7 +1,7 @@
 """Every hook and every service is documented, and a test plugin exercises each one (datasette's rule).
 
 ``tests/plugins/served`` implements every hook and offers every service; the services kit runs
-against it here, its command runs through the CLI. ``docs/plugin-services.md`` has a section per
+against it here, its command runs through the CLI. ``docs/plugins/services.md`` has a section per
 hook, service and pytest fixture.
 """
 
@@ -23,7 +23,7 @@ from omni_plugins.testing import ServicesContract, register_plugin
 from omni_plugins.testing.pytest_plugin import ServerFactory
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC = ROOT / "docs" / "plugin-services.md"
+DOC = ROOT / "docs" / "plugins" / "services.md"
 HOOKS = sorted(name for name, fn in inspect.getmembers(hookspecs, inspect.isfunction) if name.startswith("omni_"))
 FIXTURES = ("omni_plugin_manager", "omni_connector", "omni_server")
 
@@ -44,7 +44,7 @@ def _documented() -> set[str]:
 
 @pytest.mark.parametrize("name", [*HOOKS, *SERVICE_METHODS, *SERVICE_ATTRIBUTES, *FIXTURES])
 def test_documented(name: str) -> None:
-    assert name in _documented(), f"docs/plugin-services.md has no section '### `{name}`'"
+    assert name in _documented(), f"docs/plugins/services.md has no section '### `{name}`'"
 
 
 def test_nothing_documented_that_does_not_exist() -> None:
