@@ -137,9 +137,3 @@ def check_services_class(cls: type[ConnectorServices[Any]], where: str) -> None:
     if ("server_environment" in has) != bool(variables):
         raise PluginLoadError(f"{where}: server_environment and server_variables go together (the values of those variables)")
 
-
-def service_unavailable_reason(exc: BaseException) -> str:
-    """One line for a service that could not run."""
-    if isinstance(exc, ServiceUnavailable):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
