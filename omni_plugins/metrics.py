@@ -3,8 +3,11 @@
 The runtime reports through a small observer interface and never touches
 Prometheus itself: :meth:`StageMetrics.edge` returns an :class:`EdgeObserver`
 for one edge and direction, whose calls (:meth:`~EdgeObserver.started`,
-:meth:`~EdgeObserver.delivered`, :meth:`~EdgeObserver.failed`) update the
-series below. A runtime that has no metrics uses :data:`NO_OBSERVER`, which
+:meth:`~EdgeObserver.delivered`, :meth:`~EdgeObserver.failed`,
+:meth:`~EdgeObserver.ended`, :meth:`~EdgeObserver.handoff`) update the series
+below. A :class:`~omni_plugins.runtime.StageTransferRuntime` given
+``metrics=`` reports every put and get of its edges itself (see
+:mod:`omni_plugins.runtime.observe`). A runtime that has no metrics uses :data:`NO_OBSERVER`, which
 does nothing. Connector health is read when Prometheus scrapes
 (:meth:`StageMetrics.watch_connector`): every number in ``health()`` becomes a
 gauge, so a plugin's own fields show up with no code in the core.
@@ -15,7 +18,8 @@ Series (labels ``stage``, ``edge`` e.g. ``0->1``, ``connector``, ``direction``
 ==========================================  =========  ==================================================
 ``omni_payloads_total``                     counter    payloads handed over (sent / delivered)
 ``omni_payload_bytes_total``                counter    their bytes
-``omni_handoff_latency_seconds``            histogram  producer's put to consumer's hand-off (receive side)
+``omni_handoff_latency_seconds``            histogram  send: the model's hand-over to the put done; receive:
+                                                       producer's send to consumer's hand-off (``handoff()``)
 ``omni_transfer_failures_total``            counter    failed transfers, by ``reason``
 ``omni_requests_in_flight``                 gauge      requests started on the edge and not yet finished
 ``omni_connector_up``                       gauge      1 when ``health()["ok"]``, else 0 (labels stage, connector)
@@ -69,6 +73,12 @@ class EdgeObserver(Protocol):
     def failed(self, reason: str, *, finished: bool = True) -> None:
         """A transfer failed (``reason``: a short class such as ``timeout``, ``decode``, ``connector``)."""
 
+    def ended(self) -> None:
+        """A request stopped using this edge (no longer in flight) with no transfer outcome to report."""
+
+    def handoff(self, latency: float) -> None:
+        """One hand-off latency measured by whoever knows the producer's send time (the model), no payload counted."""
+
 
 class _NoObserver:
     def started(self) -> None:
@@ -78,6 +88,12 @@ class _NoObserver:
         pass
 
     def failed(self, reason: str, *, finished: bool = True) -> None:
+        pass
+
+    def ended(self) -> None:
+        pass
+
+    def handoff(self, latency: float) -> None:
         pass
 
 
@@ -111,6 +127,12 @@ class _Edge:
         self._failures.labels(*self._labels, reason).inc()
         if finished:
             self._in_flight.dec()
+
+    def ended(self) -> None:
+        self._in_flight.dec()
+
+    def handoff(self, latency: float) -> None:
+        self._latency.observe(max(0.0, latency))
 
 
 class StageMetrics:

@@ -273,7 +273,9 @@ class Sender:
             route = task.route
             result = route.connector.put(*route.edge, task.key, task.data)
             ok = bool(result.ok)
-            if not ok:
+            if ok:
+                route.observer.delivered(result.size, time.monotonic() - task.queued, finished=False)
+            else:
                 logger.warning("put of %s failed: %s", task.key, (result.metadata or {}).get("error", "backend refused"))
         except Exception as exc:  # retried: one line each, the traceback with -v (INFO)
             logger.warning("put of %s raised %s: %s", task.key, type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.INFO))
@@ -302,6 +304,7 @@ class Sender:
             logger.warning("re-queued %s (retry %d/%d)", task.key, task.attempts, self.max_retries)
             return []
         logger.error("giving up on %s after %d retries; request %s reported failed", task.key, self.max_retries, state.request_id)
+        task.route.observer.failed("put", finished=False)
         self.stats["dropped"] += 1
         self._registry.outbox.failed.add(state.request_id)
         return self._done(state)
