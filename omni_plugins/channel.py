@@ -66,18 +66,24 @@ class HandshakeError(OmniPluginsError):
         self.reason = reason
 
 
-def set_io_timeout(sock: socket.socket, seconds: float) -> None:
+def set_io_timeout(sock: socket.socket, seconds: float, *, receive: float | None = -1.0) -> None:
     """Make ``sock`` blocking, with every send/receive bounded by the kernel (``SO_SNDTIMEO``/``SO_RCVTIMEO``).
 
-    Not ``socket.settimeout``: Python then polls before every call, an extra
-    system call each way, a large part of a loopback round trip. A call that runs
-    out of time raises ``BlockingIOError`` (an ``OSError``).
+    ``receive`` bounds receives differently: None waits for ever (a reader thread that
+    something else wakes); the default, ``seconds`` too. Not ``socket.settimeout``: Python
+    then polls before every call, an extra system call each way, a large part of a
+    loopback round trip. A call that runs out of time raises ``BlockingIOError`` (an ``OSError``).
     """
     sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds if receive is not None and receive < 0 else receive))
+
+
+def _timeval(seconds: float | None) -> bytes:
+    if seconds is None:
+        return _TIMEVAL.pack(0, 0)  # no bound
     micros = max(1, round(seconds * 1e6))  # 0 would mean "forever"
-    value = _TIMEVAL.pack(micros // 1_000_000, micros % 1_000_000)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+    return _TIMEVAL.pack(micros // 1_000_000, micros % 1_000_000)
 
 
 class Channel:
