@@ -258,12 +258,13 @@ class StageConfig(_Strict):
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
-def split_host_port(address: str) -> tuple[str, int]:
-    """``host:port`` (``[v6]:port`` too) as ``(host, port)``; ``ValueError`` naming what is wrong."""
+def split_host_port(address: str, *, any_port: bool = False) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as ``(host, port)``; ``ValueError`` naming what is wrong. ``any_port``: port 0 too."""
     host, sep, port = address.strip().rpartition(":")
     host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port with a port from 1 to 65535, got {address!r}")
+    low = 0 if any_port else 1
+    if not sep or not host or not port.isdigit() or not low <= int(port) < 65536:
+        raise ValueError(f"expected host:port with a port from {low} to 65535, got {address!r}")
     return host, int(port)
 
 

@@ -256,7 +256,7 @@ class ControlServer:
         handshake_timeout: float = 10.0,
         max_pending: int = 16,
     ) -> None:
-        host, port = _split(address, "--serve")
+        host, port = _split(address, "--serve", any_port=True)
         try:
             self._listener = socket.create_server((host, port), backlog=16, reuse_port=False)
         except OSError as exc:
@@ -326,9 +326,9 @@ class ControlServer:
         self._on_join(link, hello)
 
 
-def _split(address: str, what: str) -> tuple[str, int]:
+def _split(address: str, what: str, *, any_port: bool = False) -> tuple[str, int]:
     try:
-        return split_host_port(address)
+        return split_host_port(address, any_port=any_port)
     except ValueError as exc:
         raise ConfigError(f"{what}: {exc}") from None
 

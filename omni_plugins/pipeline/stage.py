@@ -431,15 +431,15 @@ class StageRunner:
         leftover_ids = sorted(self.rt.debug_state().get("requests", {}))[:10]
         kv_tracked = sorted({rid for m in self.rt.kv_managers for rid in m.tracked_request_ids()})
         health = {instance: _health(c) for instance, c in self.rt.connectors.items()}
+        exposition = None
+        if self.metrics is not None:  # the final counts and health (the host's endpoint serves them after this process ended)
+            exposition = self.metrics.exposition().decode()
+            self.metrics.close()
         self.rt.shutdown()
         if self.tp is not None:
             import torch.distributed as dist
 
             dist.destroy_process_group()
-        exposition = None
-        if self.metrics is not None:  # the final counts: the host's endpoint keeps serving them after this process ended
-            exposition = self.metrics.exposition().decode()
-            self.metrics.close()
         self.post(
             "final",
             metrics=exposition,
