@@ -44,9 +44,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.parametrize("ending", ["exit", "crash"])
 def test_close_from_del_at_interpreter_shutdown_frees_the_namespace(namespace: str, ending: str) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(namespace=namespace), ending], capture_output=True, text=True, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(namespace=namespace), ending], capture_output=True, text=True, timeout=120)
     assert out.returncode == (1 if ending == "crash" else 0), out.stderr
     assert "Exception ignored" not in out.stderr, out.stderr
     assert namespace_segments(namespace) == []
