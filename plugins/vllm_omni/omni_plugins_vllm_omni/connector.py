@@ -126,9 +126,10 @@ class OmniPluginsConnector(OmniConnectorBase):  # type: ignore[misc]  # vLLM-Omn
                 log.warning("%s cleanup of %s failed (left to the backend's expiry): %s", CONNECTOR_NAME, backend_key, exc)
 
     def reap_consumed(self) -> None:
-        """Forget payloads other processes consumed (where the backend can tell)."""
+        """Forget payloads other processes consumed, where the backend can tell (a backend without an
+        existence check reports every key as possibly there: nothing is forgotten)."""
         keys = self._pending.snapshot()
-        if keys and self._backend.capabilities.wait_any:
+        if keys and not self._closed:
             self._pending.keep_only(keys, lambda ks: self._backend.wait_any(ks, 0.0))
 
     def health(self) -> dict[str, Any]:

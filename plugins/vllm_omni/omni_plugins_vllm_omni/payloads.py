@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from omni_plugins.errors import WireFormatError
+
 #: marks a payload holding ``OmniSerializer`` blobs (and a blob itself, inside one)
 ENVELOPE = "__omni_plugins_vllm_omni__"
 BLOB = "__omni_serializer__"
@@ -129,7 +131,10 @@ def _restore(obj: Any) -> Any:
         if len(obj) == 1 and isinstance(obj.get(BLOB), bytes):
             from vllm_omni.distributed.omni_connectors.utils.serialization import OmniSerializer
 
-            return OmniSerializer.deserialize(obj[BLOB])
+            try:
+                return OmniSerializer.deserialize(obj[BLOB])
+            except Exception as exc:  # untrusted bytes: whatever the decoder raises, the payload is corrupt
+                raise WireFormatError(f"payload: a part sent through vLLM-Omni's serializer does not decode: {exc}") from None
         return {k: _restore(v) for k, v in obj.items()}
     if isinstance(obj, list):
         return [_restore(v) for v in obj]
