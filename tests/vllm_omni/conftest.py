@@ -31,6 +31,15 @@ if HAVE_VLLM_OMNI:
     _stage = StageProcess()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_omni_plugins_loaded() -> None:
+    """The test process starts as a vLLM-Omni process does: its general plugins loaded (ours among them)."""
+    if HAVE_VLLM_OMNI:
+        from vllm_omni.plugins import load_omni_general_plugins
+
+        load_omni_general_plugins()
+
+
 @pytest.fixture(scope="session")
 def stage() -> Iterator[Any]:
     """The fresh vLLM-Omni stage process (see ``omni_plugins_vllm_omni.testing.StageProcess``)."""

@@ -30,12 +30,9 @@ from vllm_omni.distributed.omni_connectors.utils.initialization import (
     load_omni_transfer_config,
 )
 from vllm_omni.metrics import OrchestratorAggregator
-from vllm_omni.plugins import load_omni_general_plugins
 from vo_helpers import MIB, as_plain, backend_extra, deploy_config, engine_inputs, write_yaml
 
 from omni_plugins import create_connector
-
-load_omni_general_plugins()
 
 
 @pytest.fixture(params=["shm", "redis"])
