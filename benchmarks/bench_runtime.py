@@ -3,8 +3,7 @@ thread -> the chunk visible to ``recv_chunk`` on the consumer's model thread.
 
 Setup: ``--streams`` concurrent streaming requests (default 64), ``--chunks`` chunks
 each. A chunk's clock starts after its tensor was made (the model's output exists before the
-hand-off; until session 6 it started before, so every latency included a ``torch.ones``: ~5 us
-hot, up to ~130 us for the first chunk after a pause). The producer's model thread runs steps of ``--step-ms``; a stream emits a
+hand-off, so making it is not part of the latency). The producer's model thread runs steps of ``--step-ms``; a stream emits a
 chunk every ``--period`` steps. ``--pattern staggered`` (default) gives stream ``i``
 phase ``i % period``, as when requests reach their chunk boundaries at different
 tokens; ``--pattern burst`` makes every stream emit in the same step (``period``
@@ -26,9 +25,9 @@ Modes, measured in the same run, interleaved round by round:
   microseconds per chunk, which queue up in a burst (compare the two p50s).
 * ``noanticipate`` -- the runtime with ``RuntimeTuning(anticipate_s=0)``: the receive thread
   sleeps until each burst arrives instead of busy-polling from 1 ms before it is due
-  (``omni_plugins.runtime.rhythm``; session 7). Measured like ``runtime`` (no probes).
+  (``omni_plugins.runtime.rhythm``). Measured like ``runtime`` (no probes).
 * ``poll5ms``  -- the same runtime forced to a fixed 5 ms poll (the reference's behaviour).
-* ``park1``    -- the previous block mode (``RuntimeTuning(wait_any=False)``):
+* ``park1``    -- the park-one block mode (``RuntimeTuning(wait_any=False)``):
   sweeps plus a blocking ``get`` parked on the one predicted next key.
 * ``raw``      -- floor: one stream, ``connector.put`` in the producer, blocking
   ``connector.get`` in the consumer, no runtime.

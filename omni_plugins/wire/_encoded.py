@@ -14,7 +14,7 @@ _ZEROS = bytes(64)
 #: below this, memoryview assignment wins; above it torch's multi-threaded ``copy_``
 #: is faster (~9 GB/s against ~6 GB/s for one thread on an idle machine). On a loaded
 #: machine torch's thread pool costs milliseconds per call (1 MiB: 15.6 ms against
-#: 0.31 ms for a memoryview copy, measured here), so only large buffers take it.
+#: 0.31 ms for a memoryview copy), so only large buffers take it.
 TORCH_COPY_MIN = 32 * 1024 * 1024
 
 

@@ -1,10 +1,9 @@
 """``omni-plugins run``'s stage loop reads a finished stream from the runtime's cache.
 
-The race (found by the bounded soak over Redis in session 6, fixed then, pinned
-here deterministically): a stream's last chunk lands between the stage's
+The race, pinned here deterministically: a stream's last chunk lands between the stage's
 ``recv_chunk()`` and its ``collect_signals()``. The signals then say the stream
 finished while the ``recv_chunk()`` result still lacks that chunk; a stage that
-took the payload from that result checked an incomplete input and waited
+took the payload from that result would check an incomplete input and wait
 forever for a step that had already arrived. Unit level: a scripted runtime
 injects the late chunk at exactly that point.
 """

@@ -246,7 +246,7 @@ def _read_frame(s: socket.socket) -> bytes | None:
 
 
 def _client_handshake(s: socket.socket, secret: bytes) -> bytes:
-    """The handshake as docs/mooncake.md writes it (independent of the module's code); returns the verdict body."""
+    """The handshake as docs/backends/mooncake.md writes it (independent of the module's code); returns the verdict body."""
     challenge = _read_frame(s)
     assert challenge is not None and challenge[:2] == b"\x10\x02" and len(challenge) == 34
     ns, nc = challenge[2:], os.urandom(32)

@@ -190,7 +190,7 @@ def test_put_obj_encodes_through_the_c_api(namespace: str) -> None:
 
 def test_a_table_that_cannot_be_set_up_is_not_left_behind(namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A C extension older than the Python module (no ``slot_take_or_wait``): construction fails with the error and
-    the table, its lock and the rest of the namespace are gone (an earlier version left the table file)."""
+    the table, its lock and the rest of the namespace are gone."""
     real = wakeslots._futex
 
     class Older:

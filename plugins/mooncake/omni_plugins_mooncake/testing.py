@@ -14,7 +14,7 @@ metadata server stays off). The process is stopped by pid, never by name.
 
 Mooncake's TransferEngine (inside every store client and ``mooncake-te``
 connector) binds its handshake port on ``0.0.0.0`` and its TCP data port on
-``::`` whatever the settings (see docs/mooncake.md). To keep a test or a
+``::`` whatever the settings (see docs/operations/security.md). To keep a test or a
 single-host pipeline unreachable from other hosts anyway, run it in a private
 network namespace that only has loopback: :func:`loopback_namespace_command`.
 """

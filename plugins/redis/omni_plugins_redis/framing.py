@@ -1,8 +1,7 @@
 """Hand-built RESP2 framing: vectored writes of big values and reads into caller memory.
 
 Why not redis-py's packer: hiredis's packer copies every memoryview into
-bytes first and spends most of a 64 MiB ``SET`` doing so (see
-``shared/docs/backends.md``). Here a command is a list of buffers: the small
+bytes first and spends most of a 64 MiB ``SET`` doing so. Here a command is a list of buffers: the small
 framing is joined into one ``bytes`` and each large value buffer is passed
 through untouched to ``sendmsg`` (one kernel copy, no Python copy).
 
