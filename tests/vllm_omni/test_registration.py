@@ -49,6 +49,7 @@ def test_a_name_taken_by_another_plugin_is_left_to_it(monkeypatch: pytest.Monkey
     registry = {k: v for k, v in OmniConnectorFactory._registry.items() if k != CONNECTOR_NAME}
     registry[CONNECTOR_NAME] = other
     monkeypatch.setattr(OmniConnectorFactory, "_registry", registry)
+    monkeypatch.setattr("omni_plugins_vllm_omni.register._registered", False)  # as in a process where the other plugin came first
     with caplog.at_level(logging.WARNING, logger="omni_plugins_vllm_omni"):
         register()
     assert OmniConnectorFactory._registry[CONNECTOR_NAME] is other

@@ -17,6 +17,7 @@ from omni_plugins_vllm_omni import CONNECTOR_NAME
 log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
+_registered = False  # by this process (a forked child inherits its parent's registration and this flag)
 
 
 def create(config: dict[str, Any]) -> Any:
@@ -28,14 +29,13 @@ def create(config: dict[str, Any]) -> Any:
 
 def register() -> None:
     """Register :data:`CONNECTOR_NAME` unless it is registered already. Safe to call any number of times."""
+    global _registered
     from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
 
     with _lock:
         if CONNECTOR_NAME in OmniConnectorFactory.list_registered_connectors():
-            owner = OmniConnectorFactory._registry.get(CONNECTOR_NAME)
-            if owner is not create:
-                log.warning(
-                    "vLLM-Omni connector name %r is registered by %r already; omni-plugins did not register it", CONNECTOR_NAME, owner
-                )
+            if not _registered:
+                log.warning("vLLM-Omni connector name %r is registered by another plugin; omni-plugins did not register it", CONNECTOR_NAME)
             return
         OmniConnectorFactory.register_connector(CONNECTOR_NAME, create)
+        _registered = True
