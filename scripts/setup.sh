@@ -111,7 +111,7 @@ install_all() {
   apt_packages
   venv
   say "installing omni-plugins, every plugin and the dev tools"
-  pip_install "$TORCH_PIN" -e "$ROOT[dev,plot,docs]" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake[cpu]" \
+  pip_install "$TORCH_PIN" -e "$ROOT[dev,plot,docs,metrics]" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake[cpu]" \
     -e "$ROOT/plugins/vllm_omni"
   byte_compile
 }

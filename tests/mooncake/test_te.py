@@ -325,6 +325,42 @@ def test_rendezvous_without_configuration_works_for_the_user_only(tmp_path: Path
     assert list(rdv.glob("*.peer")) == []  # removed on close
 
 
+def test_processes_on_one_host_find_each_other_with_no_configuration() -> None:
+    """No peers, no secret, no rendezvous_dir: a consumer process reads from a producer process (the private default directory)."""
+    key = f"noconfig-{uuid.uuid4().hex}"
+    child, address, done, report = _start_producer({}, key)
+    try:
+        with create_connector(TE, {}) as consumer:
+            assert address in consumer.health()["peers"]
+            _assert_payload(consumer.get(0, 1, key, timeout=10), key)
+    finally:
+        result = _stop_producer(child, done, report)
+    assert result["health"]["staged"] == 0 and result["health"]["control_secret"] == "generated"
+
+
+def test_default_rendezvous_is_private_per_user_and_network_namespace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from omni_plugins_mooncake.te.discovery import default_rendezvous_dir, resolve_rendezvous_dir
+
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    path = default_rendezvous_dir()
+    assert path == tmp_path / f"omni-plugins-{os.getuid()}" / "mooncake-te" / f"net-{os.stat('/proc/self/ns/net').st_ino}"
+    assert stat.S_IMODE((tmp_path / f"omni-plugins-{os.getuid()}").stat().st_mode) == 0o700
+    assert resolve_rendezvous_dir("auto") == path and resolve_rendezvous_dir(None) is None
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert default_rendezvous_dir().parent.parent == runtime / "omni-plugins"
+    squatted = tmp_path / "squat"
+    squatted.mkdir()
+    (squatted / f"omni-plugins-{os.getuid()}").mkdir(mode=0o777)
+    os.chmod(squatted / f"omni-plugins-{os.getuid()}", 0o777)
+    monkeypatch.delenv("XDG_RUNTIME_DIR")
+    monkeypatch.setattr("tempfile.tempdir", str(squatted))
+    with pytest.raises(ConnectorError, match="private to this user"):
+        default_rendezvous_dir()
+
+
 def test_secret_stays_out_of_config_text_and_health(producer: Connector) -> None:
     with create_connector(TE, {"secret": SECRET, "peers": [producer.address]}) as conn:  # type: ignore[attr-defined]
         texts = [repr(conn.config), str(conn.config), conn.config.model_dump_json(), repr(conn.health()), repr(conn)]

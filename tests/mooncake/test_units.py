@@ -723,3 +723,50 @@ def test_registrations_are_counted_and_a_failure_undoes_the_batch() -> None:
     assert len(regs) == 1 and calls[-1] == ("unreg", 2)
     regs.release([(1, 10)])
     assert len(regs) == 0 and calls[-1] == ("unreg", 1)
+
+
+# -- cross-host discovery: the roster on the metadata server ---------------------------------------------
+def test_metadata_server_discovery_needs_a_secret_and_an_http_url() -> None:
+    with pytest.raises(ValueError, match="configured secret"):
+        MooncakeTEConfig.model_validate({"metadata_server": "http://10.0.0.1:8080/metadata"})
+    with pytest.raises(ValueError, match="HTTP metadata server"):
+        MooncakeTEConfig.model_validate({"metadata_server": "etcd://10.0.0.1:2379", "secret": "s" * 20})
+    for off in ("P2PHANDSHAKE", "", None):
+        assert MooncakeTEConfig.model_validate({"metadata_server": off}).metadata_server is None
+    with pytest.raises(ValueError, match="discovery_group"):
+        MooncakeTEConfig.model_validate({"discovery_group": "../x"})
+
+
+def test_roster_entries_from_the_server_are_untrusted() -> None:
+    from omni_plugins_mooncake.te.roster import _parse
+
+    assert _parse(b"\xff") == {} and _parse(b"[1]") == {} and _parse(b'{"peers": [1]}') == {}
+    got = _parse(b'{"v": 1, "peers": {"10.0.0.1:7": 5, "10.0.0.2:7": "x", "10.0.0.3:7": true, "10.0.0.4:7": 2.5}}')
+    assert got == {"10.0.0.1:7": 5.0, "10.0.0.4:7": 2.5}
+
+
+def test_roster_read_modify_write_and_expiry(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omni_plugins_mooncake.te.roster import MetadataRoster
+
+    store: dict[str, bytes] = {}
+    now = [1000.0]
+    roster = MetadataRoster("http://127.0.0.1:1/metadata", "g", ttl=30, clock=lambda: now[0])
+
+    def fake(method: str, body: bytes | None = None) -> bytes | None:
+        if method == "PUT":
+            store[roster.key] = body or b""
+        elif method == "DELETE":
+            store.pop(roster.key, None)
+        return store.get(roster.key) if method == "GET" else b"ok"
+
+    monkeypatch.setattr(roster, "_request", fake)
+    roster.announce("10.0.0.1:7")
+    roster.announce("10.0.0.2:7")
+    assert roster.read() == {"10.0.0.1:7": 1030.0, "10.0.0.2:7": 1030.0}
+    now[0] = 1020.0
+    roster.announce("10.0.0.2:7")  # renewed
+    now[0] = 1040.0
+    assert list(roster.cached()) == ["10.0.0.2:7"] and list(roster.read()) == ["10.0.0.2:7"]  # the other expired
+    roster.withdraw("10.0.0.2:7")
+    assert roster.key not in store  # the last one out deletes the roster
+    assert roster.key == "omni-plugins/mooncake-te/g/roster"
