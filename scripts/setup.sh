@@ -202,10 +202,10 @@ case "$MODE" in
       exit
     fi
     status=0
-    run_pytest || status=$?  # tests/vllm_omni: its unit tests run here, the integration tests skip
+    run_pytest || status=$?  # plugins/vllm_omni/tests: its unit tests run here, the integration tests skip
     install_vllm_omni
     # --tb=short: pytest's long tracebacks fail to render (AST recursion error) in frames of vLLM's modules
-    pytest_in "$VLLM_VENV" --tb=short tests/vllm_omni || status=$?
+    pytest_in "$VLLM_VENV" --tb=short plugins/vllm_omni/tests || status=$?
     exit "$status"
     ;;
   vllm-omni)
@@ -214,7 +214,7 @@ case "$MODE" in
     cd "$ROOT"
     export OMNI_REQUIRE_NATIVE=1
     install_vllm_omni
-    pytest_in "$VLLM_VENV" --tb=short "${@:-tests/vllm_omni}"
+    pytest_in "$VLLM_VENV" --tb=short "${@:-plugins/vllm_omni/tests}"
     ;;
   env)
     install_all

@@ -17,11 +17,14 @@ from vllm_omni.distributed.omni_connectors.utils.initialization import (
     load_omni_transfer_config,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "vllm-omni" / "qwen3_omni_moe.yaml"
+from omni_plugins.services import services_for
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "vllm-omni" / "qwen3_omni_moe.yaml"
 
 
 def test_the_example_switches_the_thinker_talker_edge_to_omni_plugins_redis(redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("OMNI_REDIS_URL", redis_server.url)
+    for variable, value in services_for("redis").server_environment(redis_server).items():  # OMNI_REDIS_URL, credentials included
+        monkeypatch.setenv(variable, value)
     transfer = load_omni_transfer_config(EXAMPLE)
     assert transfer is not None
     specs = transfer.connectors

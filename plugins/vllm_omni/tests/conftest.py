@@ -1,4 +1,4 @@
-"""Fixtures of the vLLM-Omni integration tests (run in the integration venv: ``bash scripts/setup.sh vllm-omni``).
+"""Fixtures of the plugin's tests; the integration tests run in the integration venv (``bash scripts/setup.sh vllm-omni``).
 
 Without vLLM-Omni installed only the unit tests here run; the others skip. With it, one fresh
 vLLM-Omni stage process is started as soon as this file is imported, so its ~20 s import overlaps
@@ -60,11 +60,9 @@ def namespace() -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def redis_server() -> Iterator[Any]:
-    from omni_plugins_redis.testing import RedisServer
-
-    with RedisServer() as server:
-        yield server
+def redis_server(omni_server: Any) -> Any:
+    """The Redis plugin's private server (its ``start_server`` service; stopped and checked by ``omni_server``)."""
+    return omni_server("redis")
 
 
 @pytest.fixture
