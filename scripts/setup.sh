@@ -131,11 +131,11 @@ pytest_in() {
   local venv="$1"
   shift
   if netns_usable; then
-    say "pytest $* (in a loopback-only network namespace)"
+    say "pytest${*:+ $*} (in a loopback-only network namespace)"
     unshare --user --map-root-user --net sh -c 'ip link set lo up && OMNI_TEST_NETNS=confined exec "$@"' \
       sh "$venv/bin/python" -m pytest -q --durations=25 "$@"
   else
-    say "pytest $*"
+    say "pytest${*:+ $*}"
     "$venv/bin/python" -m pytest -q --durations=25 "$@"
   fi
 }
