@@ -27,9 +27,9 @@ class _Connector:
 
 
 def _runner(health: dict[str, Any]) -> Any:
-    rt = SimpleNamespace(connector=_Connector(health), shutdown_calls=0)
+    rt = SimpleNamespace(connectors={"c": _Connector(health)}, shutdown_calls=0)
     rt.shutdown = lambda: setattr(rt, "shutdown_calls", rt.shutdown_calls + 1)
-    return SimpleNamespace(rt=rt, me=SimpleNamespace(connector="c"))
+    return SimpleNamespace(rt=rt)
 
 
 def test_a_failed_health_check_stops_the_stage() -> None:

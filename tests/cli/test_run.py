@@ -65,7 +65,7 @@ def test_synthetic_schema_errors_name_file_stage_field(synthetic: str, receiver_
 def test_plan_is_the_chain_in_order() -> None:
     plan = _plan(BASE % ("{steps: 3, outputs: [{name: a.b, shape: [1, 2]}]}", "true"))
     assert [s.stage_id for s in plan.stages] == [0, 1]
-    assert plan.first.downstream == 1 and plan.last.upstream == 0 and plan.last.connector == "c"
+    assert plan.first.downstreams == (1,) and plan.last.upstreams == (0,) and plan.last.inputs[0].connector == "c"
 
 
 def _payload(rid: str, steps: list[int], plan, *, corrupt: bool = False) -> dict:  # type: ignore[no-untyped-def]
@@ -84,7 +84,7 @@ def _payload(rid: str, steps: list[int], plan, *, corrupt: bool = False) -> dict
 def test_input_check_accepts_exact_and_flags_corruption_loss_and_dtype() -> None:
     plan = _plan(BASE % ("{steps: 3, outputs: [{name: a.b, shape: [1, 2]}]}", "true"))
     stats = EdgeStats("e")
-    check = InputCheck(plan.first, merged=True, stats=stats)
+    check = InputCheck(plan.first, to_stage=1, merged=True, stats=stats)
     assert check.check("r", _payload("r", [0, 1], plan), 0) == 2
     assert check.check("r", _payload("r", [0, 1, 2], plan), 2) == 3  # merged: only row 2 is new
     assert stats.payloads == 3 and stats.mismatches == 0
