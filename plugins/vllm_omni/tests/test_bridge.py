@@ -124,6 +124,6 @@ def test_an_omni_plugins_pipeline_runs_over_vllm_omnis_shared_memory_connector(t
     assert result["ok"] and result["completed"] == 6 and result["mismatches"] == 0 and not result["lost"]
     edges = {edge["edge"]: edge["payloads"] for edge in result["edges"]}
     assert edges == {"0->1 link (stream)": 6 * 8, "0->1 link (KV)": 6}  # 8 chunks and one KV cache per request
-    sender, receiver = (stage["health"]["vllm_omni_health"] for stage in result["stages"])
+    sender, receiver = (stage["health"]["link"]["vllm_omni_health"] for stage in result["stages"])
     assert sender["puts"] == receiver["gets"] == 6 * 8 + 6  # every payload went through vLLM-Omni's connector
     assert set(_vllm_omni_shm_files("req-")) - before == set()  # every segment and lock file consumed
