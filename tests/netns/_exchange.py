@@ -76,9 +76,7 @@ def exchange(
                 role, kind, *rest = event
                 if kind == "ready" and role == "producer":
                     config = c_cfg(rest[0]) if callable(c_cfg) else c_cfg
-                    cons = c_host.process(
-                        ctx, _workers.consume, "consumer", name, config, c_host.address, keys, get_timeout, patience, events
-                    )
+                    cons = c_host.process(ctx, _workers.consume, "consumer", name, config, c_host.address, keys, get_timeout, patience, events)
                     cons.start()
                 elif kind in ("putting", "getting"):
                     out.running[role] = f"{kind} {rest[0]}"
@@ -101,7 +99,9 @@ def exchange(
                     out.closed.add(role)
                 elif kind == "closed":
                     out.closed.add(role)
-            while todo and (len(out.puts) >= todo[0][0] if isinstance(todo[0][0], int) else time.monotonic() - last_fault >= todo[0][0]):
+            while todo and (
+                len(out.puts) >= todo[0][0] if isinstance(todo[0][0], int) else time.monotonic() - last_fault >= todo[0][0]
+            ):
                 todo.pop(0)[1]()
                 last_fault = time.monotonic()
             while pending and (produced or len(pending) > lag):

@@ -71,9 +71,7 @@ def produce(
         events.put((role, "closed"))
 
 
-def consume(
-    role: str, name: str, config: dict[str, Any], address: str, keys: Any, get_timeout: float, patience: float, events: Any
-) -> None:
+def consume(role: str, name: str, config: dict[str, Any], address: str, keys: Any, get_timeout: float, patience: float, events: Any) -> None:
     """Get each ``(key, digest)`` handed over ``keys`` (None ends), retrying a failed or empty get for ``patience`` s."""
     try:
         conn = _connector(name, config, address)

@@ -28,12 +28,7 @@ def _configs(name: str, net: TestNetwork, request: pytest.FixtureRequest, **tigh
     a, b = net.host("a"), net.host("b")
     if name == "redis":
         redis: Service = request.getfixturevalue("redis_on_c")
-        cfg = {
-            "url": f"redis://{redis.address}/0",
-            "password": redis.extra["password"],
-            "key_prefix": f"net-{uuid.uuid4().hex[:8]}:",
-            **tight,
-        }
+        cfg = {"url": f"redis://{redis.address}/0", "password": redis.extra["password"], "key_prefix": f"net-{uuid.uuid4().hex[:8]}:", **tight}
         return cfg, cfg
     master: Service = request.getfixturevalue("master_on_c")
     if name == "mooncake-store":
