@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from omni_plugins.backoff import Backoff
 from omni_plugins.config import RankMapping
 from omni_plugins.contract import Connector, PutResult
 from omni_plugins.errors import ConfigError, ConnectorClosedError, ConnectorError, OmniPluginsError, WireFormatError
@@ -40,7 +41,9 @@ logger = logging.getLogger(__name__)
 KV_CHUNK = 0
 """Chunk index used in every KV key (a request's KV moves as one chunk)."""
 
+#: first wait before retrying a failed KV put; doubles per attempt up to ``_PUT_BACKOFF_MAX_S``
 _PUT_BACKOFF_S = 0.05
+_PUT_BACKOFF_MAX_S = 1.0
 #: first wait after a failed KV read; doubles per failure up to ``_GET_BACKOFF_MAX_S``, never past the receive's deadline
 _GET_BACKOFF_S = 0.002
 _GET_BACKOFF_MAX_S = 0.05
@@ -282,6 +285,7 @@ class KVTransferManager:
         return True
 
     def _put_one(self, connector: Connector, key: str, payload: KVPayload) -> bool:
+        backoff = Backoff(_PUT_BACKOFF_S, _PUT_BACKOFF_MAX_S)
         for attempt in range(1, self._put_attempts + 1):
             try:
                 result: PutResult = connector.put(self.stage_id, self.to_stage, key, payload)
@@ -296,7 +300,7 @@ class KVTransferManager:
                 reason = f"{type(exc).__name__}: {exc}"
             if attempt < self._put_attempts:
                 logger.warning("KV put %s failed (attempt %d/%d): %s; retrying", key, attempt, self._put_attempts, reason)
-                time.sleep(_PUT_BACKOFF_S * 2 ** (attempt - 1))
+                backoff.sleep()
             else:
                 logger.error("KV put %s failed after %d attempts: %s", key, attempt, reason)
         return False
@@ -403,21 +407,18 @@ class KVTransferManager:
         retrying cannot mend (a closed connector, an undecodable or malformed
         shard) raise.
         """
-        backoff = _GET_BACKOFF_S
+        backoff = Backoff(_GET_BACKOFF_S, _GET_BACKOFF_MAX_S, deadline)
         failures = 0
         while True:
             try:
-                result = connector.get(self.from_stage, self.stage_id, key, timeout=max(0.0, deadline - time.monotonic()))
+                result = connector.get(self.from_stage, self.stage_id, key, timeout=backoff.remaining())
             except ConnectorError as exc:
                 failures += 1
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if failures == 1 and backoff.remaining() > 0:
+                    logger.warning("KV receive: read of %s failed (%s); retrying until the deadline", key, exc)
+                if not backoff.sleep():
                     logger.warning("KV receive: read of %s failed %d time(s) before the deadline, last: %s", key, failures, exc)
                     return None
-                if failures == 1:
-                    logger.warning("KV receive: read of %s failed (%s); retrying until the deadline", key, exc)
-                time.sleep(min(backoff, remaining))
-                backoff = min(backoff * 2, _GET_BACKOFF_MAX_S)
                 continue
             if result is None:
                 return None

@@ -14,11 +14,11 @@ import logging
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from omni_plugins.pipeline.report import RunReport, edge_summary
 from omni_plugins.pipeline.spec import PipelinePlan
 from omni_plugins.pipeline.stage import StageLaunch, stage_main
 from omni_plugins.pipeline.stats import EdgeStats
+from omni_plugins.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +44,6 @@ class RunOptions:
     stop_timeout_s: float = 60.0  # every stage reported its final state
     progress: bool = True
     log_level: int = logging.WARNING
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def exit_reason(code: int | None) -> str:
@@ -118,16 +113,20 @@ class _Interrupts:
             signal.signal(signal.SIGINT, self._previous)
 
 
-def _stage_context() -> Any:
-    """How stage processes start: ``forkserver`` with torch and the stage module preloaded (see :mod:`omni_plugins.forkserver`)."""
-    return preloaded_context(["torch", "omni_plugins.pipeline.stage", "omni_plugins.runtime", "omni_plugins.wire"])
+def _stage_context(connectors: Iterable[str] = ()) -> Any:
+    """How stage processes start: ``forkserver`` with torch, the stage module and the ``connectors``' plugins' preload
+    modules imported once (see :mod:`omni_plugins.forkserver`)."""
+    from omni_plugins.services import preload_modules
+
+    core = ["torch", "omni_plugins.pipeline.stage", "omni_plugins.runtime", "omni_plugins.wire"]
+    return preloaded_context([*core, *preload_modules(connectors)])
 
 
 class Orchestrator:
     def __init__(self, plan: PipelinePlan, options: RunOptions) -> None:
         self.plan = plan
         self.opts = options
-        self.ctx = _stage_context()
+        self.ctx = _stage_context(c.name for c in plan.config.connectors.values())
         self.results: Any = self.ctx.Queue()
         self.inboxes: dict[int, Any] = {s.stage_id: self.ctx.Queue() for s in plan.stages}
         self.procs: list[_Proc] = []
@@ -145,7 +144,7 @@ class Orchestrator:
         start_shielded(self.ctx)
         data = self.plan.config.model_dump(mode="python")
         for sp in self.plan.stages:
-            port = _free_port() if sp.stage.tp_size > 1 else None
+            port = free_port() if sp.stage.tp_size > 1 else None
             for rank in range(sp.stage.tp_size):
                 launch = StageLaunch(data, self.plan.filename, sp.stage_id, rank, port, self.opts.log_level)
                 inbox = self.inboxes[sp.stage_id] if rank == 0 else None

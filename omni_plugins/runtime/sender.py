@@ -79,12 +79,8 @@ class Sender:
         self._thread.start()
 
     # -- model thread ---------------------------------------------------------
-    def enqueue(self, state: RequestState, key: str, data: Any) -> None:
-        with self._lock:
-            self.enqueue_locked(state, key, data)
-
     def enqueue_locked(self, state: RequestState, key: str, data: Any, *, hand_over: bool = False) -> Any:
-        """:meth:`enqueue` with the registry lock already held.
+        """Queue ``data`` under ``key`` for ``state``'s request; the caller holds the registry lock.
 
         ``hand_over``: also claim the hand-over slot for this task when a
         hand-over is due (see :meth:`hand_over`); returns the signal to pass

@@ -224,7 +224,7 @@ class TestHost:
 
     def free_port(self) -> int:
         """A TCP port free on this host now."""
-        out = self.run([sys.executable, "-c", "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])"])
+        out = self.run([sys.executable, "-c", "from omni_plugins.ports import free_port; print(free_port(''))"])
         return int(out.stdout.strip())
 
 

@@ -78,11 +78,6 @@ class Encoded:
     def __len__(self) -> int:
         return self.nbytes
 
-    @property
-    def header_nbytes(self) -> int:
-        """Bytes before the first buffer (prefix, header and padding)."""
-        return len(self._head)
-
     def buffers(self) -> list[memoryview]:
         """Flat uint8 views whose concatenation equals :meth:`to_bytes` (for vectored writes).
 

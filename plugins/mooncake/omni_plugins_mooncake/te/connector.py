@@ -24,9 +24,9 @@ import time
 from typing import Any
 
 from omni_plugins import wire
+from omni_plugins.backoff import poll
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorError, WireFormatError
-from omni_plugins_mooncake._backoff import poll
 from omni_plugins_mooncake._env import prepare_environment
 from omni_plugins_mooncake._import import import_mooncake
 from omni_plugins_mooncake.config import MooncakeTEConfig

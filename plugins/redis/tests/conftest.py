@@ -1,6 +1,8 @@
 """Fixtures for the Redis connector tests: private servers on free loopback ports.
 
-Shared servers are session-scoped (a cluster costs ~1 s to build); every
+The shared server is the plugin's own (``omni_server("redis")``, its ``start_server`` service);
+clusters come from :mod:`omni_plugins_redis.testing`. Shared servers are session-scoped (a cluster
+costs ~1 s to build); every
 fixture that owns a server asserts at teardown that no key under the test
 prefix is left behind, and the session asserts that no redis-server it
 started is still running.
@@ -8,7 +10,7 @@ started is still running.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
@@ -50,11 +52,11 @@ def prefix() -> str:
 
 
 @pytest.fixture(scope="session")
-def redis_server() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        _track(server)
-        yield server
-        assert server.keys(PREFIX + "*") == [], "keys left behind on the shared server"
+def redis_server(omni_server: Callable[[str], RedisServer]) -> Iterator[RedisServer]:
+    """The plugin's private server (its ``start_server`` service, through omni-plugins' ``omni_server`` fixture)."""
+    server = omni_server("redis")  # the fixture checks it stops by pid
+    yield server
+    assert server.keys(PREFIX + "*") == [], "keys left behind on the shared server"
 
 
 @pytest.fixture(scope="session")

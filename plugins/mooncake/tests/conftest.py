@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
@@ -37,14 +37,13 @@ def _assert_gone(pids: list[int]) -> None:
 
 
 @pytest.fixture(scope="session")
-def master() -> Iterator[MooncakeMaster]:
-    """One master shared by the session's tests (tests that kill it use ``own_master``)."""
-    with MooncakeMaster() as m:
-        yield m
-        assert m.pid is not None, "a test stopped the shared master"
-        leftover = count_objects(m)
-        assert leftover == 0, f"{leftover} store objects left on the shared master"
-    _assert_gone(m.launched_pids)
+def master(omni_server: Callable[[str], MooncakeMaster]) -> Iterator[MooncakeMaster]:
+    """One master shared by the session's tests: the plugin's private server (``omni_server``); tests that kill one use ``own_master``."""
+    m = omni_server("mooncake-store")
+    yield m
+    assert m.pid is not None, "a test stopped the shared master"
+    leftover = count_objects(m)
+    assert leftover == 0, f"{leftover} store objects left on the shared master"
 
 
 @pytest.fixture
