@@ -368,6 +368,11 @@ class TestNetwork:
         finally:
             self.heal(host)
 
+    @property
+    def forwarder_pid(self) -> int | None:
+        """The pid of the process that carries every packet of this network (None once closed)."""
+        return self._forwarder.pid if self._forwarder is not None else None
+
     def link_stats(self) -> dict[str, dict[str, int]]:
         """Packet counters per link, by address (the hosts' and :attr:`gateway`), as the forwarder keeps them.
 
@@ -424,6 +429,10 @@ class _Forwarder:
         self._replies = b""
         self.call({"op": "stats"})  # answered once the forwarding loop runs
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def call(self, command: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             try:
@@ -437,10 +446,11 @@ class _Forwarder:
 
     def _reply_line(self) -> bytes:
         out = self._proc.stdout.fileno()  # type: ignore[union-attr]
+        poller = select.poll()  # not select(): a busy test process may hold descriptors above 1024
+        poller.register(out, select.POLLIN)
         deadline = time.monotonic() + self._timeout
         while b"\n" not in self._replies:
-            ready, _, _ = select.select([out], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
+            if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
                 raise TestHostsUnavailable(f"the test network's forwarder did not answer within {self._timeout} s")
             data = os.read(out, 65536)
             if not data:

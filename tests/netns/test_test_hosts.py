@@ -86,7 +86,7 @@ def test_close_stops_every_process_and_removes_every_link() -> None:
         pytest.skip(reason)
     net = TestNetwork(2)
     sleeper = net.hosts[0].popen(["sleep", "600"])
-    pids = [h._holder.pid for h in net.hosts] + [net._forwarder._proc.pid]  # type: ignore[union-attr]
+    pids = [h._holder.pid for h in net.hosts] + [net.forwarder_pid]
     assert net.leftovers()
     net.close()
     assert sleeper.poll() is not None
@@ -241,7 +241,7 @@ MAKER = """
 import json, time
 from omni_plugins.testing.netns import TestNetwork
 net = TestNetwork(2)
-pids = [h._holder.pid for h in net.hosts] + [net._forwarder._proc.pid]
+pids = [h._holder.pid for h in net.hosts] + [net.forwarder_pid]
 print(json.dumps({"pids": pids, "links": net.leftovers()}), flush=True)
 time.sleep(600)
 """
