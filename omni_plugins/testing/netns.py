@@ -427,7 +427,11 @@ class _Forwarder:
         self._timeout = timeout
         self._lock = threading.Lock()  # one command and its reply at a time
         self._replies = b""
-        self.call({"op": "stats"})  # answered once the forwarding loop runs
+        try:
+            self.call({"op": "stats"})  # answered once the forwarding loop runs
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def pid(self) -> int:
