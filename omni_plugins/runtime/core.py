@@ -223,6 +223,7 @@ class StageTransferRuntime:
                 retry_backoff_s=self.tuning.retry_backoff_s,
                 handoff_s=self.tuning.send_handoff_s,
                 name=f"omni-send-{tag}",
+                cleanup_backlog=self._cleanup_backlog,
             )
         if self._inputs and self.is_data_transfer_rank():
             by_connector: dict[int, list[InputRoute]] = {}

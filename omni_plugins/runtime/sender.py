@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from omni_plugins.contract import Connector
+from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.routes import OutputRoute
 from omni_plugins.runtime.state import RequestRegistry, RequestState, SendTask
 from omni_plugins.runtime.threads import thread_cpu_seconds
@@ -53,9 +54,12 @@ class Sender:
         retry_backoff_s: float = 0.002,
         handoff_s: float = 0.0,
         name: str = "omni-send",
+        cleanup_backlog: CleanupBacklog | None = None,
     ) -> None:
         self._routes = tuple(routes)
         self._registry = registry
+        #: keys of aborted requests whose cleanup failed (a backend down), retried at shutdown
+        self._backlog = cleanup_backlog if cleanup_backlog is not None else CleanupBacklog()
         self.max_retries = max_retries
         self._backoff = retry_backoff_s
         self._lock = registry.lock  # entered directly: ``with`` on the Condition adds a Python frame per hold
@@ -138,14 +142,16 @@ class Sender:
         return state.in_flight
 
     def purge(self, keys: list[tuple[Connector, str]]) -> None:
-        """Free keys of an aborted request (those already consumed are simply absent)."""
+        """Free keys of an aborted request (those already consumed are simply absent); one whose cleanup
+        fails (the backend unreachable) is kept for the retry at shutdown."""
         for connector, key in keys:
             if connector.closed:
                 continue
             try:
                 connector.cleanup(key)
             except Exception:
-                logger.debug("cleanup of %s failed", key, exc_info=True)
+                logger.debug("cleanup of %s failed; kept for a retry at shutdown", key, exc_info=True)
+                self._backlog.keep(connector, key)
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no task is queued or in flight (tests, orderly shutdown)."""

@@ -19,6 +19,7 @@ import pytest
 from omni_plugins.ports import free_port
 
 SECRET = "loopback-hosts-secret-0123456789"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _pipeline(tmp_path: Path, net: dict[str, Any], *, steps: int = 4, step_ms: int = 0, placement: str = "") -> Path:
@@ -60,39 +61,46 @@ def _keys(server: Any, prefix: str) -> list[bytes]:
     return list(server.keys(f"{prefix}*")) if hasattr(server, "keys") else []
 
 
-def _start(path: Path, *args: str, session: bool = False) -> subprocess.Popen[str]:
-    env = {**os.environ, "OMNI_CONTROL_SECRET": SECRET}
+def _start(path: Path, *args: str, session: bool = False, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    env = {**os.environ, **(env or {}), "OMNI_CONTROL_SECRET": SECRET}
     cmd = [sys.executable, "-m", "omni_plugins", "run", str(path), "--no-progress", *args]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=session)
 
 
-def test_two_machines_run_one_pipeline_with_a_placement(tmp_path: Path, redis_net: tuple[dict[str, Any], Any]) -> None:
-    net, server = redis_net
+def test_the_two_machine_example_runs_as_its_comment_says(tmp_path: Path, omni_server: Any) -> None:
+    """examples/pipeline-hosts.yaml, both commands of its comment, with loopback for the two machines' addresses."""
+    from omni_plugins_shm.testing import assert_namespace_empty
+
+    pytest.importorskip("omni_plugins_redis")
+    server = omni_server("redis")
+    net = server.connector_config()
     control = f"127.0.0.1:{free_port()}"
-    placement = f"""
-    placement:
-      control: "{control}"
-      hosts:
-        a: [0]
-        b: [1, 2]
-    """
-    path = _pipeline(tmp_path, net, placement=placement)
-    a = _start(path, "--host", "a", "-n", "6", "-c", "3", "--report", str(tmp_path / "a.json"))
-    b = _start(path, "--host", "b", "--report", str(tmp_path / "b.json"))
+    namespace = f"hosts-{uuid.uuid4().hex[:8]}"
+    env = {"OMNI_REDIS_URL": net["url"], "OMNI_CONTROL_ADDRESS": control, "OMNI_SHM_NAMESPACE": namespace}
+    if net.get("password"):
+        env["OMNI_REDIS_URL"] = net["url"].replace("redis://", f"redis://:{net['password']}@", 1)
+    example = EXAMPLES / "pipeline-hosts.yaml"
+    a = _start(example, "--host", "gpu-a", "-n", "4", "-c", "2", "--report", str(tmp_path / "a.json"), env=env)
+    b = _start(example, "--host", "gpu-b", "--report", str(tmp_path / "b.json"), env=env)
     a_out, a_err = a.communicate(timeout=300)
     b_out, b_err = b.communicate(timeout=60)
     assert a.returncode == 0, a_out + a_err[-3000:]
     assert b.returncode == 0, b_out + b_err[-3000:]
     report = json.loads((tmp_path / "a.json").read_text())
-    assert report["ok"] and report["completed"] == 6
-    assert [(h["host"], h["stages"], h.get("lost")) for h in report["hosts"]] == [("a", [0], None), ("b", [1, 2], None)]
-    assert sorted((s["stage"], s["host"]) for s in report["stages"]) == [(0, "a"), (1, "b"), (2, "b")]
-    assert [(e["edge"], e["payloads"], e["mismatches"]) for e in report["edges"]] == [("0->1 net (stream)", 24, 0), ("1->2 net (stream)", 24, 0)]
+    assert report["ok"] and report["completed"] == 4 and report["leaks"] == [] and report["reclaimed"] == []
+    assert [(h["host"], h["stages"], h.get("lost")) for h in report["hosts"]] == [("gpu-a", [0], None), ("gpu-b", [1, 2], None)]
+    assert sorted((s["stage"], s["host"]) for s in report["stages"]) == [(0, "gpu-a"), (1, "gpu-b"), (2, "gpu-b")]
+    assert {e["edge"]: e["payloads"] for e in report["edges"]} == {
+        "0->1 net (stream)": 4 * 16,
+        "0->1 net (KV)": 4,
+        "1->2 local (stream)": 4 * 8,
+    }
     joined = json.loads((tmp_path / "b.json").read_text())
-    assert joined["ok"] and joined["stages"] == [1, 2] and "OK: 6/6 requests completed" in joined["report"]
-    assert "OK: 6/6 requests completed" in b_out  # the joining machine prints the run's report too
-    assert f"serves the control channel on {control}" in a_err and "host b (127.0.0.1:" in a_err
-    assert _keys(server, net["key_prefix"]) == []
+    assert joined["ok"] and joined["stages"] == [1, 2] and "OK: 4/4 requests completed" in joined["report"]
+    assert "OK: 4/4 requests completed" in b_out  # the joining machine prints the run's report too
+    assert f"serves the control channel on {control}" in a_err and "host gpu-b (127.0.0.1:" in a_err
+    assert server.keys("omni-hosts:*") == []
+    assert_namespace_empty(namespace)
 
 
 def test_a_lost_host_fails_its_requests_naming_it_and_the_coordinator_stops_cleanly(

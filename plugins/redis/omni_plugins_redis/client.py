@@ -15,6 +15,7 @@ import logging
 import re
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections import deque
@@ -27,6 +28,9 @@ from omni_plugins_redis.framing import Arg, Buffer, ProtocolError, Reply, ReplyE
 from omni_plugins_redis.timeouts import set_receive_timeout, use_kernel_timeouts
 
 log = logging.getLogger(__name__)
+
+#: SO_LINGER on with a zero timeout: close() resets the connection, dropping unsent data
+_LINGER_RESET = struct.pack("ii", 1, 0)
 
 T = TypeVar("T")
 SLOTS = 16384
@@ -359,10 +363,19 @@ class Connection:
             socket.socket.shutdown(self._sock, socket.SHUT_WR)
         return sent == len(data)
 
-    def close(self) -> None:
+    def close(self, *, reset: bool = False) -> None:
+        """Close the socket. ``reset``: abortively (RST), dropping whatever the kernel still holds to send.
+
+        A connection whose call failed half-way may still hold a command the server has not
+        received (a partition: the kernel keeps retransmitting it). Closed gracefully, that
+        command could reach the server after the heal -- after a retry on a new connection
+        already ran it once (a commit twice: a duplicate payload). Reset, it never arrives.
+        """
         with self._fd_lock:
             self.broken = True
             with contextlib.suppress(OSError):
+                if reset:
+                    self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
                 self._sock.close()
 
 
@@ -470,7 +483,9 @@ class NodePool:
             self._in_use.discard(conn)
             self._redo.extend(conn.unconfirmed())
             self._unbusy()
-        conn.close()  # state unknown (half-read reply?): never reuse
+        # state unknown (half-read reply?): never reuse, and nothing still unsent may reach the server later; but what
+        # close() queued behind an aborted call (send_last: a withdrawal) must still go out
+        conn.close(reset=not conn.aborted)
 
     def close(self, settle_deadline: float) -> None:
         """Abort the connections in use; close idle ones after confirming their deferred commands until ``settle_deadline``.
