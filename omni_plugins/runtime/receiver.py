@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 from omni_plugins.contract import Connector
 from omni_plugins.errors import ConnectorContractError, WireFormatError
+from omni_plugins.metrics import NO_OBSERVER
 from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.rhythm import ArrivalRhythm
 from omni_plugins.runtime.state import InputState, RequestRegistry
@@ -457,7 +458,9 @@ class Receiver:
         if not self._consume:
             self._cleanup_one(key)
         self.stats["arrivals"] += 1
-        state.route.observer.delivered(result.size, finished=False)
+        observer = state.route.observer
+        if observer is not NO_OBSERVER:
+            observer.delivered(result.size, finished=False)
         return result.data
 
     def _fail_taken(self, state: InputState, index: int) -> KeysToFree:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from omni_plugins.contract import Connector
+from omni_plugins.metrics import NO_OBSERVER
 from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.routes import OutputRoute
 from omni_plugins.runtime.state import RequestRegistry, RequestState, SendTask
@@ -88,6 +89,8 @@ class Sender:
         to :meth:`hand_over`, or None (no wait).
         """
         task = SendTask(key, data, route)
+        if route.observer is not NO_OBSERVER:
+            task.queued = time.monotonic()
         state.send_queue.append(task)
         state.in_flight += 1
         if not state.in_send_ring:
@@ -280,7 +283,8 @@ class Sender:
             result = route.connector.put(*route.edge, task.key, task.data)
             ok = bool(result.ok)
             if ok:
-                route.observer.delivered(result.size, time.monotonic() - task.queued, finished=False)
+                if route.observer is not NO_OBSERVER:
+                    route.observer.delivered(result.size, time.monotonic() - task.queued, finished=False)
             else:
                 logger.warning("put of %s failed: %s", task.key, (result.metadata or {}).get("error", "backend refused"))
         except Exception as exc:  # retried: one line each, the traceback with -v (INFO)

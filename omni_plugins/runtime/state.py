@@ -47,7 +47,7 @@ class SendTask:
     attempts: int = 0
     not_before: float = 0.0
     taken: bool = False  # the send thread picked it up (a handing-over ``send_chunk`` waits for this)
-    queued: float = field(default_factory=time.monotonic)  # when the model thread handed it over
+    queued: float = 0.0  # when the model thread handed it over (set only when its route has metrics)
 
 
 @dataclass(eq=False)
