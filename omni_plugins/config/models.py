@@ -140,6 +140,7 @@ class StageConnectorConfig(_Strict):
     extra: dict[str, Any] = Field(default_factory=dict)
     to_stage: Int | None = None
     rank_mapping: RankMapping = Field(default_factory=RankMapping)
+    builder_settings: dict[str, Any] = Field(default_factory=dict, description="what the payload builders read as their connector's config")
 
     @field_validator("name")
     @classmethod
@@ -214,8 +215,9 @@ class StageConfig(_Strict):
     custom_process_next_stage_input_func: str | None = None
     cfg_kv_collect_func: str | None = Field(
         default=None,
-        description="dotted path of f(request_id, {role: (payload, size)}) -> {field: value}: turns the KV of a request's "
-        "CFG companions into its sampling-param fields (receive_multi_kv_cache uses it when the caller passes none)",
+        description="dotted path of the function that turns the KV of a request's CFG companions into its sampling-param "
+        "fields: vLLM-Omni's f(request_id, cfg_request_ids, kv_transfer_manager, target_device) (BAGEL's collect_cfg_kv_caches) "
+        "or f(request_id, {role: (payload, size)}); receive_multi_kv_cache uses it when the caller passes none",
     )
     input_connectors: dict[str, EdgeRef] = Field(default_factory=dict, description="{from_stage_N: connector instance or edge mapping}")
     output_connectors: dict[str, EdgeRef] = Field(default_factory=dict, description="{to_stage_N: connector instance or edge mapping}")
@@ -468,4 +470,10 @@ class PipelineConfig(_Strict):
         else:
             return None
         conn = self.connectors[instance]
-        return StageConnectorConfig(name=conn.name, extra=dict(conn.extra), to_stage=to_stage, rank_mapping=s.rank_mapping or RankMapping())
+        return StageConnectorConfig(
+            name=conn.name,
+            extra=dict(conn.extra),
+            to_stage=to_stage,
+            rank_mapping=s.rank_mapping or RankMapping(),
+            builder_settings=dict(conn.builder_settings),
+        )

@@ -49,6 +49,8 @@ class RunOptions:
     stop_timeout_s: float = 60.0  # every stage reported its final state
     progress: bool = True
     log_level: int = logging.WARNING
+    #: a vLLM-Omni file's platforms section to apply (npu, rocm, xpu ...)
+    platform: str | None = None
 
 
 def exit_reason(code: int | None) -> str:
@@ -479,6 +481,6 @@ def run_pipeline(path: str | Path, options: RunOptions) -> RunReport:
     from omni_plugins.config import load_pipeline_config
     from omni_plugins.pipeline.checks import plan_for_run
 
-    config = load_pipeline_config(path)
+    config = load_pipeline_config(path, platform=options.platform)
     plan = plan_for_run(config, filename=str(path))
     return Orchestrator(plan, options).run()

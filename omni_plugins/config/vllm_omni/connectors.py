@@ -7,7 +7,8 @@ The plugins say how (:class:`omni_plugins.registry.VllmOmniName`, declared with
 2. the name is an omni-plugins connector (``shm``, an alias, ``dist:name``, ``pkg.mod:Class``):
    taken as it is, its ``extra`` checked by its plugin as in any file;
 3. a plugin declares ``*`` (every name no plugin declares): its translation (the ``vllm-omni``
-   connector, which wraps vLLM-Omni's own connectors);
+   connector, which wraps vLLM-Omni's own connectors), for names of vLLM-Omni's connector classes
+   (``...Connector``; one that looks like a misspelling of a served name is an error instead);
 4. one of vLLM-Omni's own connectors nobody serves: refused, saying what to install;
 5. anything else: left as written (the unknown-connector error, with its hints, follows).
 
@@ -75,7 +76,7 @@ def translate_connector(name: Any, extra: Any) -> Translated:
     if decl is None:
         if _is_ours(name):
             return Translated(name, dict(extra))
-        decl = registry.vllm_omni_name(name)
+        decl = registry.vllm_omni_name(name) if name.endswith("Connector") else None
         if decl is None:
             if name in VLLM_OMNI_BUILTINS:
                 raise ValueError(f"connector {name!r}: {WRAPPER_HINT}")
