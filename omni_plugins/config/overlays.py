@@ -62,12 +62,12 @@ def _resolve(doc: YamlDoc, env: Mapping[str, str] | None, seen: tuple[Path | str
     path = Path(doc.filename).parent / ref.strip()
     key = path.resolve() if path.exists() else path
     if key in seen:
-        raise ConfigError(f"{at}: base_config cycle: {' -> '.join([*names, str(path)])}")
+        raise ConfigError(f"{at}: cycle of overlays: {' -> '.join([*names, str(path)])}")
     if len(seen) >= MAX_DEPTH:
-        raise ConfigError(f"{at}: base_config chain longer than {MAX_DEPTH} files: {' -> '.join([*names, str(path)])}")
+        raise ConfigError(f"{at}: more than {MAX_DEPTH} overlays deep: {' -> '.join([*names, str(path)])}")
     if not path.is_file():
         why = "no such file" if not path.exists() else "not a file"
-        raise ConfigError(f"{at}: base_config {ref!r}: {why} ({path}; resolved relative to {doc.filename})")
+        raise ConfigError(f"{at}: {ref!r}: {why} ({path}, relative to the file naming it)")
     base_doc = YamlDoc.read(path, env)
     if not isinstance(base_doc.data, dict):
         raise ConfigError(f"{base_doc.filename}: the top level must be a mapping (named by {at.removesuffix(': base_config')} base_config)")

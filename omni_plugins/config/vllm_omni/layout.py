@@ -140,9 +140,12 @@ def read_vllm_omni(data: dict[Any, Any], origins: Origins, *, platform: str | No
                 reader.declared(record, kind, *keys[kind])
     by_id = {n: r for r in records if (n := stage_number(r.stage_id)) is not None}
     runtime_edges = _get(data, edges_at)
-    for n, edge in enumerate(runtime_edges if isinstance(runtime_edges, list) else []):
+    edge_list = runtime_edges if isinstance(runtime_edges, list) else []
+    for n, edge in enumerate(edge_list):
         if isinstance(edge, dict) and edge.get("from") is not None and edge.get("to") is not None:
             reader.automatic(edge["from"], edge["to"], (*edges_at, n), by_id)
+    for key in dict.fromkeys(k for e in edge_list if isinstance(e, dict) for k in e if k not in ("from", "to")):
+        reading.unused[f"{'.'.join(map(str, edges_at))}[].{key}"] = [e.get(key) if isinstance(e, dict) else None for e in edge_list]
     for record, keys in zip(records, edge_keys, strict=True):
         if "engine_input_source" in keys:
             sources, at = keys["engine_input_source"]
@@ -338,7 +341,8 @@ def _warn(reading: Reading, records: list[StageRecord]) -> None:
     by_key: dict[str, list[str]] = {}
     for record in records:
         for key in record.unused:
-            by_key.setdefault(key, []).append(str(record.stage_id))
+            if key != "replica_stages":  # kept by the reader (folded replicas' settings), not a setting of the file
+                by_key.setdefault(key, []).append(str(record.stage_id))
     if by_key:
         parts.append(", ".join(f"{k} (stage {', '.join(ids)})" for k, ids in by_key.items()))
     if reading.unused_connector_keys:

@@ -42,17 +42,20 @@ def read_replicas(records: list[StageRecord], strategies: dict[str, tuple[Any, L
     for role, (flag, key) in ROLES.items():
         strategy = strategies.get(key)
         if strategy is not None and strategy[0] not in STRATEGIES:
-            reading.problem(strategy[1], f"{key} must be one of {', '.join(STRATEGIES)}, got {strategy[0]!r}")
+            reading.problem(strategy[1], f"must be one of {', '.join(STRATEGIES)}, got {strategy[0]!r}")
             strategy = None
         group = [r for r in records if _true(r.flags.get(flag, (False,))[0]) and stage_number(r.stage_id) is not None]
         if strategy is not None and not group:
-            reading.notes.append(f"{reading.where(strategy[1])}: {key} is not used: no stage has {flag}: true")
+            reading.notes.append(f"{reading.where(strategy[1])}: not used: no stage has {flag}: true")
         if len(group) > 1 and _alike(group, role, flag, reading):
             records = _fold(records, group)
         if strategy is not None and group:
             head = group[0]
-            if "routing" not in head.native:
+            replicas = head.native.get("replicas", 1)
+            if isinstance(replicas, int) and replicas > 1 and "routing" not in head.native:
                 head.set("routing", strategy[0], strategy[1])
+            elif not (isinstance(replicas, int) and replicas > 1):
+                reading.notes.append(f"{reading.where(strategy[1])}: not used: there is one {role} stage ({head.label()})")
     return records
 
 

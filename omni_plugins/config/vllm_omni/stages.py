@@ -122,9 +122,9 @@ def read_stage(record: StageRecord, flat: Flat, reading: Reading, top_async: tup
 def _read_kv(record: StageRecord, kv: dict[Any, Any], at: Loc) -> None:
     """``omni_kv_config.need_send_cache`` / ``need_recv_cache``: the stage's KV travels on its edges (``kv_transfer``)."""
     flags = [(k, kv[k]) for k in ("need_send_cache", "need_recv_cache") if k in kv]
-    rest = {k: v for k, v in kv.items() if k not in ("need_send_cache", "need_recv_cache")}
-    if rest:
-        record.unused["omni_kv_config"] = (rest, at)
+    for k, v in kv.items():
+        if k not in ("need_send_cache", "need_recv_cache"):
+            record.unused[f"omni_kv_config.{k}"] = (v, (*at, k))
     if flags and "kv_transfer" not in record.native:
         on = [k for k, v in flags if v is True or (isinstance(v, str) and v.strip().lower() == "true")]
         record.set("kv_transfer", bool(on), (*at, on[0] if on else flags[0][0]))
