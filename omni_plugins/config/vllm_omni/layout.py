@@ -10,6 +10,7 @@ omni-plugins does not use are kept (the ``vllm_omni`` fields) and listed in one 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from omni_plugins.config.origins import Origins
@@ -22,6 +23,8 @@ from omni_plugins.config.yamldoc import Loc
 from omni_plugins.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+_TO_STAGE = re.compile(r"^to_stage_(\d+)$")
 
 #: top-level keys of vLLM-Omni's layouts (either marks a file as vLLM-Omni's)
 TOP_KEYS = frozenset(
@@ -257,7 +260,7 @@ def _kv_rank_mapping(records: list[StageRecord]) -> None:
 
     for sender in records:
         outputs = sender.native.get("output_connectors")
-        targets = {int(k.rsplit("_", 1)[1]) for k in outputs if str(k).startswith("to_stage_")} if isinstance(outputs, dict) else set()
+        targets = {int(m.group(1)) for k in outputs if (m := _TO_STAGE.match(str(k)))} if isinstance(outputs, dict) else set()
         n = stage_number(sender.stage_id)
         for receiver in records:
             inputs = receiver.native.get("input_connectors")
