@@ -61,8 +61,6 @@ class Translated:
     unused: list[tuple[str, str]] = field(default_factory=list)
     #: ``(key, closest setting)`` of builder-only keys that look like a misspelled setting
     near: list[tuple[str, str]] = field(default_factory=list)
-    #: the plugin whose declaration was applied, if any
-    declared_by: str | None = None
 
 
 def translate_connector(name: Any, extra: Any) -> Translated:
@@ -103,12 +101,12 @@ def _apply(decl: VllmOmniName, name: str, extra: dict[str, Any]) -> Translated:
     if decl.translate is not None:
         func = import_string(decl.translate)
         connector, settings = func(name, dict(extra))
-        return Translated(connector, dict(settings), declared_by=decl.origin)
+        return Translated(connector, dict(settings))
     assert decl.connector is not None  # registration checks: exactly one of connector= and translate=
     from omni_plugins.factory import resolve_connector
 
     fields = model_field_names(resolve_connector(decl.connector).load_config_model())
-    out = Translated(decl.connector, {}, declared_by=decl.origin)
+    out = Translated(decl.connector, {})
     for key, value in extra.items():
         if key in decl.keys:
             out.extra[decl.keys[key]] = value

@@ -102,47 +102,82 @@ def read_vllm_omni(data: dict[Any, Any], origins: Origins, *, platform: str | No
 
     Raises :class:`ConfigError` with one line per problem (file, line, field).
     """
-    legacy = "stage_args" in data or isinstance(data.get("runtime"), dict)
-    reading = Reading(origins.main.filename, origins.merged_where, legacy)
-    native: dict[str, Any] = {}
-    moves: dict[Loc, Loc] = {}
-
+    reading = Reading(origins.main.filename, origins.merged_where, "stage_args" in data or isinstance(data.get("runtime"), dict))
     runtime: dict[Any, Any] = data["runtime"] if isinstance(data.get("runtime"), dict) else {}
+    # vLLM-Omni reads runtime.connectors / runtime.edges when given, else the deploy layout's top-level ones
     connectors_at: Loc = ("runtime", "connectors") if "connectors" in runtime else ("connectors",)
     edges_at: Loc = ("runtime", "edges") if "edges" in runtime else ("edges",)
-    defined_raw = _get(data, connectors_at)
-    defined = {str(k): (v, (*connectors_at, k)) for k, v in defined_raw.items()} if isinstance(defined_raw, dict) else {}
     _top_level(data, runtime, connectors_at, edges_at, reading)
-    top_async = _async_chunk(data, reading)
 
     stages_key = "stage_args" if "stage_args" in data else "stages"
     if "stage_args" in data and "stages" in data:
         reading.problem(("stages",), "both 'stages' and 'stage_args' are given; a file has one stage list")
+    records, edge_keys = _read_stages(data.get(stages_key), stages_key, _platform_section(data, platform, reading), _async_chunk(data, reading), reading)
+
+    defined_raw = _get(data, connectors_at)
+    defined = {str(k): (v, (*connectors_at, k)) for k, v in defined_raw.items()} if isinstance(defined_raw, dict) else {}
+    reader = EdgeReader(reading, defined, ".".join(map(str, connectors_at)))
+    _read_edges(reader, records, edge_keys, _get(data, edges_at), edges_at, reading)
+    records = read_replicas(records, {key: (data[key], (key,)) for _, key in ROLES.values() if key in data}, reading)
+    _kv_rank_mapping(records)
+
+    native: dict[str, Any] = {}
+    moves: dict[Loc, Loc] = {("connectors",): connectors_at, ("stages",): (stages_key,)}
+    if isinstance(defined_raw, dict) or defined_raw is None:
+        native["connectors"] = _connectors(reader, defined, reading, moves)
+    else:
+        native["connectors"] = defined_raw  # the model reports the wrong type
     raw_stages = data.get(stages_key)
-    section = _platform_section(data, platform, reading)
+    if raw_stages is not None:
+        native["stages"] = _assemble(records, moves) if isinstance(raw_stages, list) else raw_stages
+    if "default_connector" in data:
+        native["default_connector"] = data["default_connector"]
+    own = data.get("vllm_omni")
+    kept = {**(own if isinstance(own, dict) else {}), **reading.unused}
+    if kept:
+        native["vllm_omni"] = kept
+    if reading.problems:
+        raise ConfigError("\n".join(reading.problems))
+    origins.moves.update(moves)
+    _warn(reading, records)
+    return native
+
+
+def _read_stages(
+    raw_stages: Any, stages_key: str, section: tuple[dict[Any, Any], Loc] | None, top_async: tuple[Any, Loc] | None, reading: Reading
+) -> tuple[list[StageRecord], list[dict[str, tuple[Any, Loc]]]]:
+    """Each stage flattened, its platform overrides applied, its fields read; with its edge keys for the edge reader."""
     records: list[StageRecord] = []
     edge_keys: list[dict[str, tuple[Any, Loc]]] = []
-    if isinstance(raw_stages, list):
-        for i, stage in enumerate(raw_stages):
-            loc: Loc = (stages_key, i)
-            if not isinstance(stage, dict):
-                records.append(StageRecord(loc, None, raw=stage, passthrough=True))
-                edge_keys.append({})
-                continue
-            flat = stage_reader.flatten(stage, loc)
-            for override, at in _platform_overrides(section, stage.get("stage_id")):
-                stage_reader.apply_platform(flat, override, at)
-            record = StageRecord(loc, flat.get("stage_id", (None,))[0])
-            edge_keys.append(stage_reader.read_stage(record, flat, reading, top_async))
-            records.append(record)
+    for i, stage in enumerate(raw_stages if isinstance(raw_stages, list) else []):
+        loc: Loc = (stages_key, i)
+        if not isinstance(stage, dict):
+            records.append(StageRecord(loc, None, raw=stage, passthrough=True))
+            edge_keys.append({})
+            continue
+        flat = stage_reader.flatten(stage, loc)
+        for override, at in _platform_overrides(section, stage.get("stage_id")):
+            stage_reader.apply_platform(flat, override, at)
+        record = StageRecord(loc, flat.get("stage_id", (None,))[0])
+        edge_keys.append(stage_reader.read_stage(record, flat, reading, top_async))
+        records.append(record)
+    return records, edge_keys
 
-    reader = EdgeReader(reading, defined, ".".join(map(str, connectors_at)))
+
+def _read_edges(
+    reader: EdgeReader,
+    records: list[StageRecord],
+    edge_keys: list[dict[str, tuple[Any, Loc]]],
+    runtime_edges: Any,
+    edges_at: Loc,
+    reading: Reading,
+) -> None:
+    """vLLM-Omni's order: the ends the stages write, then ``runtime.edges`` / ``edges``, then ``engine_input_source``."""
     for record, keys in zip(records, edge_keys, strict=True):
         for kind in ("input_connectors", "output_connectors"):
             if kind in keys:
                 reader.declared(record, kind, *keys[kind])
     by_id = {n: r for r in records if (n := stage_number(r.stage_id)) is not None}
-    runtime_edges = _get(data, edges_at)
     edge_list = runtime_edges if isinstance(runtime_edges, list) else []
     for n, edge in enumerate(edge_list):
         if isinstance(edge, dict) and edge.get("from") is not None and edge.get("to") is not None:
@@ -157,31 +192,6 @@ def read_vllm_omni(data: dict[Any, Any], origins: Origins, *, platform: str | No
                 continue
             for n, source in enumerate(sources):
                 reader.automatic(source, record.stage_id, (*at, n), by_id)
-
-    strategies: dict[str, tuple[Any, Loc]] = {key: (data[key], (key,)) for _, key in ROLES.values() if key in data}
-    records = read_replicas(records, strategies, reading)
-    _kv_rank_mapping(records)
-
-    native["connectors"], conn_moves = _connectors(reader, defined, connectors_at, reading)
-    moves.update(conn_moves)
-    if not isinstance(defined_raw, dict) and defined_raw is not None:
-        native["connectors"] = defined_raw  # the model reports the wrong type
-        moves[("connectors",)] = connectors_at
-    moves[("connectors",)] = connectors_at
-    if raw_stages is not None:
-        native["stages"] = _assemble(records, moves) if isinstance(raw_stages, list) else raw_stages
-        moves[("stages",)] = (stages_key,)
-    for key in ("default_connector",):
-        if key in data:
-            native[key] = data[key]
-    kept = {**(data.get("vllm_omni") or {} if isinstance(data.get("vllm_omni"), dict) else {}), **reading.unused}
-    if kept:
-        native["vllm_omni"] = kept
-    if reading.problems:
-        raise ConfigError("\n".join(reading.problems))
-    origins.moves.update(moves)
-    _warn(reading, records)
-    return native
 
 
 def _get(data: dict[Any, Any], loc: Loc) -> Any:
@@ -277,9 +287,9 @@ def _kv_rank_mapping(records: list[StageRecord]) -> None:
                         r.set("rank_mapping", mapping, r.moves.get(("tp_size",), r.loc))
 
 
-def _connectors(reader: EdgeReader, defined: dict[str, tuple[Any, Loc]], section: Loc, reading: Reading) -> tuple[dict[str, Any], dict[Loc, Loc]]:
+def _connectors(reader: EdgeReader, defined: dict[str, tuple[Any, Loc]], reading: Reading, moves: dict[Loc, Loc]) -> dict[str, Any]:
+    """Every connector instance (defined, inline, automatic) translated through the plugins' declarations."""
     out: dict[str, Any] = {}
-    moves: dict[Loc, Loc] = {}
     for instance, (definition, at) in [*defined.items(), *reader.made.items()]:
         moves[("connectors", instance)] = at
         if not isinstance(definition, dict):
@@ -301,14 +311,14 @@ def _connectors(reader: EdgeReader, defined: dict[str, tuple[Any, Loc]], section
         moves[("connectors", instance, "builder_settings")] = (*at, "extra")
         for ours, theirs in t.renamed.items():
             moves[("connectors", instance, "extra", ours)] = (*at, "extra", theirs)
-        name = definition.get("name")
         for key, why in t.unused:
             reading.unused_connector_keys.append(f"{instance}.{key} ({why})")
         for key, hint in t.near:
-            reading.near_misses.append(f"{reading.where((*at, 'extra', key))}: {key!r} is not a setting of {t.name!r} and is left to the payload builders (did you mean {hint!r}?)")
-        if t.declared_by is None and isinstance(name, str) and name != t.name:
-            reading.notes.append(f"{reading.where((*at, 'name'))}: {name!r} read as {t.name!r}")
-    return out, moves
+            reading.near_misses.append(
+                f"{reading.where((*at, 'extra', key))}: {key!r} is not a setting of {t.name!r} and is left to the payload builders "
+                f"(did you mean {hint!r}?)"
+            )
+    return out
 
 
 def _native_connector(definition: dict[Any, Any], t: Translated, extra: Any) -> dict[str, Any]:
