@@ -90,3 +90,19 @@ def test_our_own_names_keep_our_settings() -> None:
     assert cfg.connectors["c"].extra == {"namespace": "ours", "pool_bytes": 0}  # type: ignore[attr-defined]
     with pytest.raises(ConfigError, match="unknown field 'shm_threshold_bytes'"):
         two_stages("shm", "{shm_threshold_bytes: 1}")
+
+
+def test_without_the_vllm_omni_plugin_vllm_omni_connectors_are_refused_with_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omni_plugins.plugins import PluginManager, set_plugin_manager
+
+    monkeypatch.setenv("OMNI_PLUGINS_DISABLE", "vllm_omni")
+    previous = set_plugin_manager(PluginManager())
+    try:
+        with pytest.raises(ConfigError) as info:
+            two_stages("NixlConnector")
+    finally:
+        set_plugin_manager(previous)
+    assert str(info.value) == (
+        "p.yaml:7: runtime.connectors.c.name: connector 'NixlConnector': it is one of vLLM-Omni's own connectors, which omni-plugins "
+        "runs through its 'vllm-omni' connector: pip install omni-plugins-vllm-omni together with vllm-omni and the vLLM build for this machine"
+    )

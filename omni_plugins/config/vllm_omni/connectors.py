@@ -26,7 +26,7 @@ from typing import Any
 from omni_plugins.config.hints import model_field_names
 from omni_plugins.errors import OmniPluginsError
 from omni_plugins.importing import import_string
-from omni_plugins.naming import close_matches, is_import_path
+from omni_plugins.naming import KNOWN_BACKENDS, close_matches, is_import_path
 from omni_plugins.registry import VllmOmniName
 
 #: the connectors vLLM-Omni's factory has built in (0.30), for the refusal's wording
@@ -45,7 +45,7 @@ VLLM_OMNI_BUILTINS = frozenset(
 #: what serves vLLM-Omni's own connectors in omni-plugins, for the refusal
 WRAPPER_HINT = (
     "it is one of vLLM-Omni's own connectors, which omni-plugins runs through its 'vllm-omni' connector: "
-    "pip install omni-plugins-vllm-omni together with vllm-omni and the vLLM build for this machine"
+    f"pip install {KNOWN_BACKENDS['vllm_omni']} together with vllm-omni and the vLLM build for this machine"
 )
 
 
