@@ -70,7 +70,7 @@ def _resolve(doc: YamlDoc, env: Mapping[str, str] | None, seen: tuple[Path | str
         raise ConfigError(f"{at}: {ref!r}: {why} ({path}, relative to the file naming it)")
     base_doc = YamlDoc.read(path, env)
     if not isinstance(base_doc.data, dict):
-        raise ConfigError(f"{base_doc.filename}: the top level must be a mapping (named by {at.removesuffix(': base_config')} base_config)")
+        raise ConfigError(f"{base_doc.filename}: the top level must be a mapping (the base_config at {at.removesuffix(': base_config')})")
     base, base_sources = _resolve(base_doc, env, (*seen, key), [*names, str(path)])
     return _Merge(base, base_sources, doc).merge(own)
 
