@@ -57,10 +57,13 @@ def test_mutated_good_config(insert: str, at: int, cut: int) -> None:
     load(GOOD[:at] + insert + GOOD[at + cut :])
 
 
+TEXTS = [
+    "${NS}", "${MISSING}", "${PORT}", "${WEIRD}", "$", "${", "memory", "shm", "redis", "ar", "generation",
+    "${oc.env:NS,x}", "SharedMemoryConnector", "OmniPlugins", "NixlConnector", "round_robin",
+]  # fmt: skip
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=12), st.sampled_from(BUILDERS),
-    st.sampled_from(["${NS}", "${MISSING}", "${PORT}", "${WEIRD}", "$", "${", "memory", "shm", "redis", "ar", "generation",
-                     "${oc.env:NS,x}", "SharedMemoryConnector", "OmniPlugins", "NixlConnector", "round_robin"]),  # fmt: skip
+    st.sampled_from(TEXTS),
 )  # fmt: skip
 trees = st.recursive(
     scalars,
