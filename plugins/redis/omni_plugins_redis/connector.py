@@ -29,10 +29,10 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
-from redis.exceptions import ExecAbortError, RedisError
+from redis.exceptions import ExecAbortError, RedisError, ResponseError
 
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
@@ -51,10 +51,10 @@ log = logging.getLogger(__name__)
 #: Every command the connector sends; an ACL user needs these (plus ``cluster|slots`` and
 #: ``command``, which redis-py's ``RedisCluster`` asks at start, in cluster mode) and the key
 #: pattern ``~<key_prefix>*``. Without ``blmove``, ``get(timeout=)`` falls back to polling;
-#: ``wait`` serves ``min_replica_acks``.
+#: ``wait``, ``watch`` and ``unwatch`` serve ``min_replica_acks``.
 ACL_COMMANDS = (
     "get", "set", "rpush", "lpush", "lrem", "lmove", "blmove", "pexpire", "exists",
-    "del", "unlink", "multi", "exec", "lrange", "lindex", "ping", "wait",
+    "del", "unlink", "multi", "exec", "lrange", "lindex", "ping", "wait", "watch", "unwatch",
 )  # fmt: skip
 
 
@@ -69,6 +69,8 @@ def acl_rule(key_prefix: str, *, cluster: bool = False, commands: tuple[str, ...
 PART_TTL_GRACE_MS = 60_000
 # A commit marker only has to outlive the writer's retries.
 MARKER_TTL_MS = 600_000
+# What a commit marker says once its put gave up waiting for replicas (min_replica_acks): discard, do not give back.
+WITHDRAWN = b"withdrawn"
 # Deleting the parts of a discarded payload (whose manifest may announce many): keys per UNLINK, UNLINKs per round trip.
 UNLINK_BATCH = 512
 UNLINK_PIPELINE = 16
@@ -125,7 +127,7 @@ class RedisConnector(Connector):
         super().__init__()
         self.config = config
         self._client = RedisClient(config)
-        self._claimer = Claimer(self._client, config)
+        self._claimer = Claimer(self._client, config, self._settle_unconfirmed)
         # Claim lists are named by this instance and a per-get counter: a deferred delete of
         # one get's claim list can never hit a later get's. A get that lost its reply (or the
         # server, while reading parts) records its claim list, and the next get of the key
@@ -205,7 +207,10 @@ class RedisConnector(Connector):
         keys, manifest = state.keys, state.manifest
         marker = keys.marker(manifest.put_id)
         state.attempts += 1
-        if state.attempts > 1 and link.call("EXISTS", marker) == 1:  # the lost reply was a successful commit
+        if state.attempts > 1 and (decided := link.call("GET", marker)) is not None:  # the lost reply was a successful commit
+            if decided == WITHDRAWN:
+                state.withdrawn = True
+                raise ReplicaAckError(f"put {keys.key!r} on Redis {link.route.name}: withdrawn (min_replica_acks not reached)")
             if self._wait is not None:  # durable on the replicas of the primary that has it now?
                 link.send([("PEXPIRE", marker, MARKER_TTL_MS), self._wait])
                 self._check_acks(link, state, link.read_many(2)[1])
@@ -234,37 +239,85 @@ class RedisConnector(Connector):
         link.defer(keys.slot, "DEL", marker, frame=frame_key_command("DEL", marker))
 
     def _check_acks(self, link: Link, state: _PutState, acked: Any) -> None:
-        """The ``WAIT`` reply after a commit: too few replicas withdraw the put, unless a reader already took it.
+        """The ``WAIT`` reply after a commit: fewer than ``min_replica_acks`` replicas withdraw the put.
 
-        The commit is visible before ``WAIT`` answers, so a reader may have
-        claimed the payload meanwhile; then it is delivered, and failing the put
-        would make the producer send it twice. Otherwise the manifest element is
-        removed (``LREM``) and the parts deleted, and the put fails.
+        The commit is visible before ``WAIT`` answers, so a reader may hold the
+        payload (claimed, not yet delivered: a reader delivers only what the
+        replicas confirmed, see :meth:`_settle_unconfirmed`). In order:
+        withdraw it if it is still in its list; else wait once more, as the
+        reader does (replicas confirming its claim confirm this commit too);
+        else withdraw for good, with the marker set to ``withdrawn`` so the
+        reader holding it discards it instead of giving it back. One decision
+        either way: a put that fails leaves nothing behind and is never delivered.
         """
         if isinstance(acked, RedisError):
             raise acked
-        if not isinstance(acked, int) or acked >= self._acks:
+        if not isinstance(acked, int) or acked >= self._acks or self._wait is None:
             return
         keys, manifest = state.keys, state.manifest
-        link.send([("LREM", keys.manifest, 0, self._element_bytes(state))])
-        removed = link.read()
-        if isinstance(removed, RedisError):
-            raise removed
-        timeout = self.config.replica_ack_timeout
-        if not removed:
-            log.warning(
-                "put %r on Redis %s: %d of %d replicas confirmed within %gs, but a reader had already taken the payload; "
-                "reported as delivered",
-                keys.key, link.route.name, acked, self._acks, timeout,
-            )  # fmt: skip
+        marker = keys.marker(manifest.put_id)
+        element = self._element_bytes(state)
+        if _reply(link, ("LREM", keys.manifest, 0, element)):  # no reader took it
+            self._withdrawn(link, state, acked)
+        if _int_reply(_reply(link, self._wait)) >= self._acks:
             return
-        link.send([("UNLINK", keys.marker(manifest.put_id), *keys.parts(manifest.put_id, manifest.nparts))])
-        link.read()
+        link.send([("MULTI",), ("LREM", keys.manifest, 0, element), ("SET", marker, WITHDRAWN, "PX", MARKER_TTL_MS), ("EXEC",)])
+        replies = link.read_many(4)
+        self._check_commit(replies)
+        results = replies[-1]
+        removed = results[0] if isinstance(results, list) else 0
+        if removed:  # given back meanwhile: withdrawn here; else the reader holding it discards it
+            self._withdrawn(link, state, acked)
         state.withdrawn = True
-        raise ReplicaAckError(
-            f"put {keys.key!r} on Redis {link.route.name}: {acked} of {self._acks} replica(s) confirmed it within "
-            f"{timeout}s (min_replica_acks); the put was withdrawn"
+        raise self._ack_error(link, state, acked)
+
+    def _withdrawn(self, link: Link, state: _PutState, acked: int) -> NoReturn:
+        """The put's element is out of its list: delete marker and parts, fail the put."""
+        keys, manifest = state.keys, state.manifest
+        _run_pipelined(link, iter([("UNLINK", keys.marker(manifest.put_id), *keys.parts(manifest.put_id, manifest.nparts))]))
+        state.withdrawn = True
+        raise self._ack_error(link, state, acked)
+
+    def _ack_error(self, link: Link, state: _PutState, acked: int) -> ReplicaAckError:
+        return ReplicaAckError(
+            f"put {state.keys.key!r} on Redis {link.route.name}: {acked} of {self._acks} replica(s) confirmed it within "
+            f"{self.config.replica_ack_timeout}s (min_replica_acks); the put was withdrawn"
         )
+
+    def _settle_unconfirmed(self, link: Link, keys: PayloadKeys, claim_key: bytes, element: bytes | bytearray) -> bool:
+        """A claim whose ``WAIT`` fell short: True to deliver the payload, False when it was given back or discarded.
+
+        The payload's commit marker tells what its writer decided: gone means
+        the put was confirmed (and cleaned up), so deliver; ``withdrawn`` means
+        it failed, so discard it; ``1`` means undecided, so put it back at the
+        head of its list for a later get (``WATCH`` on the marker makes that
+        atomic with the writer's decision).
+        """
+        try:
+            manifest = mf.parse(element, self.config.max_payload_bytes)
+        except mf.ManifestError:
+            return True  # reported as corrupt by the get
+        marker = keys.marker(manifest.put_id)
+        for _ in range(16):  # WATCH fails only when the writer decided meanwhile: then look again
+            link.send([("WATCH", marker), ("GET", marker)])
+            decided = link.read_many(2)[1]
+            if isinstance(decided, RedisError):
+                raise decided
+            if decided is None:
+                _reply(link, ("UNWATCH",))
+                return True
+            if decided == WITHDRAWN:
+                _reply(link, ("UNWATCH",))
+                doomed = [claim_key, marker, *keys.parts(manifest.put_id, manifest.nparts)]
+                _run_pipelined(link, iter([("UNLINK", *doomed)]))
+                return False
+            commands = self._restore_commands(keys, element, claim_key)
+            link.send(commands)
+            replies = link.read_many(len(commands))
+            if replies[-1] is not None:  # not aborted by the WATCH
+                self._check_commit(replies)
+                return False
+        return False
 
     def _write_parts(self, link: Link, state: _PutState) -> None:
         """Write the parts (one pipeline, one round trip) and check that every one was stored.
@@ -662,6 +715,17 @@ def _drop_inline_claim(link: Link, keys: PayloadKeys, claim_key: bytes, element:
     """Right after a claim: an inline payload is in hand, so its claim list's delete rides on the next write."""
     if mf.looks_inline(element):
         link.defer(keys.slot, "UNLINK", claim_key, frame=frame_key_command("UNLINK", claim_key))
+
+
+def _reply(link: Link, command: tuple[Any, ...]) -> Any:
+    """One command on ``link``, its reply (an error reply raised)."""
+    return link.call(*command)
+
+
+def _int_reply(reply: Any) -> int:
+    if not isinstance(reply, int):
+        raise ResponseError(f"expected an integer reply, got {type(reply).__name__}")
+    return reply
 
 
 def _run_pipelined(link: Link, commands: Iterator[tuple[Any, ...]], done: list[int] | None = None) -> None:

@@ -11,9 +11,13 @@ recovered on the retry by looking into the claim list.
 When the ACL user may not run ``BLMOVE`` the claimer falls back to polling
 ``LMOVE`` with exponential backoff, and says so once in the log.
 
-With ``min_replica_acks`` a ``WAIT`` follows the move in the same write, so
-the claim list is on the replicas before the parts are read: a get
-interrupted by a failover finds its claim on the promoted replica.
+With ``min_replica_acks`` a ``WAIT`` follows the move in the same write: a
+get delivers only what the replicas confirmed (the move comes after the
+payload's commit in the replication stream), and its claim list is on the
+replicas before the parts are read, so a get interrupted by a failover finds
+its claim on the promoted replica. A claim the replicas did not confirm is
+settled by the connector (given back, discarded or delivered, see
+``RedisConnector._settle_unconfirmed``); a blocking get then keeps waiting.
 """
 
 from __future__ import annotations
@@ -57,8 +61,10 @@ _MIN_BLOCK = 0.001
 class Claimer:
     """Moves manifests into claim lists; shared by all ``get`` calls of one connector."""
 
-    def __init__(self, client: RedisClient, config: RedisConfig) -> None:
+    def __init__(self, client: RedisClient, config: RedisConfig, unconfirmed: Unconfirmed) -> None:
+        """``unconfirmed(link, keys, claim_key, element)`` settles a claim the replicas did not confirm: True to deliver it."""
         self._client = client
+        self._unconfirmed = unconfirmed
         self._config = config
         self._blocking = True
         self._warn_lock = threading.Lock()
@@ -90,13 +96,18 @@ class Claimer:
         if not self._blocking:
             return self._poll(keys, claim_key, deadline, state)
         try:
-            return self._client.run(
-                keys.slot,
-                lambda link: self._blocking_step(link, keys, claim_key, deadline, state),
-                what="get",
-                key=keys.key,
-                deadline=deadline,
-            )
+            while True:
+                found = self._client.run(
+                    keys.slot,
+                    lambda link: self._blocking_step(link, keys, claim_key, deadline, state),
+                    what="get",
+                    key=keys.key,
+                    deadline=deadline,
+                )
+                if not isinstance(found, _GivenBack):
+                    return found
+                if time.monotonic() >= deadline:
+                    return None
         except AuthError as exc:
             if "blmove" not in str(exc).lower():
                 raise
@@ -120,9 +131,7 @@ class Claimer:
             return None
         return peek_claim(link, claim_key)
 
-    def _blocking_step(
-        self, link: Link, keys: PayloadKeys, claim_key: bytes, deadline: float, state: _ClaimState
-    ) -> bytes | bytearray | None:
+    def _blocking_step(self, link: Link, keys: PayloadKeys, claim_key: bytes, deadline: float, state: _ClaimState) -> Claimed:
         found = self._recover(link, claim_key, state)
         if found is not None:
             return _claimed(link, found, state)
@@ -133,9 +142,9 @@ class Claimer:
         link.send_frame(blocking_move_commands(keys.manifest, claim_key, remaining) + self._wait_frame)
         moved = link.reply(timeout=remaining + self._config.socket_timeout)
         expire = link.read()
-        self._check_acks(link, keys)
+        confirmed = self._confirmed(link, keys, claim_key, moved)
         state.sent = False
-        return _taken(link, moved, expire, state)
+        return _taken(link, moved, expire, state) if confirmed else _GIVEN_BACK
 
     def _move_once(self, link: Link, keys: PayloadKeys, claim_key: bytes, state: _ClaimState) -> bytes | bytearray | None:
         if state.sent:
@@ -146,19 +155,21 @@ class Claimer:
         link.send_frame(move_commands(keys.manifest, claim_key) + self._wait_frame)
         moved = link.read()
         expire = link.read()
-        self._check_acks(link, keys)
+        confirmed = self._confirmed(link, keys, claim_key, moved)
         state.sent = False
-        return _taken(link, moved, expire, state)
+        return _taken(link, moved, expire, state) if confirmed else None
 
-    def _check_acks(self, link: Link, keys: PayloadKeys) -> None:
-        """The ``WAIT`` reply after a claim: a shortfall is logged (the payload is claimed either way)."""
+    def _confirmed(self, link: Link, keys: PayloadKeys, claim_key: bytes, moved: Reply) -> bool:
+        """With ``min_replica_acks``: read the claim's ``WAIT``; a shortfall is settled before anything is delivered."""
         if self._wait is None:
-            return
+            return True
         acked = link.read()
         if isinstance(acked, RedisError):
             raise acked
-        if isinstance(acked, int) and acked < self._acks:
-            log.debug("get %r on Redis %s: %d of %d replicas confirmed the claim", keys.key, link.route.name, acked, self._acks)
+        if not isinstance(moved, bytes | bytearray) or not isinstance(acked, int) or acked >= self._acks:
+            return True
+        log.debug("get %r on Redis %s: %d of %d replicas confirmed the claim", keys.key, link.route.name, acked, self._acks)
+        return self._unconfirmed(link, keys, claim_key, moved)
 
     def _poll(self, keys: PayloadKeys, claim_key: bytes, deadline: float, state: _ClaimState) -> bytes | bytearray | None:
         delay = 0.001
@@ -176,6 +187,15 @@ class Claimer:
 
 
 OnClaimed = Callable[[Link, bytes | bytearray], None]
+Unconfirmed = Callable[[Link, PayloadKeys, bytes, bytes | bytearray], bool]
+
+
+class _GivenBack:
+    """A blocking claim's payload went back to its list (replicas did not confirm it): keep waiting."""
+
+
+_GIVEN_BACK = _GivenBack()
+Claimed = bytes | bytearray | None | _GivenBack
 
 
 class _ClaimState:
