@@ -27,11 +27,11 @@ def _shm(instance: str, config: Any, run_tag: str | None) -> list[str]:
 
 
 def _redis_client(instance: str, config: Any, what: str) -> Any:
-    """A plain redis-py client for the connector's server, or None where it would not reach it (cluster/TLS/unix socket)."""
+    """A plain redis-py client for the connector's server, or None where it would not reach it (cluster/Sentinel/TLS/unix socket)."""
     import redis
 
-    if config.cluster or config.tls or config.unix_socket:
-        logger.info("redis %s skipped for %s (cluster/TLS/unix socket)", what, instance)
+    if config.cluster or config.tls or config.unix_socket or getattr(config, "sentinels", None) or getattr(config, "credential_provider", None):
+        logger.info("redis %s skipped for %s (cluster/Sentinel/TLS/unix socket/credential provider)", what, instance)
         return None
     password = config.password.get_secret_value() if config.password is not None else None
     if config.url:

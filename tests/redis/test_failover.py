@@ -40,6 +40,7 @@ class Stream:
     """What a producer/consumer pair saw of one stream."""
 
     keys: list[str]
+    unread: str = ""
     acked: set[int] = field(default_factory=set)
     received: dict[int, Any] = field(default_factory=dict)
     put_failures: int = 0
@@ -60,12 +61,19 @@ def _keys_on(prefix: str, owns: Callable[[int], bool], count: int) -> list[str]:
     """``count`` stream keys whose slot ``owns`` accepts (all on the primary that will be killed)."""
     run = uuid.uuid4().hex[:6]
     keys = (f"fo-{run}-{n}" for n in range(1_000_000))
-    return [k for k in keys if owns(PayloadKeys(prefix, k).slot)][:count]
+    return [k for k in keys if owns(PayloadKeys(prefix, k).slot)][: count + 1]
 
 
 def _stream(config: dict[str, Any], keys: list[str], failover: Callable[[], None], *, kill_after: int) -> Stream:
-    """Producer and consumer threads stream ``keys``; ``failover()`` runs once ``kill_after`` payloads arrived."""
-    stream = Stream(keys)
+    """Producer and consumer threads stream ``keys[1:]``; ``failover()`` runs once ``kill_after`` payloads arrived.
+
+    ``keys[0]`` is put before and never read: an unread payload whose keys must
+    keep their TTL on the promoted node (checked by :func:`_check_ttls`).
+    """
+    with create_connector("redis", config) as conn:
+        assert conn.put(0, 1, keys[0], _payload(1)).ok
+    stream = Stream(keys[1:], unread=keys[0])
+    keys = stream.keys
     produced = threading.Event()
     progress = threading.Semaphore(0)
 
@@ -135,6 +143,24 @@ def _check(stream: Stream, *, acks: int, record: Callable[[str, object], None]) 
         )
 
 
+def _check_ttls(nodes: list[RedisServer], config: dict[str, Any], unread: str) -> None:
+    """The unread payload put before the failover expires on every node that has it, then goes with cleanup()."""
+    pattern = f"{config['key_prefix']}{{{unread}}}*"
+    ttls: dict[bytes, int] = {}
+    for node in nodes:
+        client = node.client(single_connection_client=True)
+        try:
+            if config.get("cluster"):
+                client.execute_command("READONLY")  # a cluster replica answers key reads only after READONLY
+            ttls.update({key: client.pttl(key) for key in client.scan_iter(match=pattern)})
+        finally:
+            client.close()
+    assert any(key.endswith(b":m") for key in ttls) and any(b":p:" in key for key in ttls), f"the unread payload is gone: {ttls}"
+    assert all(ttl > 0 for ttl in ttls.values()), f"keys without a TTL after the failover: {ttls}"
+    with create_connector("redis", config) as conn:
+        assert conn.cleanup(unread) is True
+
+
 def _wait_no_keys(topology: RedisCluster | RedisSentinelGroup, pattern: str) -> None:
     """No key of the stream on any node (replicas apply the last deletes asynchronously: bounded wait)."""
     deadline = time.monotonic() + 10
@@ -188,6 +214,11 @@ def test_cluster_primary_killed_mid_stream(
     )
     stream = _cluster_failover(replicated_cluster, config, prefix, track_server)
     _check(stream, acks=acks, record=record_property)
+    if acks:
+        _check_ttls(replicated_cluster.live_nodes, config, stream.unread)
+    else:  # without min_replica_acks it may not have survived the failover: just remove it
+        with create_connector("redis", config) as conn:
+            conn.cleanup(stream.unread)
     _wait_no_keys(replicated_cluster, prefix + "*")
 
 
@@ -210,6 +241,7 @@ def test_cluster_over_tls_as_a_least_privilege_user(
     assert config["tls"] is True
     stream = _cluster_failover(tls_acl_cluster, config, prefix, track_server)
     _check(stream, acks=1, record=record_property)
+    _check_ttls(tls_acl_cluster.live_nodes, config, stream.unread)
     _wait_no_keys(tls_acl_cluster, prefix + "*")
 
 
@@ -250,6 +282,11 @@ def test_sentinel_primary_killed_mid_stream(
     )
     stream = _sentinel_failover(sentinel_group, config, track_server)
     _check(stream, acks=acks, record=record_property)
+    if acks:
+        _check_ttls(sentinel_group.data_nodes, config, stream.unread)
+    else:  # without min_replica_acks it may not have survived the failover: just remove it
+        with create_connector("redis", config) as conn:
+            conn.cleanup(stream.unread)
     _wait_no_keys(sentinel_group, prefix + "*")
 
 
@@ -272,4 +309,5 @@ def test_sentinel_over_tls_as_a_least_privilege_user(
     assert config["tls"] is True
     stream = _sentinel_failover(tls_acl_sentinel_group, config, track_server)
     _check(stream, acks=1, record=record_property)
+    _check_ttls(tls_acl_sentinel_group.data_nodes, config, stream.unread)
     _wait_no_keys(tls_acl_sentinel_group, prefix + "*")

@@ -513,8 +513,11 @@ class RedisClient:
             exc = exc.error
         where = attempts.route.name if attempts.route is not None else self.label
         if isinstance(exc, AuthenticationError):
-            user = self._config.username or ("from the credential provider" if self._config.credential_provider else "default")
-            return AuthError(f"Redis {where} rejected user {user!r}: {_code(exc) or 'AUTH'} {exc} (check username/password)")
+            code = _code(exc) or "AUTH"
+            if self._config.credential_provider:
+                return AuthError(f"Redis {where} rejected the user of credential_provider: {code} {exc} (check its credentials)")
+            user = self._config.username or "default"
+            return AuthError(f"Redis {where} rejected user {user!r}: {code} {exc} (check username/password)")
         if isinstance(exc, NoPermissionError | AuthorizationError):
             return AuthError(f"{what} {key!r} on Redis {where}: NOPERM {exc} (ACL user lacks a permission or key pattern)")
         if isinstance(exc, ResponseError) and not _retryable(exc):
