@@ -311,3 +311,31 @@ def test_sentinel_over_tls_as_a_least_privilege_user(
     _check(stream, acks=1, record=record_property)
     _check_ttls(tls_acl_sentinel_group.data_nodes, config, stream.unread)
     _wait_no_keys(tls_acl_sentinel_group, prefix + "*")
+
+
+def test_sentinel_switchover_with_the_old_primary_alive(sentinel_group: RedisSentinelGroup) -> None:
+    """``SENTINEL FAILOVER``: the old primary lives on as a replica. Pooled connections to it answer READONLY (a
+    write) or UNBLOCKED (a blocked BLMOVE); the connector drops them and follows the new primary, losing nothing."""
+    prefix = f"sw{uuid.uuid4().hex[:6]}:"
+    config = sentinel_group.connector_config(key_prefix=prefix, min_replica_acks=1, replica_ack_timeout=0.5, **RESILIENT)
+    blocked: list[Any] = []
+    with create_connector("redis", config) as writer, create_connector("redis", config) as reader:
+        for i in range(4):  # several pooled connections to the current primary
+            assert writer.put(0, 1, f"before-{i}", {"v": i}).ok
+        waiting = threading.Thread(target=lambda: blocked.append(reader.get(0, 1, "during", timeout=30)))
+        waiting.start()  # blocked in BLMOVE on the old primary
+        old = sentinel_group.current_primary()
+        sentinel = sentinel_group.sentinels[0].client()
+        try:
+            sentinel.execute_command("SENTINEL", "FAILOVER", sentinel_group.service_name)
+        finally:
+            sentinel.close()
+        sentinel_group.wait_failover(old)
+        assert old.process is not None and old.process.poll() is None, "the old primary should still run"
+        assert writer.put(0, 1, "during", {"v": "during"}).ok
+        waiting.join(60)
+        assert not waiting.is_alive() and blocked and blocked[0] is not None and blocked[0].data == {"v": "during"}
+        for i in range(4):
+            got = reader.get(0, 1, f"before-{i}", timeout=5)
+            assert got is not None and got.data == {"v": i}
+    _wait_no_keys(sentinel_group, prefix + "*")

@@ -59,6 +59,8 @@ CLOSE_SETTLE_S = 2.0
 # UNBLOCKED: a blocked BLMOVE released because its primary became a replica (a failover)
 _RETRY_CODES = frozenset({"LOADING", "BUSY", "NOREPLICAS", "MASTERDOWN", "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "READONLY", "UNBLOCKED"})
 _RETRY_REPLIES = (AskError, ClusterDownError, TryAgainError, ReadOnlyError)
+# Error replies that mean the server is no longer what it was (a failover): its connections are dropped.
+_SERVER_CHANGED = frozenset({"READONLY", "UNBLOCKED", "MASTERDOWN", "LOADING"})
 
 
 class AuthError(ConnectorError):
@@ -493,6 +495,19 @@ class RedisClient:
             link.queue.add(items)
         link.conn.disconnect()  # state unknown (half-read reply?): reconnect before the next use
         link.route.pool.release(link.conn)
+        if isinstance(error, OSError | redis.ConnectionError | redis.TimeoutError) or _code(error) in _SERVER_CHANGED:
+            self._flush_kept(link.route.pool)  # the server died or changed role: its other connections are stale too
+
+    def _flush_kept(self, pool: ConnectionPool) -> None:
+        """Give the kept connections of ``pool`` back, disconnected (each reconnects, via Sentinel too, on its next checkout)."""
+        kept = self._kept_for(pool)
+        while kept:
+            try:
+                conn = kept.pop()
+            except IndexError:
+                return
+            conn.disconnect()
+            pool.release(conn)
 
     def _after_failure(self, error: Exception, failures: int, max_attempts: int, deadline: float | None) -> None:
         """Retry's failure hook (the topology already heard of the failure): stop when closed or out of time, wait the backoff."""
