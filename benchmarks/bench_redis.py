@@ -74,7 +74,7 @@ class ServerProbe:
         self.chunk = chunk
         self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=120)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.reader = ReplyReader(self.sock)
+        self.reader = ReplyReader(self.sock, self.sock.settimeout, 120.0)
 
     def cpu(self) -> float:
         total = 0

@@ -37,10 +37,10 @@ def durable_server(track_server: Any) -> Iterator[RedisServer]:
 
 def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
     """The first time ``command`` is sent, read the replies of its batch for real, then fail as if the link died."""
-    real_send, real_read, real_reply, real_settle, real_expect = (
+    real_send, real_read, real_pair, real_settle, real_expect = (
         Link.send_frames,
         Link.read,
-        Link.reply,
+        Link.read_pair,
         Link._settle_deferred,
         Link.expect,
     )
@@ -53,11 +53,11 @@ def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
             state["left"], state["link"] = len(names), self
         real_send(self, frames)
 
-    def counted(real: Any) -> Any:
+    def counted(real: Any, replies: int) -> Any:
         def wrapper(self: Link, *args: Any, **kwargs: Any) -> Any:
             reply = real(self, *args, **kwargs)
             if state["left"] and state["link"] is self and not state["settling"]:  # deferred cleanup's replies don't count
-                state["left"] -= 1
+                state["left"] = max(0, state["left"] - replies)
                 if not state["left"]:
                     fired.append(1)
                     raise ConnectionResetError(f"injected: reply to {command} lost")
@@ -81,8 +81,8 @@ def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
         return found
 
     monkeypatch.setattr(Link, "send_frames", send_frames)
-    monkeypatch.setattr(Link, "read", counted(real_read))
-    monkeypatch.setattr(Link, "reply", counted(real_reply))
+    monkeypatch.setattr(Link, "read", counted(real_read, 1))
+    monkeypatch.setattr(Link, "read_pair", counted(real_pair, 2))
     monkeypatch.setattr(Link, "_settle_deferred", settle)
     monkeypatch.setattr(Link, "expect", expect)
     return fired
@@ -251,7 +251,7 @@ def test_deferred_replies_never_mix_with_later_replies(redis_server: RedisServer
         assert client.run(0, lambda link: link.call("ECHO", "first"), what="t", key="k") == b"first"
         client.run(0, lambda link: link.defer(0, "DEL", PREFIX + "nothing"), what="t", key="k")
         assert client.run(0, lambda link: link.call("ECHO", "second"), what="t", key="k") == b"second"
-        assert not any(queue.pending for queue in client._queues.values())
+        assert not any(route.queue.pending for route in client.topology.routes())
     finally:
         client.close()
     assert raw.exists(PREFIX + "str") == 0
@@ -273,8 +273,8 @@ def test_retired_parts_are_handed_back_if_the_connection_dies(redis_server: Redi
         client.run(0, lambda link: link.retire(0, parts), what="t", key="k")
         with pytest.raises(ConnectorError):
             client.run(0, dies_after_sending, what="t", key="k", retries=0)
-        (queue,) = client._queues.values()
-        assert queue.pending, "the unconfirmed delete was dropped"
+        (route,) = client.topology.routes()
+        assert route.queue.pending, "the unconfirmed delete was dropped"
         assert client.run(0, lambda link: link.call("PING"), what="t", key="k") in (b"PONG", "PONG", True)
         assert raw.exists(*parts) == 0
     finally:

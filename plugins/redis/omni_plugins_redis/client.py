@@ -10,7 +10,7 @@ Steps keep their progress in a state object, so a retry resumes.
 
 Small cleanup commands (a commit marker's ``DEL``, a claim list's
 ``UNLINK``, a consumed payload's parts) wait in the server's
-:class:`NodeQueue` and ride along with the next write to that server: no
+:class:`~.cleanup.NodeQueue` and ride along with the next write to that server: no
 extra round trip or system call. A failed step hands its share back; after a
 cluster node failed, its queue is re-routed by slot to whoever serves it now.
 """
@@ -25,11 +25,10 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import redis
 from redis.backoff import EqualJitterBackoff, NoBackoff
-from redis.connection import ConnectionPool
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -44,6 +43,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from omni_plugins.errors import ConnectorClosedError, ConnectorError
+from omni_plugins_redis.cleanup import Deferred
 from omni_plugins_redis.config import RedisConfig
 from omni_plugins_redis.connection import OmniConnection
 from omni_plugins_redis.packing import Arg, Buffer, pack_many
@@ -67,59 +67,6 @@ class AuthError(ConnectorError):
     """The server rejected our credentials or the ACL user lacks a permission (not retried)."""
 
 
-class Deferred(NamedTuple):
-    """An idempotent cleanup command waiting for the next write to its server."""
-
-    slot: int
-    args: tuple[Arg, ...]
-    frame: bytes
-
-
-class NodeQueue:
-    """Cleanup waiting for the next write to one server: deferred commands and consumed payloads' parts.
-
-    Parts are *retired* rather than deleted: the next parted put to this server
-    deletes them one right before each of its own parts, so the server stores
-    the new part in the memory the old one just left instead of faulting in
-    fresh pages (see ``RedisConnector._write_parts``). Any other write deletes
-    them at once.
-    """
-
-    __slots__ = ("_lock", "deferred", "retired")
-
-    def __init__(self) -> None:
-        self.deferred: list[Deferred] = []
-        self.retired: list[tuple[int, list[bytes]]] = []  # (slot, parts of one payload)
-        self._lock = threading.Lock()
-
-    @property
-    def pending(self) -> bool:
-        return bool(self.deferred or self.retired)
-
-    def add(self, items: Sequence[Deferred]) -> None:
-        with self._lock:
-            self.deferred.extend(items)
-
-    def retire(self, slot: int, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            self.retired.append((slot, list(keys)))
-
-    def take_retired(self) -> list[tuple[int, list[bytes]]]:
-        with self._lock:
-            groups, self.retired = self.retired, []
-        return groups
-
-    def take_all(self) -> list[Deferred]:
-        """Everything waiting, retired parts as one ``UNLINK`` per payload (one hash tag each), now the caller's to send."""
-        with self._lock:
-            items, self.deferred = self.deferred, []
-            groups, self.retired = self.retired, []
-        for slot, keys in groups:
-            args: tuple[Arg, ...] = ("UNLINK", *keys)
-            items.append(Deferred(slot, args, b"".join(pack_many([args]))))
-        return items
-
-
 class Link:
     """A pooled redis-py connection lent to one step, with its server's deferred cleanup riding on the first write.
 
@@ -134,11 +81,11 @@ class Link:
 
     __slots__ = ("_in_flight", "_reader", "_sending", "_write_shut", "aborted", "client", "conn", "queue", "route")
 
-    def __init__(self, client: RedisClient, conn: OmniConnection, route: Route, queue: NodeQueue) -> None:
+    def __init__(self, client: RedisClient, conn: OmniConnection, route: Route) -> None:
         self.client = client
         self.conn = conn
         self.route = route
-        self.queue = queue
+        self.queue = route.queue
         self.aborted = False
         self._in_flight: list[Deferred] = []  # deferred commands sent on this link, replies not read yet
         self._reader: ReplyReader | None = None
@@ -184,7 +131,7 @@ class Link:
             self.settle()
 
     def retire(self, slot: int, keys: Sequence[bytes]) -> None:
-        """Leave a consumed payload's parts for the next parted put to this server (see :class:`NodeQueue`)."""
+        """Leave a consumed payload's parts for the next parted put to this server (see :class:`~.cleanup.NodeQueue`)."""
         self.queue.retire(slot, keys)
 
     def take_retired(self) -> list[bytes]:
@@ -207,22 +154,32 @@ class Link:
             raise found
         return found
 
+    def read_pair(self, timeout: float | None = None) -> tuple[Reply, Reply]:
+        """The next two replies: a bulk string and an integer parsed in one step (see :meth:`.ReplyReader.bulk_and_integer`).
+
+        ``timeout`` bounds this read instead of the socket timeout (a blocking command).
+        """
+        reader = self._reply_reader()
+        if timeout is None:
+            first, second = reader.bulk_and_integer()
+        else:
+            reader.set_timeout(timeout)
+            try:
+                first, second = reader.bulk_and_integer()
+            finally:
+                with contextlib.suppress(OSError):
+                    reader.set_timeout(None)
+        for found in (first, second):
+            if isinstance(found, redis.ConnectionError):
+                raise found
+        return first, second
+
     def read_many(self, count: int) -> list[Reply]:
         return [self.read() for _ in range(count)]
 
     def expect(self, pattern: re.Pattern[bytes]) -> re.Match[bytes] | None:
         """Consume the next replies if they match ``pattern`` (see :meth:`.ReplyReader.match`); None: read them one by one."""
         return self._reply_reader().match(pattern)
-
-    def reply(self, timeout: float) -> Reply:
-        """Like :meth:`read`, with this read bounded by ``timeout`` instead of the socket timeout (a blocking command)."""
-        reader = self._reply_reader()
-        reader.set_timeout(timeout)
-        try:
-            return self.read()
-        finally:
-            with contextlib.suppress(OSError):
-                reader.set_timeout(None)
 
     def call(self, *args: Arg) -> Reply:
         """One command, one reply; raises an error reply."""
@@ -360,28 +317,13 @@ class RedisClient:
         self.lazy_cleanup = config.lazy_cleanup
         self._closed = threading.Event()
         self._busy: set[Link] = set()  # (set.add/discard and list(set) are atomic: no lock on the hot path)
-        self._kept: dict[int, tuple[ConnectionPool, list[OmniConnection]]] = {}
         self._lock = threading.Lock()
-        self._queues: dict[str, NodeQueue] = {}
         self._orphans: list[Deferred] = []
         self._backoff = EqualJitterBackoff(cap=config.retry_backoff_max, base=config.retry_backoff / 2)
-        # Retry counts attempts and tells retryable errors apart; the backoff wait is the failure hook's, so close() cuts it short
-        self._retry = self._make_retry(config.retry_attempts)
-
-    @staticmethod
-    def _make_retry(attempts: int) -> Retry:
-        return Retry(NoBackoff(), attempts, supported_errors=(RedisError, OSError), is_retryable=_retryable)
 
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
-
-    def _queue(self, name: str) -> NodeQueue:
-        queue = self._queues.get(name)
-        if queue is None:
-            with self._lock:
-                queue = self._queues.setdefault(name, NodeQueue())
-        return queue
 
     def orphan(self, items: Sequence[Deferred]) -> None:
         """Cleanup commands whose server is gone or moved: sent, by slot, with a later write wherever the slot lives."""
@@ -397,7 +339,7 @@ class RedisClient:
             except (RedisError, OSError):
                 self.orphan(items[index:])
                 return
-            self._queue(route.name).add([item])
+            route.queue.add([item])
 
     # -- execution -------------------------------------------------------------
     def run(
@@ -412,39 +354,38 @@ class RedisClient:
         """
         attempts = _Attempts()
         max_attempts = self._config.retry_attempts if retries is None else retries
-
-        def attempt() -> T:
-            attempts.count += 1
-            if self._closed.is_set():
-                raise ConnectorClosedError(f"Redis {self.label}: the client is closed")
-            if self._orphans:
-                self._place_orphans()
-            attempts.route = None
-            try:
-                route = self.topology.route(slot)
-            except (RedisError, OSError) as exc:
-                self.topology.failed(None, exc)
-                raise
-            attempts.route = route
-            return self._use(route, step)
-
-        def failed(error: Exception, failures: int) -> None:
-            self._after_failure(error, failures, max_attempts, deadline)
-
-        retry = self._retry if retries is None else self._make_retry(retries)
         try:
-            return retry.call_with_retry(attempt, failed, with_failure_count=True)
+            try:
+                return self._attempt(slot, step, attempts)  # the usual case, without the retry machinery
+            except (RedisError, OSError) as exc:
+                if not _retryable(exc) or max_attempts == 0:
+                    raise
+                self._after_failure(exc, 1, max_attempts, deadline)
+            retry = Retry(NoBackoff(), max_attempts - 1, supported_errors=(RedisError, OSError), is_retryable=_retryable)
+            return retry.call_with_retry(
+                lambda: self._attempt(slot, step, attempts),
+                lambda error, failures: self._after_failure(error, failures + 1, max_attempts, deadline),
+                with_failure_count=True,
+            )
         except ConnectorClosedError as exc:
             raise ConnectorClosedError(f"{what} {key!r}: {exc}") from None
         except (RedisError, OSError, _OutOfTime) as exc:
             raise self._error(exc, what, key, attempts) from None
 
-    def _kept_for(self, pool: ConnectionPool) -> list[OmniConnection]:
-        entry = self._kept.get(id(pool))
-        if entry is None:
-            with self._lock:
-                entry = self._kept.setdefault(id(pool), (pool, []))
-        return entry[1]
+    def _attempt(self, slot: int, step: Callable[[Link], T], attempts: _Attempts) -> T:
+        attempts.count += 1
+        if self._closed.is_set():
+            raise ConnectorClosedError(f"Redis {self.label}: the client is closed")
+        if self._orphans:
+            self._place_orphans()
+        attempts.route = None
+        try:
+            route = self.topology.route(slot)
+        except (RedisError, OSError) as exc:
+            self.topology.failed(None, exc)
+            raise
+        attempts.route = route
+        return self._use(route, step)
 
     def _use(self, route: Route, step: Callable[[Link], T]) -> T:
         """Run ``step`` on a connection of ``route``'s pool.
@@ -457,21 +398,21 @@ class RedisClient:
         (``pool_size``), takes back each that failed (it reconnects on its next
         checkout) and gets all back at close.
         """
-        kept = self._kept_for(route.pool)
+        kept = route.kept
         try:
-            conn = kept.pop()
+            conn: OmniConnection = kept.pop()
         except IndexError:
             try:
                 conn = route.pool.get_connection()  # type: ignore[assignment]  # the topology's connection class
             except (RedisError, OSError) as exc:
                 if self.topology.failed(route, exc):
-                    self.orphan(self._queue(route.name).take_all())
+                    self.orphan(route.queue.take_all())
                 raise
-        link = Link(self, conn, route, self._queue(route.name))
+        link = Link(self, conn, route)
         self._busy.add(link)
         try:
             result = step(link)
-            if not link.clean:
+            if link._in_flight:
                 link.settle()
         except BaseException as exc:
             self._busy.discard(link)
@@ -496,18 +437,18 @@ class RedisClient:
         link.conn.disconnect()  # state unknown (half-read reply?): reconnect before the next use
         link.route.pool.release(link.conn)
         if isinstance(error, OSError | redis.ConnectionError | redis.TimeoutError) or _code(error) in _SERVER_CHANGED:
-            self._flush_kept(link.route.pool)  # the server died or changed role: its other connections are stale too
+            self._flush_kept(link.route)  # the server died or changed role: its other connections are stale too
 
-    def _flush_kept(self, pool: ConnectionPool) -> None:
-        """Give the kept connections of ``pool`` back, disconnected (each reconnects, via Sentinel too, on its next checkout)."""
-        kept = self._kept_for(pool)
-        while kept:
+    @staticmethod
+    def _flush_kept(route: Route) -> None:
+        """Give ``route``'s kept connections back, disconnected (each reconnects, via Sentinel too, on its next checkout)."""
+        while route.kept:
             try:
-                conn = kept.pop()
+                conn = route.kept.pop()
             except IndexError:
                 return
             conn.disconnect()
-            pool.release(conn)
+            route.pool.release(conn)
 
     def _after_failure(self, error: Exception, failures: int, max_attempts: int, deadline: float | None) -> None:
         """Retry's failure hook (the topology already heard of the failure): stop when closed or out of time, wait the backoff."""
@@ -567,33 +508,22 @@ class RedisClient:
             orphans, self._orphans = self._orphans, []
         for link in busy:
             link.abort()
-        for pool, kept in list(self._kept.values()):
-            while kept:
-                pool.release(kept.pop())
+        for route in self.topology.routes():
+            while route.kept:
+                route.pool.release(route.kept.pop())
         deadline = time.monotonic() + min(CLOSE_SETTLE_S, self._config.socket_timeout)
-        pending: dict[str, tuple[Route | None, list[Deferred]]] = {}
+        pending: dict[str, tuple[Route, list[Deferred]]] = {}
         for item in orphans:
             with contextlib.suppress(RedisError, OSError):
                 found = self.topology.route(item.slot)
                 pending.setdefault(found.name, (found, []))[1].append(item)
-        for name, queue in list(self._queues.items()):
-            if queue.pending:
-                pending.setdefault(name, (None, []))[1].extend(queue.take_all())
-        routes = {r.name: r for r in self._safe_primaries()}
-        for name, (known, items) in pending.items():
-            route = known or routes.get(name)
-            if route is None:
-                log.debug("Redis %s: %d deferred cleanup command(s) dropped at close (keys expire by TTL)", name, len(items))
-                continue
+        for route in self.topology.routes():
+            if route.queue.pending:
+                pending.setdefault(route.name, (route, []))[1].extend(route.queue.take_all())
+        for route, items in pending.values():
             self._settle_at_close(route, items, deadline, wait_replicas)
         with contextlib.suppress(RedisError, OSError):
             self.topology.close()
-
-    def _safe_primaries(self) -> list[Route]:
-        try:
-            return self.topology.primaries()
-        except (RedisError, OSError):
-            return []
 
     @staticmethod
     def _settle_at_close(route: Route, items: list[Deferred], deadline: float, wait_replicas: tuple[int, int] | None) -> None:
@@ -626,4 +556,4 @@ class _OutOfTime(Exception):
         self.error = error
 
 
-__all__ = ["AuthError", "Deferred", "Link", "NodeQueue", "ProtocolError", "RedisClient"]
+__all__ = ["AuthError", "Link", "ProtocolError", "RedisClient"]

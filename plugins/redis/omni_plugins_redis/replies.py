@@ -172,6 +172,26 @@ class ReplyReader:
         """The body (and CRLF) of the bulk string whose size :meth:`bulk_size` returned, into ``dest`` of that size."""
         self._read_into(dest)
 
+    def bulk_and_integer(self) -> tuple[Reply, Reply]:
+        """Two replies; a bulk string and an integer (a claim's ``LMOVE`` + ``PEXPIRE``) in one step when both arrived.
+
+        The body is copied once, into a writable ``bytearray`` (the payload is
+        decoded from it in place). Anything else is read reply by reply.
+        """
+        if self._pos == self._end:
+            self._fill()
+        buf = self._buf
+        head = _BULK_HEAD.match(buf, self._pos, self._end)
+        if head is not None:
+            start = head.end()
+            stop = start + int(head.group(1))
+            tail = _CRLF_INTEGER.match(buf, stop, self._end)
+            if tail is not None:
+                body = buf[start:stop]
+                self._pos = tail.end()
+                return body, int(tail.group(1))
+        return self.reply(), self.reply()
+
     def match(self, expected: re.Pattern[bytes]) -> re.Match[bytes] | None:
         """Consume the next replies if the bytes already received match ``expected`` (the usual answer, in one step).
 
@@ -193,6 +213,8 @@ class ReplyReader:
 
 
 _SIMPLE, _ERROR, _INTEGER, _BULK, _ARRAY, _NULL = b"+-:$*_"
+_BULK_HEAD = re.compile(rb"\$(\d{1,19})\r\n")
+_CRLF_INTEGER = re.compile(rb"\r\n:(\d{1,19})\r\n")
 # ``count`` integer replies in a row, e.g. ":1\r\n:0\r\n" (the replies of deferred DEL/UNLINKs).
 _INTEGERS = {count: re.compile(rb"(?::\d{1,19}\r\n){%d}" % count) for count in range(1, 9)}
 

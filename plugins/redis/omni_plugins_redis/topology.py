@@ -13,7 +13,7 @@ connection (``Retry(NoBackoff(), 0)``): the connector retries whole steps
 from __future__ import annotations
 
 import threading
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import redis
 from redis.backoff import NoBackoff
@@ -23,6 +23,7 @@ from redis.exceptions import AskError, ClusterDownError, ReadOnlyError, RedisClu
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
+from omni_plugins_redis.cleanup import NodeQueue
 from omni_plugins_redis.config import RedisConfig, load_credential_provider
 from omni_plugins_redis.connection import (
     OmniConnection,
@@ -33,11 +34,21 @@ from omni_plugins_redis.connection import (
 )
 
 
-class Route(NamedTuple):
-    """The pool serving a slot and the name of its server (for deferred cleanup and error messages)."""
+class Route:
+    """One server: its redis-py pool, its name (for error messages), its cleanup queue and its kept connections.
 
-    pool: ConnectionPool
-    name: str
+    ``kept`` holds connections checked out of ``pool`` that served a step well,
+    for the next step (see ``RedisClient._use``). Made once per server and
+    reused, so the hot path finds all of it without a lookup.
+    """
+
+    __slots__ = ("kept", "name", "pool", "queue")
+
+    def __init__(self, pool: ConnectionPool, name: str) -> None:
+        self.pool = pool
+        self.name = name
+        self.queue = NodeQueue()
+        self.kept: list[Any] = []
 
 
 class Topology(Protocol):
@@ -50,6 +61,10 @@ class Topology(Protocol):
         ...
 
     def primaries(self) -> list[Route]: ...
+
+    def routes(self) -> list[Route]:
+        """Every server routed to so far (for close())."""
+        ...
 
     def close(self) -> None: ...
 
@@ -107,6 +122,9 @@ class Standalone:
     def primaries(self) -> list[Route]:
         return [self._route]
 
+    def routes(self) -> list[Route]:
+        return [self._route]
+
     def close(self) -> None:
         self._route.pool.disconnect(inuse_connections=False)
 
@@ -160,6 +178,9 @@ class SentinelPrimary:
     def primaries(self) -> list[Route]:
         return [self._route]
 
+    def routes(self) -> list[Route]:
+        return [self._route]
+
     def close(self) -> None:
         self._route.pool.disconnect(inuse_connections=False)
         self._sentinel.close()
@@ -200,6 +221,7 @@ class Cluster:
             kwargs.update(ssl=True, **_tls(config))
         self._kwargs = kwargs
         self._client: RedisCluster | None = None
+        self._routes: dict[str, Route] = {}  # by node name: kept across slot map refreshes
         self._stale = False
         self._lock = threading.Lock()
         self._closed = False
@@ -230,7 +252,25 @@ class Cluster:
         except RedisClusterException as exc:  # slot not covered (e.g. mid-failover): look again after a backoff
             self._stale = True
             raise ClusterDownError(f"slot {slot}: {exc}") from None
-        return Route(cluster.get_redis_connection(node).connection_pool, node.name)
+        return self._route_of(cluster, node)
+
+    def _route_of(self, cluster: RedisCluster, node: ClusterNode) -> Route:
+        pool = cluster.get_redis_connection(node).connection_pool
+        route = self._routes.get(node.name)
+        if route is None or route.pool is not pool:
+            with self._lock:
+                route = self._routes.get(node.name)
+                if route is None or route.pool is not pool:
+                    fresh = Route(pool, node.name)
+                    if route is not None:  # a new pool for the same address: its cleanup still has to go there
+                        fresh.queue.add(route.queue.take_all())
+                    route = self._routes[node.name] = fresh
+        return route
+
+    def routes(self) -> list[Route]:
+        """Every server routed to so far (for close())."""
+        with self._lock:
+            return list(self._routes.values())
 
     def failed(self, route: Route | None, error: BaseException) -> bool:
         if isinstance(error, _STALE_MAP):
@@ -239,7 +279,7 @@ class Cluster:
 
     def primaries(self) -> list[Route]:
         cluster = self._cluster()
-        return [Route(cluster.get_redis_connection(node).connection_pool, node.name) for node in cluster.get_primaries()]
+        return [self._route_of(cluster, node) for node in cluster.get_primaries()]
 
     def close(self) -> None:
         with self._lock:

@@ -140,8 +140,7 @@ class Claimer:
             return self._move_once(link, keys, claim_key, state)
         state.sent = True
         link.send_frame(blocking_move_commands(keys.manifest, claim_key, remaining) + self._wait_frame)
-        moved = link.reply(timeout=remaining + self._config.socket_timeout)
-        expire = link.read()
+        moved, expire = link.read_pair(timeout=remaining + self._config.socket_timeout)
         confirmed = self._confirmed(link, keys, claim_key, moved)
         state.sent = False
         return _taken(link, moved, expire, state) if confirmed else _GIVEN_BACK
@@ -153,8 +152,7 @@ class Claimer:
                 return _claimed(link, found, state)
         state.sent = True
         link.send_frame(move_commands(keys.manifest, claim_key) + self._wait_frame)
-        moved = link.read()
-        expire = link.read()
+        moved, expire = link.read_pair()
         confirmed = self._confirmed(link, keys, claim_key, moved)
         state.sent = False
         return _taken(link, moved, expire, state) if confirmed else None
