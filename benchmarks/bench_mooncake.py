@@ -83,7 +83,7 @@ from omni_plugins import wire
 
 MIB = 1 << 20
 SIZES = [1 * MIB, 16 * MIB, 64 * MIB]
-TARGET = 0.8  # issue #7: connector put+get >= 0.8x the raw calls
+TARGET = 0.8  # connector put+get >= 0.8x the raw calls
 # like with like: the raw calls that move the same bytes once (the other ratios are reported, not targets)
 TARGET_RATIOS = ("store_vs_raw_put_from_get_into", "te_vs_raw_read")
 BASELINES = {
@@ -98,9 +98,9 @@ BASELINES = {
 def _iters(size: int, quick: bool) -> tuple[int, int]:
     """(warmup, timed) iterations for a payload size.
 
-    Quick mode: 150 / 24 / 8 timed rounds at 1 / 16 / 64 MiB (about 45 s). It
-    took 40 / 16 / 4 until session 4, when the 1 MiB medians of two runs minutes
-    apart differed by more than the gap being measured (docs/mooncake.md).
+    Quick mode: 150 / 24 / 8 timed rounds at 1 / 16 / 64 MiB (about 45 s): with
+    fewer, two 1 MiB medians minutes apart can differ by more than the gaps being
+    measured.
     """
     budget = (384 * MIB) if quick else (2048 * MIB)
     timed = int(max(8 if quick else 12, min(150 if quick else 200, budget // size)))

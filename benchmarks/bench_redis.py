@@ -7,7 +7,7 @@ is the median over rounds (``best_*``: the fastest round, less sensitive to a
 busy machine); ratios are baseline time / connector time (higher
 is better for the connector).
 
-Targets (issue 6): at 64 MiB put >= 5x raw SET and get >= 2x raw GET; at
+Targets: at 64 MiB put >= 5x raw SET and get >= 2x raw GET; at
 4 KiB a get round trip within 1.2x of a raw GET round trip.
 
 From 16 MiB on, same-run evidence is added (it changes no baseline or

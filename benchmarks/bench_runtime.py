@@ -3,8 +3,7 @@ thread -> the chunk visible to ``recv_chunk`` on the consumer's model thread.
 
 Setup: ``--streams`` concurrent streaming requests (default 64), ``--chunks`` chunks
 each. A chunk's clock starts after its tensor was made (the model's output exists before the
-hand-off; until session 6 it started before, so every latency included a ``torch.ones``: ~5 us
-hot, up to ~130 us for the first chunk after a pause). The producer's model thread runs steps of ``--step-ms``; a stream emits a
+hand-off, so making it is not part of the latency). The producer's model thread runs steps of ``--step-ms``; a stream emits a
 chunk every ``--period`` steps. ``--pattern staggered`` (default) gives stream ``i``
 phase ``i % period``, as when requests reach their chunk boundaries at different
 tokens; ``--pattern burst`` makes every stream emit in the same step (``period``
@@ -26,9 +25,9 @@ Modes, measured in the same run, interleaved round by round:
   microseconds per chunk, which queue up in a burst (compare the two p50s).
 * ``noanticipate`` -- the runtime with ``RuntimeTuning(anticipate_s=0)``: the receive thread
   sleeps until each burst arrives instead of busy-polling from 1 ms before it is due
-  (``omni_plugins.runtime.rhythm``; session 7). Measured like ``runtime`` (no probes).
+  (``omni_plugins.runtime.rhythm``). Measured like ``runtime`` (no probes).
 * ``poll5ms``  -- the same runtime forced to a fixed 5 ms poll (the reference's behaviour).
-* ``park1``    -- the previous block mode (``RuntimeTuning(wait_any=False)``):
+* ``park1``    -- the park-one block mode (``RuntimeTuning(wait_any=False)``):
   sweeps plus a blocking ``get`` parked on the one predicted next key.
 * ``raw``      -- floor: one stream, ``connector.put`` in the producer, blocking
   ``connector.get`` in the consumer, no runtime.
@@ -66,7 +65,18 @@ inside ``connector.get`` / ``connector.wait_any``; the model thread, and the par
 of it inside ``recv_chunk`` + ``collect_signals``), counted from the producer's
 first step on.
 
-Usage: ``python3 benchmarks/bench_runtime.py [--quick] [--backend shm|memory] [--ab-handoff] [--json FILE] [--plot FILE.png]``
+Topologies (``--topology``, instead of the modes above): the same ``--streams`` streams and
+schedule through a fan-out pipeline (stage 0 -> 1 and 2: every chunk to both), a fan-in one
+(stages 0 and 1 -> 2: every stream from both sources) and a chain (0 -> 1), each stage in its
+own process over shared memory; and ``raw_chain`` / ``raw_fanout`` / ``raw_fanin``, the
+connector alone under each graph's traffic (one ``put`` per destination as soon as a chunk is
+made, one consumer thread looping ``wait_any`` + ``get`` over every next key, the keys the
+runtime would use). Reported per mode: p50/p99 hand-off latency per delivered chunk and CPU per
+delivered chunk of the consumers and the producers; ``ratios`` against the chain and against the
+connector alone. Target: fan-out and fan-in per-chunk cost (p50 latency; CPU per delivered chunk)
+within 1.3x of the chain's.
+
+Usage: ``python3 benchmarks/bench_runtime.py [--quick] [--backend shm|memory] [--ab-handoff] [--topology] [--json FILE] [--plot FILE.png]``
 """
 
 from __future__ import annotations
@@ -467,6 +477,298 @@ def runtime_overhead(streams: int, chunks: int, period: int, pattern: str, step_
     }
 
 
+# ----------------------------------------------------------------------------- topologies: fan-out, fan-in vs a chain
+#: ``--topology`` modes: the runtime on each graph, then the connector alone under the same traffic
+TOPOLOGY_MODES = ("chain", "fanout", "fanin", "raw_chain", "raw_fanout", "raw_fanin")
+
+
+def topology_graph(mode: str) -> tuple[list[tuple[int, int]], list[int], list[int]]:
+    """``(edges, producer stages, consumer stages)`` of a topology mode."""
+    kind = mode.removeprefix("raw_")
+    if kind == "chain":
+        return [(0, 1)], [0], [1]
+    if kind == "fanout":
+        return [(0, 1), (0, 2)], [0], [1, 2]
+    return [(0, 2), (1, 2)], [0, 1], [2]
+
+
+def topology_pipeline(mode: str, backend: str, namespace: str) -> dict[str, Any]:
+    """The pipeline config (a dict) of a topology mode: every edge over one connector instance, streaming."""
+    edges, producers, _ = topology_graph(mode)
+    stages = []
+    for sid in sorted({s for e in edges for s in e}):
+        stage: dict[str, Any] = {"stage_id": sid, "async_chunk": True, "recv_timeout_s": 60}
+        if sid in producers:
+            stage["custom_process_next_stage_input_func"] = BUILDER
+            stage["output_connectors"] = {f"to_stage_{b}": "c" for a, b in edges if a == sid}
+        else:
+            stage["input_connectors"] = {f"from_stage_{a}": "c" for a, b in edges if b == sid}
+        stages.append(stage)
+    return {"connectors": {"c": connector_config(backend, namespace)}, "stages": stages}
+
+
+def topology_job(
+    role: str,
+    mode: str,
+    stage: int,
+    pipeline: dict[str, Any],
+    streams: int,
+    chunks: int,
+    period: int,
+    pattern: str,
+    step_s: float,
+    chunk_floats: int,
+    start_at: float,
+    release: Callable[[], Any] = lambda: None,
+) -> dict[str, Any]:
+    """One stage of a topology mode in this (spawned) process: ``role`` ``produce`` or ``consume``.
+
+    Runtime modes build the stage's runtime from the pipeline (``from_pipeline``: every edge of
+    the stage); raw modes use one connector and the same keys the runtime would use.
+    """
+    from omni_plugins.config import PipelineConfig
+
+    config = PipelineConfig.model_validate(pipeline)
+    topo = config.topology(stage)
+    ids = [f"{mode}{i}" for i in range(streams)]
+    raw = mode.startswith("raw_")
+    if role == "produce":
+        return _topology_produce(config, stage, topo, ids, raw, chunks, period, pattern, step_s, chunk_floats, start_at, release)
+    return _topology_consume(config, stage, topo, ids, raw, chunks, start_at)
+
+
+def _topology_produce(
+    config: Any, stage: int, topo: Any, ids: list[str], raw: bool, chunks: int, period: int, pattern: str, step_s: float,
+    chunk_floats: int, start_at: float, release: Callable[[], Any],
+) -> dict[str, Any]:  # fmt: skip
+    cc = config.connectors["c"]
+    conn = create_connector(cc.name, cc.extra) if raw else None
+    rt = None if raw else StageTransferRuntime.from_pipeline(config, stage)
+    reqs = [_Req(rid) for rid in ids]
+    sent = [0] * len(ids)
+    try:
+        _sleep_until(start_at)
+        cpu0 = time.process_time()
+        for emitting in _paced(schedule(len(ids), chunks, period, pattern), step_s):
+            for i in emitting:
+                x = torch.ones(1, chunk_floats)  # the model's output: made before the hand-off starts
+                t0 = time.monotonic()
+                out: dict[str, Any] = {"embed": {"decode": x}, "ts": {"send": [t0]}}
+                k = sent[i]
+                sent[i] += 1
+                reqs[i].done = sent[i] == chunks
+                if rt is not None:
+                    rt.send_chunk(reqs[i], out)
+                    continue
+                assert conn is not None
+                out["meta"] = {"finished": reqs[i].done}
+                for e in topo.outputs:  # the connector alone: one put per destination, as soon as the chunk is made
+                    conn.put(stage, e.to_stage, f"{ids[i]}_{e.key_stage}_{k}", out)
+        if rt is not None:
+            rt.wait_sends(60)
+        cpu = time.process_time() - cpu0
+        release()  # the consumers have read everything: now the connector may go
+        if rt is not None:
+            for r in reqs:
+                rt.cleanup_finished_request(r.request_id)
+    finally:
+        if rt is not None:
+            rt.shutdown()
+        if conn is not None:
+            conn.close()
+    return {"cpu_s": cpu, "chunks": len(ids) * chunks * len(topo.outputs)}
+
+
+def _topology_consume(config: Any, stage: int, topo: Any, ids: list[str], raw: bool, chunks: int, start_at: float) -> dict[str, Any]:
+    sources = [e.from_stage for e in topo.inputs]
+    lat: list[float] = []
+    deadline = start_at + 300
+    want = len(ids) * chunks * len(sources)
+    if raw:
+        cc = config.connectors["c"]
+        conn = create_connector(cc.name, cc.extra)
+        try:
+            keys = {f"{rid}_{e.key_stage}_0": (rid, e, 0) for rid in ids for e in topo.inputs}
+            _sleep_until(start_at)
+            cpu0 = time.process_time()
+            while keys and time.monotonic() < deadline:
+                for key in conn.wait_any(list(keys), 0.05):
+                    got = conn.get(0, stage, key, timeout=None)
+                    t1 = time.monotonic()
+                    if got is None:
+                        continue
+                    rid, e, k = keys.pop(key)
+                    lat.append(t1 - got.data["ts"]["send"][0])
+                    if k + 1 < chunks:
+                        keys[f"{rid}_{e.key_stage}_{k + 1}"] = (rid, e, k + 1)
+            cpu = time.process_time() - cpu0
+        finally:
+            conn.close()
+        return {"latencies": lat, "cpu_s": cpu, "missing": want - len(lat)}
+    rt = StageTransferRuntime.from_pipeline(config, stage)
+    fan_in = len(sources) > 1
+    try:
+        for rid in ids:
+            rt.register_chunk_recv(_Req(rid))
+        seen: dict[tuple[str, int], int] = {}
+        finished: set[str] = set()
+
+        def took(rid: str, src: int, payload: Any, now: float) -> None:
+            sends = payload["ts"]["send"]
+            first = seen.get((rid, src), 0)
+            lat.extend(now - t0 for t0 in sends[first:])
+            seen[(rid, src)] = len(sends)
+
+        _sleep_until(start_at - 0.2)
+        cpu0 = time.process_time()
+        while len(finished) < len(ids) and time.monotonic() < deadline:
+            rt.wait_ready(0.05)
+            ready = rt.recv_chunk()
+            now = time.monotonic()
+            for rid, payload in ready.items():
+                for src, part in (payload.items() if fan_in else [(sources[0], payload)]):
+                    took(rid, src, part, now)
+            sig = rt.collect_signals()
+            # landed between recv_chunk and collect_signals: read from the cache (on a fan-in stage per source:
+            # one source may have woken the request for recv_chunk and another one after it)
+            if fan_in:
+                late = {rid: srcs - ready.get(rid, {}).keys() for rid, srcs in sig.chunk_ready_sources.items()}
+            else:
+                late = {rid: {sources[0]} for rid in sig.chunk_ready - ready.keys()}
+            if any(late.values()):
+                now = time.monotonic()
+                for rid, srcs in late.items():
+                    cached = rt.get_local_stage_payload(rid)
+                    for src, part in (cached.items() if fan_in else [(sources[0], cached)]):
+                        if src in srcs:
+                            took(rid, src, part, now)
+            finished |= sig.chunk_finished
+        cpu = time.process_time() - cpu0
+        for rid in ids:
+            rt.cleanup_finished_request(rid)
+    finally:
+        rt.shutdown()
+    return {"latencies": lat, "cpu_s": cpu, "missing": want - len(lat)}
+
+
+def topology_server(cmds: Any, results: Any) -> None:
+    """Spawned stage process of ``--topology``: run :func:`topology_job` per command until None."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    while True:
+        cmd = cmds.get()
+        if cmd is None:
+            return
+        try:
+            results.put(("ok", topology_job(*cmd, release=lambda: cmds.get(timeout=900))))
+        except Exception as exc:  # report, do not hang the parent
+            results.put(("error", repr(exc)))
+
+
+def run_topologies(args: argparse.Namespace, step_s: float) -> dict[str, Any]:
+    """Every topology mode, interleaved per round; each stage in its own process (a pool of three)."""
+    os.makedirs(SHM_DIR, mode=0o700, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    pool = []
+    for _ in range(3):
+        cmds, results = ctx.Queue(), ctx.Queue()
+        proc = ctx.Process(target=topology_server, args=(cmds, results), daemon=True)
+        proc.start()
+        pool.append((cmds, results, proc))
+    per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in TOPOLOGY_MODES}
+    load_start = os.getloadavg()
+    try:
+        warm = [(-1, m) for m in ("chain", "fanin")] if args.rounds > 0 else []  # unrecorded: every worker imports and maps once
+        plan = warm + [(r, m) for r in range(args.rounds) for m in TOPOLOGY_MODES]
+        for rnd, mode in tqdm(plan, desc="topologies", unit="mode"):
+            ns = f"bench-topo-{uuid.uuid4().hex[:8]}"
+            pipeline = topology_pipeline(mode, "shm", ns)
+            _, producers, consumers = topology_graph(mode)
+            start_at = time.monotonic() + 1.0
+            job = (args.streams, args.chunks, args.period, args.pattern, step_s, args.chunk_floats, start_at)
+            jobs = [("produce", s) for s in producers] + [("consume", s) for s in consumers]
+            for (role, stage), (cmds, _, _) in zip(jobs, pool, strict=False):
+                cmds.put((role, mode, stage, pipeline, *job))
+            got: dict[tuple[str, int], dict[str, Any]] = {}
+            for (role, stage), (_, results, _) in zip(jobs, pool, strict=False):
+                if role == "consume":
+                    got[(role, stage)] = _result(results)
+            for (role, stage), (cmds, results, _) in zip(jobs, pool, strict=False):
+                if role == "produce":
+                    cmds.put("release")
+                    got[(role, stage)] = _result(results)
+            if rnd >= 0:
+                per_mode[mode].append({"producers": [got[("produce", s)] for s in producers], "consumers": [got[("consume", s)] for s in consumers]})
+    finally:
+        for cmds, _, proc in pool:
+            cmds.put(None)
+            proc.join(30)
+        left = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
+        if left:
+            print(f"warning: {len(left)} file(s) left in {SHM_DIR}: {left[:5]}", file=sys.stderr)
+        else:
+            os.rmdir(SHM_DIR)
+    modes: dict[str, Any] = {}
+    for mode, rows in per_mode.items():
+        lat = [x for r in rows for c in r["consumers"] for x in c["latencies"]]
+        delivered = max(1, len(lat))
+        entry: dict[str, Any] = dict(summarize(lat))
+        entry["missing_chunks"] = sum(c["missing"] for r in rows for c in r["consumers"])
+        entry["consumer_cpu_us_per_chunk"] = sum(c["cpu_s"] for r in rows for c in r["consumers"]) / delivered * 1e6
+        entry["producer_cpu_us_per_chunk"] = sum(p["cpu_s"] for r in rows for p in r["producers"]) / delivered * 1e6
+        if mode.endswith("fanout"):  # each destination on its own
+            entry["per_destination_p50_ms"] = [summarize([x for r in rows for x in r["consumers"][i]["latencies"]])["p50_ms"] for i in range(2)]
+        modes[mode] = entry
+
+    def ratio(a: str, b: str, key: str) -> float | None:
+        x, y = modes[a][key], modes[b][key]
+        return round(x / y, 3) if x is not None and y else None
+
+    ratios = {f"{q}_{a}_vs_{b}": ratio(a, b, f"{q}_ms") for q in ("p50", "p99") for a, b in (
+        ("fanout", "chain"), ("fanin", "chain"), ("chain", "raw_chain"), ("fanout", "raw_fanout"), ("fanin", "raw_fanin"),
+        ("raw_fanout", "raw_chain"), ("raw_fanin", "raw_chain"))}  # fmt: skip
+    ratios |= {f"consumer_cpu_{a}_vs_chain": ratio(a, "chain", "consumer_cpu_us_per_chunk") for a in ("fanout", "fanin")}
+    ratios |= {f"producer_cpu_{a}_vs_chain": ratio(a, "chain", "producer_cpu_us_per_chunk") for a in ("fanout", "fanin")}
+    for a in ("fanout", "fanin", "chain"):  # every CPU the stages spend per delivered chunk
+        modes[a]["cpu_us_per_chunk"] = modes[a]["consumer_cpu_us_per_chunk"] + modes[a]["producer_cpu_us_per_chunk"]
+    ratios |= {f"cpu_{a}_vs_chain": ratio(a, "chain", "cpu_us_per_chunk") for a in ("fanout", "fanin")}
+
+    def worst(keys: tuple[str, ...]) -> float | None:
+        return max((ratios[k] for k in keys if ratios[k] is not None), default=None)
+
+    latency, cpu = worst(("p50_fanout_vs_chain", "p50_fanin_vs_chain")), worst(("cpu_fanout_vs_chain", "cpu_fanin_vs_chain"))
+    return {
+        "benchmark": "bench_runtime.topology",
+        "command": " ".join(["python3", "benchmarks/bench_runtime.py", *sys.argv[1:]]),
+        "backend": "shm",
+        "cross_process": True,
+        "config": {k: getattr(args, k) for k in ("streams", "chunks", "period", "pattern", "rounds", "step_ms", "chunk_floats")},
+        "machine": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "loadavg_start": [round(x, 2) for x in load_start],
+            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+        },
+        "graphs": {m: {"edges": topology_graph(m)[0], "producers": topology_graph(m)[1], "consumers": topology_graph(m)[2]} for m in TOPOLOGY_MODES},
+        "modes": modes,
+        "ratios": ratios,
+        "target": {
+            "max_vs_chain": 1.3,
+            "p50_latency_worst": latency,
+            "p50_latency_met": latency is not None and latency <= 1.3,
+            "cpu_per_chunk_worst": cpu,
+            "cpu_per_chunk_met": cpu is not None and cpu <= 1.3,
+        },
+    }
+
+
+def _result(results: Any) -> dict[str, Any]:
+    status, out = results.get(timeout=600)
+    if status != "ok":
+        raise RuntimeError(f"stage process failed: {out}")
+    return dict(out)
+
+
 # ----------------------------------------------------------------------------- consumer side
 def consume(backend: str, namespace: str, mode: str, streams: int, chunks: int, start_at: float, bar: tqdm) -> dict:
     """Consumer stage on this process's model thread: returns latencies (s) and model-thread cost."""
@@ -698,12 +1000,28 @@ def main() -> None:
     ap.add_argument(
         "--ab-handoff", action="store_true", help="also measure mode nohandoff: the runtime with RuntimeTuning(send_handoff_s=0) on both sides"
     )
+    ap.add_argument(
+        "--topology",
+        action="store_true",
+        help="instead: the same streams through a fan-out (0 -> 1, 2) and a fan-in (0, 1 -> 2) pipeline against a chain "
+        "(0 -> 1), and the connector alone under each graph's traffic; every stage its own process (shm only)",
+    )
     ap.add_argument("--json", help="write results to this file")
     ap.add_argument("--plot", help="write a latency CDF plot (PNG)")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.chunks = 1, 4
         args.overhead_reps = min(args.overhead_reps, 2)
+    if args.topology:
+        if args.backend == "memory":
+            ap.error("--topology runs every stage in its own process: it needs --backend shm")
+        report = run_topologies(args, args.step_ms / 1e3)
+        text = json.dumps(report, indent=2)
+        print(text)
+        if args.json:
+            with open(args.json, "w") as fh:
+                fh.write(text + "\n")
+        return
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     if args.shm_slot_count is not None:

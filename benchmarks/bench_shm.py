@@ -17,8 +17,8 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
   ``shm_pingpong`` itself runs the config defaults.
 - ``floor_slots_pingpong`` / ``floor_slots_wire_pingpong``: the slot table's hand-off alone (its C
   calls and futex waits, no connector layers) with raw bytes / with the wire codec on each hop (encode +
-  ``buffers()`` before the put, decode after the take): the floors of ``shm_pingpong_slots`` up to session 3.
-- ``floor_slots_codec_pingpong``: the connector's slot-table hot path since session 4 without its Python
+  ``buffers()`` before the put, decode after the take): the slot-table hand-off with the codec outside it.
+- ``floor_slots_codec_pingpong``: the connector's slot-table hot path without its Python
   layers: ``put_obj`` (the encoding written straight into the slot by ``wire``'s compiled ``encode_into``)
   and ``take`` / ``take_wait`` + ``wire.decode`` (what ``shm_pingpong`` does per hop, minus ``put``/``get``).
 - ``shm_pingpong_inotify``: ``shm_pingpong`` with ``futex_wait: false``: blocked gets wait on
@@ -37,13 +37,13 @@ Two processes (``spawn``): the parent produces, a child consumes. Per payload si
   futex slot -- ``FUTEX_WAKE`` only when the peer waits --, claim ``rename``, ``lstat``, copy out of a
   kept mapping, return ``rename``, ``FUTEX_WAIT`` when the payload is not there yet) without the
   codec and without the connector's Python layers.
-- ``floor_inotify_pingpong``: the previous protocol's floor (publish ``rename`` into a watched
+- ``floor_inotify_pingpong``: the inotify protocol's floor (publish ``rename`` into a watched
   directory, claim, ``lstat``, copy, return; inotify ``poll``/``read`` via the connector's own
   watch) -- the floor of the path without the C extension.
 - ``floor_cas_pingpong``: what a hand-off without any file syscall costs -- publish = a state word
   set in a shared page + the futex ring, claim = a compare-and-swap on that word, return = a store;
   the only syscalls are ``FUTEX_WAIT``/``FUTEX_WAKE``. The lower bound of a claim in a shared
-  slot table (not what the connector does; see docs/shm.md).
+  slot table (not what the connector does; see docs/backends/shm.md).
 - ``codec_us`` (in-process, not a mode): ``wire.encode`` + ``write_into`` + ``wire.decode`` of the
   payload, best of N -- paid twice per round trip by ``shm_pingpong``.
 
@@ -666,7 +666,7 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
             ("slots", "<= 1.5 (slot table on)"),
             ("files", "<= 1.5 (slot table off: every payload a file)"),
             ("floor_slots", "(context: the slot table's hand-off, raw bytes, no connector)"),
-            ("floor_slots_wire", "(context: that + the wire codec each hop: the floor of shm_pingpong_slots up to session 3)"),
+            ("floor_slots_wire", "(context: that + the wire codec each hop, encoded outside the slot)"),
             ("floor_slots_codec", "(context: encode_into the slot + take + decode each hop: the connector's hot path without put/get)"),
         ):
             if f"roundtrip_{mode}_vs_pipe" in small:
@@ -680,7 +680,7 @@ def _targets(results: dict[str, Any]) -> dict[str, Any]:
         out["roundtrip_4KiB_floor_vs_pipe"] = _entry(
             small["roundtrip_floor_vs_pipe"], "(context: protocol without codec)", protocol=small["floor_protocol"]
         )
-        out["roundtrip_4KiB_floor_inotify_vs_pipe"] = _entry(small["roundtrip_floor_inotify_vs_pipe"], "(context: previous protocol)")
+        out["roundtrip_4KiB_floor_inotify_vs_pipe"] = _entry(small["roundtrip_floor_inotify_vs_pipe"], "(context: the inotify protocol)")
         if "roundtrip_floor_cas_vs_pipe" in small:
             out["roundtrip_4KiB_floor_cas_vs_pipe"] = _entry(
                 small["roundtrip_floor_cas_vs_pipe"],

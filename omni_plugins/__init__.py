@@ -3,6 +3,7 @@
 This module only re-exports the public surface; see the submodules.
 """
 
+from omni_plugins.commands import CommandSink
 from omni_plugins.config import (
     ConnectorConfig,
     PipelineConfig,
@@ -26,6 +27,7 @@ from omni_plugins.errors import (
 )
 from omni_plugins.factory import available_connectors, create_connector, plugin_statuses
 from omni_plugins.hookspecs import hookimpl, hookspec
+from omni_plugins.registry import RegistrationSink
 from omni_plugins.settings import ConnectorSettings
 
 __version__ = "0.1.0"
@@ -33,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BuilderError",
     "Capabilities",
+    "CommandSink",
     "ConfigError",
     "Connector",
     "ConnectorClosedError",
@@ -48,6 +51,7 @@ __all__ = [
     "PluginLoadError",
     "PutResult",
     "RankMapping",
+    "RegistrationSink",
     "StageConfig",
     "StageConnectorConfig",
     "WireFormatError",

@@ -14,4 +14,5 @@ def omni_register_connectors(registry: RegistrationSink) -> None:
         config="omni_plugins.memory:MemoryConfig",
         aliases=["InProcessConnector"],
         description="in-process reference connector (tests, single-process pipelines)",
+        services="omni_plugins.memory_services:MemoryServices",
     )

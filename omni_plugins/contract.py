@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from omni_plugins.backoff import Backoff
 from omni_plugins.errors import ConnectorClosedError, ConnectorContractError
 
 StageId = int | str
@@ -209,18 +210,14 @@ class Connector(abc.ABC):
         it sleeps ``min(timeout, 5 ms)`` and returns every key as *possibly*
         available -- a bounded poll, the caller's ``get`` decides.
         """
-        deadline = time.monotonic() + timeout
-        pause = _WAIT_ANY_BACKOFF[0]
+        backoff = Backoff.within(timeout, *_WAIT_ANY_BACKOFF)
         while True:
             found = self._available(keys)
             if found is None:
                 time.sleep(min(timeout, _WAIT_ANY_BLIND_S))
                 return list(keys)
-            remaining = deadline - time.monotonic()
-            if found or remaining <= 0 or self._closed:
+            if found or self._closed or not backoff.sleep():
                 return found
-            time.sleep(min(pause, remaining))
-            pause = min(pause * 2, _WAIT_ANY_BACKOFF[1])
 
     def _available(self, keys: Sequence[str]) -> list[str] | None:
         """Optional cheap existence check used by the fallback ``_wait_any``: the keys present now.

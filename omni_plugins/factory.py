@@ -82,6 +82,23 @@ def create_connector(name: str, config: Mapping[str, Any] | BaseModel | None = N
     return connector
 
 
+def connector_schema(name: str) -> dict[str, Any]:
+    """The JSON schema of connector ``name``'s settings model, with the connector's names in ``x-omni-connector``.
+
+    What ``omni-plugins schema NAME`` prints, and what the documentation's settings tables are made from.
+    """
+    spec = resolve_connector(name)
+    schema = spec.load_config_model().model_json_schema()
+    schema.setdefault("title", spec.name)
+    schema["x-omni-connector"] = {
+        "name": spec.name,
+        "aliases": list(spec.aliases),
+        "plugin": spec.plugin,
+        "distribution": spec.distribution,
+    }
+    return schema
+
+
 def available_connectors() -> dict[str, ConnectorSpec]:
     """Registered connectors by name (aliases not repeated)."""
     return {s.name: s for s in get_plugin_manager().registry.specs()}

@@ -117,6 +117,29 @@ class MemoryConnector(Connector):
             self._owned.clear()
             self._store.cond.notify_all()
 
+    @classmethod
+    def namespace_keys(cls, namespace: str) -> list[str]:
+        """Keys stored in ``namespace`` in this process (none if it was never used)."""
+        with cls._stores_lock:
+            store = cls._stores.get(namespace)
+        if store is None:
+            return []
+        with store.cond:
+            return sorted(store.items)
+
+    @classmethod
+    def discard_namespace_keys(cls, namespace: str, prefix: str) -> int:
+        """Remove the payloads of ``namespace`` whose key starts with ``prefix``; how many there were."""
+        with cls._stores_lock:
+            store = cls._stores.get(namespace)
+        if store is None:
+            return 0
+        with store.cond:
+            doomed = [k for k in store.items if k.startswith(prefix)]
+            for key in doomed:
+                store.nbytes -= len(store.items.pop(key))
+            return len(doomed)
+
     def keys(self) -> list[str]:
         """Keys currently stored in this namespace (for leak checks)."""
         with self._store.cond:

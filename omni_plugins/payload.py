@@ -5,7 +5,10 @@ stage::
 
     def build(transfer_manager, pooling_output, request, is_finished=False) -> dict | None
 
-It is named in the stage config by dotted path (``pkg.mod.func`` or
+A builder whose signature names ``to_stage`` is told the destination and is
+called once per output edge it serves (a fan-out stage can send each
+destination what it needs); any other builder is called once and its payload
+goes to every edge it serves. It is named in the stage config by dotted path (``pkg.mod.func`` or
 ``pkg.mod:func``). Returning ``None`` sends nothing. The builder's module may
 define ``_FULL_PAYLOAD_REPLACE_KEYS`` (an iterable of keys) whose values are
 replaced, never concatenated, when full payloads are accumulated.
@@ -37,11 +40,17 @@ class ResolvedBuilder:
     func: Callable[..., Any]
     accepts_is_finished: bool
     replace_keys: frozenset[str]
+    #: the signature names ``to_stage``: called once per destination, told which
+    per_destination: bool = False
 
-    def __call__(self, *, transfer_manager: Any, pooling_output: Any, request: Any, is_finished: bool = False) -> Any:
+    def __call__(
+        self, *, transfer_manager: Any, pooling_output: Any, request: Any, is_finished: bool = False, to_stage: int | None = None
+    ) -> Any:
         kwargs: dict[str, Any] = {"transfer_manager": transfer_manager, "pooling_output": pooling_output, "request": request}
         if self.accepts_is_finished:
             kwargs["is_finished"] = is_finished
+        if self.per_destination:
+            kwargs["to_stage"] = to_stage
         return self.func(**kwargs)
 
 
@@ -69,12 +78,18 @@ def accepts_is_finished(func: Callable[..., Any]) -> bool:
     return params is not None and ("is_finished" in params[0] or params[1])
 
 
+def names_to_stage(func: Callable[..., Any]) -> bool:
+    """The signature names ``to_stage`` (``**kwargs`` alone does not count: such a builder is called once for every destination)."""
+    params = _params(func)
+    return params is not None and "to_stage" in params[0]
+
+
 def _resolve(path: str, func: Any) -> ResolvedBuilder:
     module = inspect.getmodule(func)
     raw = getattr(module, REPLACE_KEYS_ATTR, ()) if module is not None else ()
     if isinstance(raw, str):
         raw = (raw,)
-    return ResolvedBuilder(path, func, accepts_is_finished(func), frozenset(str(k) for k in raw))
+    return ResolvedBuilder(path, func, accepts_is_finished(func), frozenset(str(k) for k in raw), names_to_stage(func))
 
 
 def load_builder(path: str) -> ResolvedBuilder:

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import pluggy
 
 from omni_plugins import hookspecs
+from omni_plugins.commands import CommandSink, CommandTable
 from omni_plugins.errors import PluginLoadError
 from omni_plugins.naming import canonical
 from omni_plugins.registry import ConnectorRegistry, RegistrationSink
@@ -46,6 +47,7 @@ class PluginStatus:
     status: Status
     connectors: list[str] = field(default_factory=list)
     aliases: list[str] = field(default_factory=list)
+    commands: list[str] = field(default_factory=list)
     error: str | None = None
     exception: BaseException | None = field(default=None, repr=False)
 
@@ -57,6 +59,7 @@ class PluginStatus:
             "status": self.status,
             "connectors": self.connectors,
             "aliases": self.aliases,
+            "commands": self.commands,
             "error": self.error,
         }
 
@@ -103,6 +106,7 @@ class PluginManager:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs)
         self.registry = ConnectorRegistry()
+        self.commands = CommandTable()
         self.statuses: dict[str, PluginStatus] = {}
         self._loaded = False
         self._lock = threading.RLock()
@@ -171,26 +175,26 @@ class PluginManager:
             try:
                 self.pm.check_pending()
                 sink = RegistrationSink(self.registry, plugin_name, distribution, version)
-                impls = [i for i in self.pm.hook.omni_register_connectors.get_hookimpls() if i.plugin_name == plugin_name]
-                if not impls:
+                commands = CommandSink(self.commands, plugin_name, distribution)
+                connector_impls = self._impls("omni_register_connectors", plugin_name)
+                command_impls = self._impls("omni_register_commands", plugin_name)
+                if not connector_impls and not command_impls:
                     raise PluginLoadError(
                         f"plugin {plugin_name!r} has no @hookimpl omni_register_connectors(registry), so it registers no connector"
                         + _no_hook_hint(plugin)
                     )
-                for impl in impls:
-                    returned = impl.function(**({"registry": sink} if "registry" in impl.argnames else {}))
-                    if returned is not None:
-                        raise PluginLoadError(
-                            f"plugin {plugin_name!r}: omni_register_connectors returned {type(returned).__name__} {returned!r:.80}; "
-                            "a return value is ignored: call registry.register(name, connector=..., config=...) and return None"
-                        )
-                if not sink.registered:
+                for impl in connector_impls:
+                    _call_hook(impl, plugin_name, "registry", sink, "call registry.register(name, connector=..., config=...)")
+                if connector_impls and not sink.registered:
                     raise PluginLoadError(
                         f"plugin {plugin_name!r}: omni_register_connectors registered no connector "
                         "(call registry.register(name, connector=..., config=...))"
                     )
+                for impl in command_impls:
+                    _call_hook(impl, plugin_name, "commands", commands, "call commands.register(name, main=..., help=...)")
             except Exception as exc:
                 self.registry.remove_plugin(plugin_name)
+                self.commands.remove_plugin(plugin_name)
                 self.pm.unregister(name=plugin_name)
                 return self._failed(plugin_name, distribution, version, exc)
             status = PluginStatus(
@@ -200,15 +204,20 @@ class PluginManager:
                 "loaded",
                 connectors=[s.name for s in sink.registered],
                 aliases=[a for s in sink.registered for a in s.aliases],
+                commands=[c.name for c in commands.registered],
             )
             self.statuses[plugin_name] = status
             return status
+
+    def _impls(self, hook: str, plugin_name: str) -> list[Any]:
+        return [i for i in getattr(self.pm.hook, hook).get_hookimpls() if i.plugin_name == plugin_name]
 
     def unregister(self, plugin_name: str) -> None:
         with self._lock:
             if self.pm.has_plugin(plugin_name):
                 self.pm.unregister(name=plugin_name)
             self.registry.remove_plugin(plugin_name)
+            self.commands.remove_plugin(plugin_name)
             self.statuses.pop(plugin_name, None)
 
     def _failed(self, name: str, dist: str | None, version: str | None, exc: BaseException) -> PluginStatus:
@@ -225,6 +234,15 @@ class PluginManager:
     def plugin_statuses(self) -> list[PluginStatus]:
         self.load()
         return sorted(self.statuses.values(), key=lambda s: (s.distribution or "", s.name))
+
+
+def _call_hook(impl: Any, plugin_name: str, argname: str, sink: object, how: str) -> None:
+    returned = impl.function(**({argname: sink} if argname in impl.argnames else {}))
+    if returned is not None:
+        raise PluginLoadError(
+            f"plugin {plugin_name!r}: {impl.function.__name__} returned {type(returned).__name__} {returned!r:.80}; "
+            f"a return value is ignored: {how} and return None"
+        )
 
 
 def _version(dist: str) -> str | None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from omni_plugins.contract import Connector
+    from omni_plugins.services import ConnectorServices
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class ConnectorSpec:
     config: str | None = None
     aliases: tuple[str, ...] = ()
     description: str = ""
+    #: import string of its :class:`omni_plugins.services.ConnectorServices` subclass, if the plugin offers services
+    services: str | None = None
     plugin: str = ""
     distribution: str | None = None
     version: str | None = None
@@ -99,6 +102,12 @@ class ConnectorSpec:
             raise PluginLoadError(f"{self.config!r} (config of connector {self.name!r}, {self.origin}) is not a pydantic model")
         return self._check_forbids_extra(model, self.config)
 
+    def load_services(self) -> ConnectorServices[Any] | None:
+        """Its services (imported and checked on first use, one instance per process); None when none are declared."""
+        from omni_plugins.services import load_services
+
+        return load_services(self)
+
     def _check_forbids_extra(self, model: type[BaseModel], where: str) -> type[BaseModel]:
         """A model that ignores unknown keys would turn a typo in the YAML's ``extra:`` into a silently used default."""
         if model.model_config.get("extra") != "forbid":
@@ -116,6 +125,7 @@ class ConnectorSpec:
             "connector": self.connector,
             "config": self.config,
             "description": self.description,
+            "services": self.services,
             "plugin": self.plugin,
             "distribution": self.distribution,
             "version": self.version,
@@ -278,11 +288,17 @@ class RegistrationSink:
         config: str | None = None,
         aliases: Iterable[str] = (),
         description: str = "",
+        services: str | None = None,
     ) -> None:
-        """Register connector ``name`` implemented by import string ``connector`` ("pkg.mod:Class")."""
+        """Register connector ``name`` implemented by import string ``connector`` ("pkg.mod:Class").
+
+        ``config``: its pydantic settings model; ``services``: its :class:`omni_plugins.services.ConnectorServices`
+        subclass (leak census, reclaim, private server, raw baseline, preload). Import strings: nothing is
+        imported until used.
+        """
         if not isinstance(name, str) or not name.strip() or ":" in name:
             raise ValueError(f"plugin {self._plugin!r}: connector name {name!r} must be a non-empty string without ':'")
-        for what, path in (("connector", connector), ("config", config)):
+        for what, path in (("connector", connector), ("config", config), ("services", services)):
             if path is not None and (not isinstance(path, str) or ":" not in path):
                 raise ValueError(f"plugin {self._plugin!r}: {what} of {name!r} must be an import string 'pkg.mod:Name', got {path!r}")
         if isinstance(aliases, str):
@@ -293,6 +309,7 @@ class RegistrationSink:
             config=config,
             aliases=tuple(aliases),
             description=description,
+            services=services,
             plugin=self._plugin,
             distribution=self._distribution,
             version=self._version,

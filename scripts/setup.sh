@@ -4,7 +4,8 @@
 #   bash scripts/setup.sh demo   install the core + shared-memory plugin, run the main job
 #                                (examples/pipeline-shm.yaml) on the shared-memory default
 #   bash scripts/setup.sh test   install everything (Debian redis-server, libibverbs1, openssl;
-#                                every plugin; dev tools), lint, type-check, run the test suite
+#                                every plugin; dev and docs tools), lint, type-check, build the
+#                                docs (mkdocs build --strict), run the test suite
 #   bash scripts/setup.sh env    install everything, run nothing
 #
 # Everything goes into a virtual environment (.venv, or $OMNI_VENV). torch is pinned to
@@ -96,12 +97,12 @@ install_all() {
   apt_packages
   venv
   say "installing omni-plugins, every plugin and the dev tools"
-  pip_install "$TORCH_PIN" -e "$ROOT[dev,plot]" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake[cpu]"
+  pip_install "$TORCH_PIN" -e "$ROOT[dev,plot,docs,metrics]" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake[cpu]"
   byte_compile
 }
 
 # The tests start redis-server, mooncake_master and Transfer Engines. They bind 127.0.0.1, except
-# Mooncake's engine, which binds 0.0.0.0/:: whatever it is told (docs/mooncake.md). So where the
+# Mooncake's engine, which binds 0.0.0.0/:: whatever it is told (docs/operations/security.md). So where the
 # kernel allows unprivileged user namespaces, pytest runs in a new network namespace whose only
 # interface is lo: nothing a test starts can be reached from, or send to, another host.
 # OMNI_TEST_NETNS=0 runs without it; the installs above ran outside (they need the network).
@@ -120,6 +121,17 @@ run_pytest() {
   exec "$VENV/bin/python" -m pytest -q --durations=25 "$@"
 }
 
+# The documentation site (mkdocs.yml): a broken link, a missing page or a failing generated table fails
+# the build (not with --quiet: it hides the warnings strict mode counts). Built into a temporary directory:
+# the test command checks it, nothing is published.
+build_docs() {
+  local site
+  site="$(mktemp -d)"
+  NO_MKDOCS_2_WARNING=1 "$VENV/bin/mkdocs" build --strict --config-file "$ROOT/mkdocs.yml" --site-dir "$site" ||
+    { rm -rf "$site"; return 1; }
+  rm -rf "$site"
+}
+
 case "$MODE" in
   demo)
     install_core_shm
@@ -134,7 +146,9 @@ case "$MODE" in
     say "ruff"
     "$VENV/bin/ruff" check .
     say "mypy"
-    "$VENV/bin/mypy" omni_plugins plugins/shm/omni_plugins_shm plugins/redis/omni_plugins_redis plugins/mooncake/omni_plugins_mooncake
+    "$VENV/bin/mypy" omni_plugins plugins/shm/omni_plugins_shm plugins/redis/omni_plugins_redis plugins/mooncake/omni_plugins_mooncake docs/_hooks
+    say "docs: mkdocs build --strict"
+    build_docs
     # a compiler is installed above, so the optional C accelerators must have been built
     export OMNI_REQUIRE_NATIVE=1
     run_pytest "$@"

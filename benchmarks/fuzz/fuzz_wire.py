@@ -14,7 +14,7 @@ Inputs reach past the checksum: the first byte picks a mode --
   ``header_len``, CRC and ``total_len`` is put in front (header parser, table checks);
 * ``mutated``: a valid sample message with fuzzer-chosen byte edits, resealed.
 
-Run (see docs/reliability.md for the recorded long run)::
+Run::
 
     python benchmarks/fuzz/fuzz_wire.py -runs=1000000 -timeout=10 -rss_limit_mb=4096 [corpus_dir]
     python benchmarks/fuzz/fuzz_wire.py -max_total_time=5       # a bounded smoke run

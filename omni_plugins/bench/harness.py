@@ -45,7 +45,7 @@ def _child(spec: DriverSpec, conn: Connection) -> None:
         from omni_plugins import create_connector
 
         raw = make_raw(spec, producer=False)
-        connector = create_connector(spec.connector, spec.config)
+        connector = create_connector(spec.backend, spec.config)
         conn.send(("ready", raw.handshake()))
         raw.connect(conn.recv())
         while True:
@@ -104,7 +104,7 @@ def measure(spec: DriverSpec, sizes: list[int], quick: bool, tick: Callable[[int
     parent, child_end = ctx.Pipe()
     proc = ctx.Process(target=_child, args=(spec, child_end), daemon=True, name=f"omni-bench-{spec.backend}")
     raw = make_raw(spec, producer=True)
-    connector = create_connector(spec.connector, spec.config)
+    connector = create_connector(spec.backend, spec.config)
     proc.start()
     try:
         _kind, data = _recv(parent, proc, 120.0)

@@ -1,8 +1,9 @@
 """``omni-plugins bench``: every requested backend next to its raw baseline, one table, one JSON, one plot.
 
-Servers are started here (loopback, free ports, via the plugins' ``testing``
-launchers) unless an address is given, and stopped at the end. A backend
-whose plugin, binary or server is missing is skipped with the reason.
+A backend is any registered connector whose plugin offers a raw baseline (services
+``bench_config`` and ``raw_baseline``). Its private server, if its plugin has one, is started
+here (loopback, a free port) unless the user gave the backend's config, and stopped at the end.
+A backend whose plugin, binary or server is missing is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import logging
 import os
 import platform
-import secrets
 import shutil
 import tempfile
 import time
@@ -26,13 +26,12 @@ from omni_plugins.bench.drivers import DriverSpec
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("shm", "redis", "mooncake-store", "mooncake-te")
-PLUGIN_OF = {
-    "shm": "omni_plugins_shm",
-    "redis": "omni_plugins_redis",
-    "mooncake-store": "omni_plugins_mooncake",
-    "mooncake-te": "omni_plugins_mooncake",
-}
+
+def backends() -> list[str]:
+    """Registered connectors whose plugins offer a raw baseline, by name (imports each plugin's services)."""
+    from omni_plugins.services import offered, registered_services
+
+    return sorted(name for name, services in registered_services().items() if "raw_baseline" in offered(services))
 
 
 class Skip(Exception):
@@ -44,8 +43,8 @@ class BenchOptions:
     backends: list[str]
     sizes: list[int]
     quick: bool = False
-    redis_url: str | None = None
-    mooncake_master: str | None = None
+    #: per backend, a config of the user's (a stage's ``extra``) laid over the plugin's bench config; no server is started for it
+    configs: dict[str, dict[str, Any]] = field(default_factory=dict)
     progress: bool = True
 
 
@@ -129,59 +128,35 @@ def machine() -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _backend(name: str, opts: BenchOptions, max_bytes: int) -> Iterator[DriverSpec]:
+    """The backend's driver spec, its private server running (unless the user gave a config) and a scratch directory."""
+    from omni_plugins.errors import OmniPluginsError
+    from omni_plugins.services import RunScope, ServiceUnavailable, offered, require
+
     try:
-        __import__(PLUGIN_OF[name])
-    except ImportError:
-        raise Skip(f"plugin not installed (pip install {PLUGIN_OF[name].replace('_', '-')})") from None
-    if name == "shm":
-        ns = f"bench-{uuid.uuid4().hex[:8]}"
-        yield DriverSpec(name, "shm", {"namespace": ns, "pool_bytes": 2 * max_bytes + (8 << 20)}, max_bytes)
-        from omni_plugins_shm.testing import namespace_segments  # type: ignore[import-not-found]
-
-        left = namespace_segments(ns)
-        if left:
-            logger.warning("shm bench left %d segment(s) in namespace %s", len(left), ns)
-    elif name == "redis":
-        if opts.redis_url:
-            yield DriverSpec(name, "redis", {"url": opts.redis_url, "key_prefix": "omnibench:"}, max_bytes, {"url": opts.redis_url})
-            return
-        from omni_plugins_redis.testing import RedisServer  # type: ignore[import-not-found]
-
-        if shutil.which("redis-server") is None:
-            raise Skip("redis-server not found (Debian: apt-get install redis-server), and no --redis-url given")
-        password = secrets.token_hex(12)
-        with RedisServer(password=password, extra_args=["--proto-max-bulk-len", str(max(512 << 20, 2 * max_bytes))]) as server:
-            url = f"redis://:{password}@127.0.0.1:{server.port}/0"
-            yield DriverSpec(name, "redis", {"url": url, "key_prefix": "omnibench:"}, max_bytes, {"url": url})
-            left_keys = server.keys("*")
-            if left_keys:
-                logger.warning("redis bench left %d key(s)", len(left_keys))
-    else:
-        from omni_plugins_mooncake.testing import MooncakeMaster, loopback_environment  # type: ignore[import-not-found]
-
-        loopback_environment()
-        if name == "mooncake-te":
-            rdv = tempfile.mkdtemp(prefix="omni-bench-rdv-")
+        services = require(name, "raw_baseline")
+    except OmniPluginsError as exc:
+        raise Skip(str(exc)) from None
+    user = opts.configs.get(name)
+    scratch = Path(tempfile.mkdtemp(prefix="omni-bench-"))
+    server = None
+    try:
+        if user is None and "start_server" in offered(services):
             try:
-                cfg = {"rendezvous_dir": rdv, "pool_size": 4 * max_bytes + (64 << 20)}
-                yield DriverSpec(name, "mooncake-te", cfg, max_bytes)
-            finally:
-                shutil.rmtree(rdv, ignore_errors=True)
-            return
-        seg = 4 * max_bytes + (64 << 20)
-        if opts.mooncake_master:
-            cfg = {"master_address": opts.mooncake_master, "global_segment_size": seg}
-            yield DriverSpec(name, "mooncake-store", cfg, max_bytes, {"master": opts.mooncake_master})
-            return
-        try:
-            master = MooncakeMaster().start()
-        except RuntimeError as exc:
-            raise Skip(str(exc)) from None
-        try:
-            cfg = {"master_address": master.address, "global_segment_size": seg}
-            yield DriverSpec(name, "mooncake-store", cfg, max_bytes, {"master": master.address})
-        finally:
-            master.stop()
+                server = services.start_server()
+            except ServiceUnavailable as exc:
+                raise Skip(f"{exc} (or give the backend's config: --config {name}=JSON)") from None
+        config = {**services.bench_config(max_bytes, server, scratch), **(user or {})}
+        yield DriverSpec(name, config, max_bytes)
+        if "census" in offered(services):
+            from omni_plugins.factory import validate_connector_config
+
+            left = services.census(validate_connector_config(name, config), RunScope(uuid.uuid4().hex[:8]))
+            if left.count:
+                logger.warning("bench of %s left %s", name, left.census_line())
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run_bench(opts: BenchOptions) -> BenchResult:

@@ -1,8 +1,10 @@
 """The ``omni-plugins`` command line.
 
-Each subcommand lives in its own module exposing ``add_parser(subparsers)``;
+Each core subcommand lives in its own module exposing ``add_parser(subparsers)``;
 the module is imported only to build the parser, and heavy work is imported
-inside its ``run`` function.
+inside its ``run`` function. Plugins add subcommands through the
+``omni_register_commands`` hook (:mod:`omni_plugins.commands`): everything after
+such a command's name goes to the plugin's own entry function.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from omni_plugins.cli.interrupts import first_interrupt_only
+from omni_plugins.commands import CommandSpec
 from omni_plugins.errors import OmniPluginsError
 
 #: subcommand modules, in the order ``--help`` lists them
@@ -26,7 +29,6 @@ COMMAND_MODULES: tuple[str, ...] = (
     "omni_plugins.cli.run_cmd",
     "omni_plugins.cli.bench_cmd",
     "omni_plugins.cli.new_plugin_cmd",
-    "omni_plugins.cli.shm_cmd",
 )
 
 
@@ -45,23 +47,45 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # command not part of this build
             raise
         module.add_parser(sub)
+    for spec in _plugin_commands():
+        origin = f"plugin {spec.plugin}" + (f", {spec.distribution}" if spec.distribution else "")
+        p = sub.add_parser(spec.name, help=f"{spec.help} ({origin})" if spec.help else f"({origin})", add_help=False)
+        p.add_argument("args", nargs=argparse.REMAINDER, help=f"arguments of the plugin's command ('omni-plugins {spec.name} --help')")
     return parser
+
+
+def _plugin_commands() -> list[CommandSpec]:
+    from omni_plugins.plugins import get_plugin_manager
+
+    return get_plugin_manager().commands.specs()
+
+
+def _split_plugin_command(argv: list[str]) -> tuple[list[str], CommandSpec | None, list[str]]:
+    """``[-v, shm, gc, --all]`` -> ``([-v, shm], <shm>, [gc, --all])`` when the first word names a plugin command."""
+    from omni_plugins.plugins import get_plugin_manager
+
+    for i, arg in enumerate(argv):
+        if not arg.startswith("-"):
+            spec = get_plugin_manager().commands.get(arg)
+            return (argv[: i + 1], spec, argv[i + 1 :]) if spec is not None else (argv, None, [])
+    return argv, None, []
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["shm"]:  # everything after 'shm' belongs to the plugin's own parser
-        argv = ["shm", "--", *argv[1:]]
-    args = parser.parse_args(argv)
+    own, command, rest = _split_plugin_command(argv)  # everything after a plugin command's name is the plugin's
+    args = parser.parse_args(own)
     logging.basicConfig(
         level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)], format="%(levelname)s %(name)s: %(message)s"
     )
-    if not getattr(args, "handler", None):
+    if command is None and not getattr(args, "handler", None):
         parser.print_help()
         return 2
     try:
         with first_interrupt_only():  # a second Ctrl-C must not cut the cleanup short
+            if command is not None:
+                return int(command.load()(rest, prog=f"omni-plugins {command.name}") or 0)
             return int(args.handler(args) or 0)
     except OmniPluginsError as exc:
         print(f"omni-plugins: error: {exc}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from typing import Any
@@ -12,31 +13,64 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmark connectors against raw backend baselines measured in the same run",
-        description="Two processes per backend: the parent puts, a spawned child gets. Servers (redis-server, "
-        "mooncake_master) are started on free loopback ports unless an address is given.",
+        description="Two processes per backend: the parent puts, a spawned child gets; each backend's plugin gives the raw "
+        "baseline (the same bytes through the backend without the connector). A backend's private server (e.g. "
+        "redis-server) is started on a free loopback port unless its config is given with --config.",
     )
-    p.add_argument("--backends", default="shm,redis,mooncake-store,mooncake-te", help="comma-separated (default: all four)")
+    p.add_argument("--backends", default=None, help="comma-separated connector names (default: every installed one with a raw baseline)")
     p.add_argument("--sizes", default="4KiB,1MiB,64MiB", help="comma-separated payload sizes (default 4KiB,1MiB,64MiB)")
     p.add_argument("--json", metavar="FILE", help="write results as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="write a plot (matplotlib, Agg)")
     p.add_argument("--quick", action="store_true", help="fewer operations per size")
-    p.add_argument("--redis-url", help="use this Redis instead of starting one")
-    p.add_argument("--mooncake-master", help="use this mooncake_master (host:port) instead of starting one")
+    p.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="BACKEND=JSON",
+        help="the backend's connector config (a stage's 'extra', e.g. redis='{\"url\": \"redis://host:6379/0\"}') over the "
+        "benchmark's own; no server is started for it (repeatable)",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(handler=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from omni_plugins.bench import BACKENDS, BenchOptions, parse_size, plot, run_bench, write_json
-    from omni_plugins.cli.outputs import check_writable, write_failed
+def _configs(items: list[str]) -> dict[str, dict[str, Any]]:
     from omni_plugins.errors import ConfigError
 
-    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    if not backends:
-        raise ConfigError(f"--backends needs at least one backend; choose from {', '.join(BACKENDS)}")
-    unknown = [b for b in backends if b not in BACKENDS]
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        try:
+            value = json.loads(text) if sep else None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--config {item!r}: not JSON: {exc}") from None
+        if not name.strip() or not isinstance(value, dict):
+            raise ConfigError(f"--config {item!r}: expected BACKEND=JSON-OBJECT, e.g. redis='{{\"url\": \"redis://127.0.0.1:6379/0\"}}'")
+        out[name.strip()] = value
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from omni_plugins.bench import BenchOptions, backends, parse_size, plot, run_bench, write_json
+    from omni_plugins.cli.outputs import check_writable, write_failed
+    from omni_plugins.errors import ConfigError
+    from omni_plugins.naming import close_matches
+
+    available = backends()
+    chosen = available if args.backends is None else [b.strip() for b in args.backends.split(",") if b.strip()]
+    if not chosen:
+        raise ConfigError(f"--backends needs at least one backend; choose from {', '.join(available) or '(none installed)'}")
+    unknown = [b for b in chosen if b not in available]
     if unknown:
-        raise ConfigError(f"unknown backend(s) {unknown}; choose from {', '.join(BACKENDS)}")
+        hints = {h for b in unknown for h in close_matches(b, available)}
+        raise ConfigError(
+            f"unknown backend(s) {unknown}; choose from {', '.join(available) or '(none installed)'} "
+            "(installed connectors whose plugin offers a raw baseline)" + (f"; did you mean {', '.join(sorted(hints))}?" if hints else "")
+        )
+    configs = _configs(args.config)
+    stray = sorted(set(configs) - set(chosen))
+    if stray:
+        raise ConfigError(f"--config for {stray}, which --backends does not include")
     try:
         sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError as exc:
@@ -45,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--sizes needs at least one positive size")
     check_writable(args.json, "--json")
     check_writable(args.plot, "--plot")
-    opts = BenchOptions(backends, sizes, args.quick, args.redis_url, args.mooncake_master, progress=not args.no_progress)
+    opts = BenchOptions(chosen, sizes, args.quick, configs, progress=not args.no_progress)
     result = run_bench(opts)
     result.command = "omni-plugins " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print(result.table())

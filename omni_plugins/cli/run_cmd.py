@@ -34,8 +34,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--start-servers",
         action="store_true",
-        help="start a private redis-server / mooncake_master on free loopback ports (sets OMNI_REDIS_URL / "
-        "OMNI_MOONCAKE_MASTER for the YAML) and stop them afterwards",
+        help="start the private servers the pipeline's backends need (each plugin's own, e.g. redis-server) on free "
+        "loopback ports, set the variables the YAML reads their addresses from (e.g. OMNI_REDIS_URL), stop them afterwards",
     )
     p.add_argument("--timeout", type=positive_seconds, default=600.0, metavar="S", help="give up after S seconds (default 600)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

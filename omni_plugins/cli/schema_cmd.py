@@ -14,16 +14,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from omni_plugins.factory import resolve_connector
+    from omni_plugins.factory import connector_schema
 
-    spec = resolve_connector(args.name)
-    schema = spec.load_config_model().model_json_schema()
-    schema.setdefault("title", spec.name)
-    schema["x-omni-connector"] = {
-        "name": spec.name,
-        "aliases": list(spec.aliases),
-        "plugin": spec.plugin,
-        "distribution": spec.distribution,
-    }
-    print(json.dumps(schema, indent=2))
+    print(json.dumps(connector_schema(args.name), indent=2))
     return 0

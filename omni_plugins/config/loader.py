@@ -329,16 +329,18 @@ def _format_errors(exc: ValidationError, doc: _Doc, data: Any) -> str:
 
 
 def _field_hint(loc: Loc, data: Any) -> str:
-    from omni_plugins.config.models import ConnectorConfig, PipelineConfig, RankMapping, StageConfig
+    from omni_plugins.config.models import ConnectorConfig, EdgeConfig, PipelineConfig, RankMapping, StageConfig
 
     model: Any = PipelineConfig
-    for p in loc[:-1]:
+    for n, p in enumerate(loc[:-1]):
         if model is PipelineConfig and p == "stages":
             model = StageConfig
         elif model is PipelineConfig and p == "connectors":
             model = ConnectorConfig
         elif p == "rank_mapping":
             model = RankMapping
+        elif model is StageConfig and p in ("input_connectors", "output_connectors") and n + 2 < len(loc):
+            model = EdgeConfig
     fields = list(getattr(model, "model_fields", {}))
     return _close_match(str(loc[-1]), fields) or f" (allowed: {', '.join(fields)})"
 
@@ -371,7 +373,8 @@ def _check_plugins(config: PipelineConfig, doc: _Doc) -> list[str]:
     errors = []
     users: dict[str, list[int]] = {}
     for s in config.stages:
-        for instance in {*s.input_connectors.values(), *s.output_connectors.values()}:
+        ends = [*s.input_connectors.values(), *s.output_connectors.values()]
+        for instance in {name for e in ends for name in (e.connector, e.kv)}:
             users.setdefault(instance, []).append(s.stage_id)
     for instance, conn in config.connectors.items():
         loc: Loc = ("connectors", instance)
@@ -402,13 +405,13 @@ def _check_builders(config: PipelineConfig, doc: _Doc) -> list[str]:
 
     errors = []
     for i, s in enumerate(config.stages):
-        for field in ("custom_process_next_stage_input_func",):
-            path = getattr(s, field)
+        paths: list[tuple[Loc, str | None]] = [(("stages", i, "custom_process_next_stage_input_func"), s.custom_process_next_stage_input_func)]
+        paths += [(("stages", i, "output_connectors", key, "payload_builder"), e.payload_builder) for key, e in s.output_connectors.items()]
+        for loc, path in paths:
             if not path:
                 continue
             try:
                 load_builder(path)
             except OmniPluginsError as exc:
-                loc: Loc = ("stages", i, field)
                 errors.append(f"{doc.where(loc)}: {exc}")
     return errors

@@ -8,7 +8,7 @@ is validated by the plugin's own model (:func:`validate_plugin_configs`).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
 
@@ -43,6 +43,9 @@ Bool = Annotated[bool, BeforeValidator(_bool_from_text), Strict()]
 Float = Annotated[float, BeforeValidator(_not_bool)]
 
 Loc = tuple[str | int, ...]
+
+if TYPE_CHECKING:
+    from omni_plugins.config.topology import Edge, StageTopology
 
 
 class GraphProblem(NamedTuple):
@@ -150,6 +153,50 @@ class StageConnectorConfig(_Strict):
         return v
 
 
+def _edge_ref(v: Any) -> Any:
+    """An edge value: an instance name (the short form) or an :class:`EdgeConfig` mapping."""
+    if isinstance(v, str):
+        return {"connector": v}
+    if isinstance(v, (dict, EdgeConfig)):
+        return v
+    raise ValueError(
+        f"an edge names a connector instance, or is a mapping {{connector, kv_connector, payload_builder}}; got {type(v).__name__} {v!r}"
+    )
+
+
+class EdgeConfig(_Strict):
+    """One end of an edge ``(from_stage, to_stage)``: its connector instance, its KV connector, its payload builder.
+
+    Written as an instance name (``to_stage_1: shm``) or as a mapping
+    (``to_stage_1: {connector: shm, kv_connector: mc, payload_builder: pkg.mod.fn}``).
+    """
+
+    connector: str = Field(description="connector instance (under 'connectors') that moves this edge's payloads")
+    kv_connector: str | None = Field(default=None, description="connector instance for this edge's KV caches (default: connector)")
+    payload_builder: str | None = Field(
+        default=None, description="sending end only: dotted path of the builder for this destination (default: the stage's builder)"
+    )
+
+    @field_validator("connector", "kv_connector")
+    @classmethod
+    def _instance_not_blank(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("must name a connector instance")
+        return v.strip() if v is not None else None
+
+    @property
+    def kv(self) -> str:
+        """The KV connector instance (the edge's connector unless ``kv_connector`` is set)."""
+        return self.kv_connector or self.connector
+
+
+EdgeRef = Annotated[EdgeConfig, BeforeValidator(_edge_ref)]
+
+#: how a request picks one replica of a replicated stage
+RoutingPolicy = Literal["round_robin", "least_inflight"]
+DEFAULT_ROUTING: RoutingPolicy = "round_robin"
+
+
 class StageConfig(_Strict):
     """One stage of a pipeline."""
 
@@ -160,8 +207,8 @@ class StageConfig(_Strict):
     model_stage: str | None = None
     custom_process_input_func: str | None = None
     custom_process_next_stage_input_func: str | None = None
-    input_connectors: dict[str, str] = Field(default_factory=dict, description="{from_stage_N: connector instance}")
-    output_connectors: dict[str, str] = Field(default_factory=dict, description="{to_stage_N: connector instance}")
+    input_connectors: dict[str, EdgeRef] = Field(default_factory=dict, description="{from_stage_N: connector instance or edge mapping}")
+    output_connectors: dict[str, EdgeRef] = Field(default_factory=dict, description="{to_stage_N: connector instance or edge mapping}")
     rank_mapping: RankMapping | None = None
     tp_size: Int = Field(default=1, gt=0)
     kv_transfer: Bool = False
@@ -169,26 +216,43 @@ class StageConfig(_Strict):
         default="auto", description="paged KV cache layout; 'auto' refuses to guess when heads per rank equal the block size"
     )
     recv_timeout_s: Float = Field(default=300.0, gt=0, allow_inf_nan=False)
+    replicas: Int = Field(default=1, gt=0, le=1024, description="copies of this stage (each its own process or TP group)")
+    routing: RoutingPolicy | None = Field(
+        default=None, description=f"how a request picks one replica (replicated stages only; default {DEFAULT_ROUTING})"
+    )
     synthetic: dict[str, Any] | None = Field(default=None, description="synthetic model description used by 'omni-plugins run'")
 
     @field_validator("input_connectors", "output_connectors")
     @classmethod
-    def _edge_keys(cls, v: dict[str, str], info: Any) -> dict[str, str]:
+    def _edge_keys(cls, v: dict[str, EdgeConfig], info: Any) -> dict[str, EdgeConfig]:
         kind = "input" if info.field_name == "input_connectors" else "output"
         pattern = _EDGE_RE[kind]
-        for key, instance in v.items():
+        for key in v:
             if not pattern.match(str(key)):
                 want = "from_stage_<N>" if kind == "input" else "to_stage_<N>"
                 raise ValueError(f"edge key {key!r} must look like {want!r}")
-            if not isinstance(instance, str) or not instance.strip():
-                raise ValueError(f"edge {key!r} must name a connector instance")
         return v
 
+    @property
+    def routing_policy(self) -> RoutingPolicy:
+        """The replica routing policy in effect (``routing``, else the default)."""
+        return self.routing or DEFAULT_ROUTING
+
+    def input_edges(self) -> dict[int, EdgeConfig]:
+        """``{from_stage: edge}`` as written on this stage."""
+        return {_edge_stage(k): v for k, v in self.input_connectors.items()}
+
+    def output_edges(self) -> dict[int, EdgeConfig]:
+        """``{to_stage: edge}`` as written on this stage."""
+        return {_edge_stage(k): v for k, v in self.output_connectors.items()}
+
     def input_stages(self) -> dict[int, str]:
-        return {int(_EDGE_RE["input"].match(k).group(1)): v for k, v in self.input_connectors.items()}  # type: ignore[union-attr]
+        """``{from_stage: connector instance}`` as written on this stage."""
+        return {n: e.connector for n, e in self.input_edges().items()}
 
     def output_stages(self) -> dict[int, str]:
-        return {int(_EDGE_RE["output"].match(k).group(1)): v for k, v in self.output_connectors.items()}  # type: ignore[union-attr]
+        """``{to_stage: connector instance}`` as written on this stage."""
+        return {n: e.connector for n, e in self.output_edges().items()}
 
 
 class PipelineConfig(_Strict):
@@ -222,35 +286,102 @@ class PipelineConfig(_Strict):
             )
         by_id = {s.stage_id: s for s in self.stages}
         for i, s in enumerate(self.stages):
-            for kind in ("input_connectors", "output_connectors"):
-                for key, instance in getattr(s, kind).items():
-                    other = _edge_stage(key)
-                    loc: Loc = ("stages", i, kind, key)
-                    where = f"stage {s.stage_id}: {kind}.{'from' if kind.startswith('input') else 'to'}_stage_{other}"
-                    if instance not in self.connectors:
-                        problems.append(
-                            GraphProblem(
-                                loc, where, f"connector instance {instance!r} is not defined under 'connectors' (defined: {sorted(self.connectors)})"
-                            )
-                        )
-                    if other not in by_id:
-                        problems.append(GraphProblem(loc, where, f"stage {other} does not exist (stages: {sorted(by_id)})"))
-                    elif other == s.stage_id:
-                        problems.append(GraphProblem(loc, where, "a stage cannot connect to itself"))
-            for key, instance in s.output_connectors.items():
-                other = _edge_stage(key)
-                peer = by_id[other].input_stages().get(s.stage_id) if other in by_id else None
-                if peer is not None and peer != instance:
-                    problems.append(
-                        GraphProblem(
-                            ("stages", i, "output_connectors", key),
-                            f"stage {s.stage_id}: output_connectors.to_stage_{other}",
-                            f"uses {instance!r} but stage {other}: input_connectors.from_stage_{s.stage_id} uses {peer!r}; both ends of an edge must agree",
-                        )
+            problems += self._edge_end_problems(i, s, by_id)
+            if s.routing is not None and s.replicas == 1:
+                problems.append(
+                    GraphProblem(
+                        ("stages", i, "routing"),
+                        f"stage {s.stage_id}: routing",
+                        "routing picks one replica of a replicated stage; set replicas above 1 (or drop routing)",
                     )
+                )
+        if not problems:
+            problems += self._cycle_problems()
+        if not problems:
+            problems += self._kv_input_problems()
         if not problems:
             problems += self._cycle_problems()
         return problems
+
+    def _edge_end_problems(self, i: int, s: StageConfig, by_id: dict[int, StageConfig]) -> list[GraphProblem]:
+        """What is wrong with the edge ends written on stage ``s`` (index ``i``)."""
+        problems: list[GraphProblem] = []
+        defined = f"is not defined under 'connectors' (defined: {sorted(self.connectors)})"
+        for kind in ("input_connectors", "output_connectors"):
+            side = "from" if kind.startswith("input") else "to"
+            for key, edge in getattr(s, kind).items():
+                other = _edge_stage(key)
+                loc: Loc = ("stages", i, kind, key)
+                where = f"stage {s.stage_id}: {kind}.{side}_stage_{other}"
+                if edge.connector not in self.connectors:
+                    problems.append(GraphProblem(loc, where, f"connector instance {edge.connector!r} {defined}"))
+                if edge.kv_connector is not None and edge.kv_connector not in self.connectors:
+                    problems.append(GraphProblem((*loc, "kv_connector"), f"{where}.kv_connector", f"connector instance {edge.kv_connector!r} {defined}"))
+                if kind == "input_connectors" and edge.payload_builder is not None:
+                    problems.append(
+                        GraphProblem(
+                            (*loc, "payload_builder"),
+                            f"{where}.payload_builder",
+                            f"a payload builder belongs on the sending end: set it in stage {other}'s output_connectors.to_stage_{s.stage_id}",
+                        )
+                    )
+                if other not in by_id:
+                    problems.append(GraphProblem(loc, where, f"stage {other} does not exist (stages: {sorted(by_id)})"))
+                elif other == s.stage_id:
+                    problems.append(GraphProblem(loc, where, "a stage cannot connect to itself"))
+        for key, edge in s.output_connectors.items():
+            other = _edge_stage(key)
+            peer = by_id[other].input_edges().get(s.stage_id) if other in by_id else None
+            if peer is None:
+                continue
+            loc = ("stages", i, "output_connectors", key)
+            where = f"stage {s.stage_id}: output_connectors.to_stage_{other}"
+            theirs = f"stage {other}: input_connectors.from_stage_{s.stage_id}"
+            if peer.connector != edge.connector:
+                problems.append(
+                    GraphProblem(loc, where, f"uses {edge.connector!r} but {theirs} uses {peer.connector!r}; both ends of an edge must agree")
+                )
+            elif peer.kv != edge.kv:
+                problems.append(
+                    GraphProblem(
+                        loc,
+                        where,
+                        f"moves KV over {edge.kv!r} but {theirs} over {peer.kv!r} (kv_connector, default: the edge's connector); "
+                        "both ends of an edge must agree",
+                    )
+                )
+        return problems
+
+    def _kv_input_problems(self) -> list[GraphProblem]:
+        """A stage receives KV over at most one input edge (a KV edge: both ends have ``kv_transfer``)."""
+        problems: list[GraphProblem] = []
+        by_id = {s.stage_id: s for s in self.stages}
+        for i, s in enumerate(self.stages):
+            if not s.kv_transfer:
+                continue
+            sources = sorted(a for a, b in self.edges() if b == s.stage_id and by_id[a].kv_transfer)
+            if len(sources) > 1:
+                problems.append(
+                    GraphProblem(
+                        ("stages", i, "kv_transfer"),
+                        f"stage {s.stage_id}: kv_transfer",
+                        f"receives KV from stages {sources} (every input edge whose sender has kv_transfer is a KV edge); "
+                        "a stage receives KV over at most one input edge",
+                    )
+                )
+        return problems
+
+    def edge_list(self) -> list[Edge]:
+        """Every edge of the graph, each once, whichever end (or both) declares it; see :mod:`omni_plugins.config.topology`."""
+        from omni_plugins.config.topology import pipeline_edges
+
+        return pipeline_edges(self)
+
+    def topology(self, stage_id: int) -> StageTopology:
+        """The edges of one stage and the connector instances they use (what its runtime needs)."""
+        from omni_plugins.config.topology import stage_topology
+
+        return stage_topology(self, stage_id)
 
     def edges(self) -> set[tuple[int, int]]:
         out: set[tuple[int, int]] = set()

@@ -4,7 +4,7 @@ Modules: :mod:`~omni_plugins.kv.ranks` (routing and keys),
 :mod:`~omni_plugins.kv.layout` (reading paged caches),
 :mod:`~omni_plugins.kv.payload` (payload structure and validation),
 :mod:`~omni_plugins.kv.shards` (merge / slice on the head dim),
-:mod:`~omni_plugins.kv.manager` (:class:`KVTransferManager`). See ``docs/kv.md``.
+:mod:`~omni_plugins.kv.manager` (:class:`KVTransferManager`). See ``docs/runtime/kv.md``.
 """
 
 from omni_plugins.kv import ranks

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from omni_plugins.backoff import Backoff
 from omni_plugins.config import RankMapping
 from omni_plugins.contract import Connector, PutResult
 from omni_plugins.errors import ConfigError, ConnectorClosedError, ConnectorError, OmniPluginsError, WireFormatError
@@ -40,7 +41,9 @@ logger = logging.getLogger(__name__)
 KV_CHUNK = 0
 """Chunk index used in every KV key (a request's KV moves as one chunk)."""
 
+#: first wait before retrying a failed KV put; doubles per attempt up to ``_PUT_BACKOFF_MAX_S``
 _PUT_BACKOFF_S = 0.05
+_PUT_BACKOFF_MAX_S = 1.0
 #: first wait after a failed KV read; doubles per failure up to ``_GET_BACKOFF_MAX_S``, never past the receive's deadline
 _GET_BACKOFF_S = 0.002
 _GET_BACKOFF_MAX_S = 0.05
@@ -106,6 +109,13 @@ class KVTransferManager:
         layout: paged-cache layout for extraction (``"auto"``, ``"nhd"``, ``"hnd"``,
             see :mod:`omni_plugins.kv.layout`); can be overridden per send.
         put_attempts: attempts per shard ``put`` before the request's send fails.
+        send_key_stage: the sending stage's part of the keys this rank puts (default
+            ``stage_id``; a fanning-out sender's edges key ``{from}-{to}``, see
+            :mod:`omni_plugins.config.topology`).
+        recv_key_stage: the sending stage's part of the keys this rank reads
+            (default ``from_stage``).
+        receives: this manager may receive (False: a send-only manager; its
+            cleanup does not look for shards addressed to this rank).
     """
 
     def __init__(
@@ -120,6 +130,9 @@ class KVTransferManager:
         recv_timeout_s: float = 30.0,
         layout: KVLayout = "auto",
         put_attempts: int = 3,
+        send_key_stage: str | None = None,
+        recv_key_stage: str | None = None,
+        receives: bool = True,
     ) -> None:
         if rank_mapping is None:
             rank_mapping = RankMapping()
@@ -139,6 +152,9 @@ class KVTransferManager:
         self.stage_id = stage_id
         self.from_stage = from_stage
         self.to_stage = to_stage
+        self._send_key_stage = send_key_stage if send_key_stage is not None else str(stage_id)
+        self._recv_key_stage = recv_key_stage if recv_key_stage is not None else str(from_stage)
+        self._receives = receives
         self.from_tp = rank_mapping.from_tp
         self.to_tp = rank_mapping.to_tp
         #: with ``num_kv_heads``, replicated GQA heads: a merge keeps one copy of each, a slice keeps the replicated head
@@ -171,12 +187,12 @@ class KVTransferManager:
     def send_keys(self, request_id: str) -> list[str]:
         """Keys this rank puts for ``request_id`` (external id), one per target rank."""
         targets = ranks.target_ranks_for_send(self.from_tp, self.to_tp, self.local_rank)
-        return [ranks.kv_key(request_id, self.stage_id, KV_CHUNK, self.local_rank, t) for t in targets]
+        return [ranks.kv_key(request_id, self._send_key_stage, KV_CHUNK, self.local_rank, t) for t in targets]
 
     def recv_keys(self, request_id: str) -> list[str]:
         """Keys this rank reads for ``request_id``, in source-rank (= head) order."""
         sources = ranks.remote_ranks_for_recv(self.from_tp, self.to_tp, self.local_rank)
-        return [ranks.kv_key(request_id, self.from_stage, KV_CHUNK, s, self.local_rank) for s in sources]
+        return [ranks.kv_key(request_id, self._recv_key_stage, KV_CHUNK, s, self.local_rank) for s in sources]
 
     # -- send ----------------------------------------------------------------
     def handle_finished_requests_kv_transfer(
@@ -228,7 +244,7 @@ class KVTransferManager:
                 self._record_failed(req_id)
                 done.append(req_id)
                 continue
-            keys = [ranks.kv_key(external_id, self.stage_id, KV_CHUNK, self.local_rank, t) for t in targets]
+            keys = [ranks.kv_key(external_id, self._send_key_stage, KV_CHUNK, self.local_rank, t) for t in targets]
             if self._put_all(req_id, external_id, keys, payload):
                 done.append(req_id)
             else:
@@ -282,6 +298,7 @@ class KVTransferManager:
         return True
 
     def _put_one(self, connector: Connector, key: str, payload: KVPayload) -> bool:
+        backoff = Backoff(_PUT_BACKOFF_S, _PUT_BACKOFF_MAX_S)
         for attempt in range(1, self._put_attempts + 1):
             try:
                 result: PutResult = connector.put(self.stage_id, self.to_stage, key, payload)
@@ -296,7 +313,7 @@ class KVTransferManager:
                 reason = f"{type(exc).__name__}: {exc}"
             if attempt < self._put_attempts:
                 logger.warning("KV put %s failed (attempt %d/%d): %s; retrying", key, attempt, self._put_attempts, reason)
-                time.sleep(_PUT_BACKOFF_S * 2 ** (attempt - 1))
+                backoff.sleep()
             else:
                 logger.error("KV put %s failed after %d attempts: %s", key, attempt, reason)
         return False
@@ -353,7 +370,7 @@ class KVTransferManager:
         for src in sources:
             if src in shards:
                 continue
-            key = ranks.kv_key(request_id, self.from_stage, KV_CHUNK, src, self.local_rank)
+            key = ranks.kv_key(request_id, self._recv_key_stage, KV_CHUNK, src, self.local_rank)
             try:
                 shard = self._get_shard(connector, key, deadline)
                 if shard is not None:
@@ -403,21 +420,18 @@ class KVTransferManager:
         retrying cannot mend (a closed connector, an undecodable or malformed
         shard) raise.
         """
-        backoff = _GET_BACKOFF_S
+        backoff = Backoff(_GET_BACKOFF_S, _GET_BACKOFF_MAX_S, deadline)
         failures = 0
         while True:
             try:
-                result = connector.get(self.from_stage, self.stage_id, key, timeout=max(0.0, deadline - time.monotonic()))
+                result = connector.get(self.from_stage, self.stage_id, key, timeout=backoff.remaining())
             except ConnectorError as exc:
                 failures += 1
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+                if failures == 1 and backoff.remaining() > 0:
+                    logger.warning("KV receive: read of %s failed (%s); retrying until the deadline", key, exc)
+                if not backoff.sleep():
                     logger.warning("KV receive: read of %s failed %d time(s) before the deadline, last: %s", key, failures, exc)
                     return None
-                if failures == 1:
-                    logger.warning("KV receive: read of %s failed (%s); retrying until the deadline", key, exc)
-                time.sleep(min(backoff, remaining))
-                backoff = min(backoff * 2, _GET_BACKOFF_MAX_S)
                 continue
             if result is None:
                 return None
@@ -502,7 +516,7 @@ class KVTransferManager:
             if drop_sent:
                 keys |= state.sent_keys
             keys |= {s.key for s in state.partial.values()}
-        if 0 <= self.local_rank < self.to_tp:
+        if self._receives and 0 <= self.local_rank < self.to_tp:
             for rid in ids:
                 keys.update(self.recv_keys(rid))
         connector = self._connector

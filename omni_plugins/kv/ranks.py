@@ -50,12 +50,6 @@ def validate_topology(from_tp: int, to_tp: int, local_rank: int, *, role: Role |
         raise ConfigError(f"KV rank mapping: local_rank={local_rank} is out of range for {side}={bound} (from_tp={from_tp}, to_tp={to_tp})")
 
 
-def tp_ratio(from_tp: int, to_tp: int) -> int:
-    """``larger // smaller`` (1 when equal). Validates the sizes."""
-    validate_topology(from_tp, to_tp, 0)
-    return max(from_tp, to_tp) // min(from_tp, to_tp)
-
-
 def remote_ranks_for_recv(from_tp: int, to_tp: int, local_rank: int) -> list[int]:
     """Sender ranks whose shards receiver rank ``local_rank`` needs, in head order."""
     validate_topology(from_tp, to_tp, local_rank, role="recv")

@@ -15,7 +15,7 @@ def cross_process_errors(config: PipelineConfig, filename: str) -> list[str]:
     """Every stage is its own process: an in-process-only connector on an edge could never deliver."""
     from omni_plugins.factory import resolve_connector
 
-    used = {inst for s in config.stages for inst in (*s.input_stages().values(), *s.output_stages().values())}
+    used = {name for e in config.edge_list() for name in ((e.connector, e.kv_connector) if e.kv else (e.connector,))}
     errors = []
     for instance in sorted(used):
         conn = config.connectors[instance]
@@ -32,7 +32,7 @@ def cross_process_errors(config: PipelineConfig, filename: str) -> list[str]:
 
 
 def plan_for_run(config: PipelineConfig, *, filename: str) -> PipelinePlan:
-    """The chain ``run`` drives, after every check; one :class:`ConfigError` lists all that failed."""
+    """The graph ``run`` drives, after every check; one :class:`ConfigError` lists all that failed."""
     errors: list[str] = []
     plan: PipelinePlan | None = None
     try:

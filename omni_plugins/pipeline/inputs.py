@@ -8,7 +8,8 @@ Three delivery shapes, by the receiving stage's mode:
 * streaming, ``generation`` worker: one chunk (one step) at a time.
 
 ``trace.step`` in the payload says which steps are there; values, dtype and
-shape of every tensor are recomputed with :mod:`omni_plugins.pipeline.checksums`.
+shape of every tensor are recomputed with :mod:`omni_plugins.pipeline.checksums`
+(from the source stage, the request and the step: checked per edge and source).
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ from omni_plugins.pipeline.stats import EdgeStats
 
 
 class InputCheck:
-    """The receive side of one edge, for one stage rank."""
+    """The receive side of one edge, for one stage rank: what ``upstream`` sends ``to_stage``."""
 
-    def __init__(self, upstream: StagePlan, *, merged: bool, stats: EdgeStats) -> None:
+    def __init__(self, upstream: StagePlan, *, to_stage: int, merged: bool, stats: EdgeStats) -> None:
         self.up = upstream
         self.merged = merged
         self.stats = stats
+        self.outputs = upstream.outputs_to(to_stage)
+        #: outputs of the upstream stage that go elsewhere: this edge must not carry them
+        self.elsewhere = [o.name for o in upstream.synthetic.outputs if o not in self.outputs]
 
     @property
     def total_steps(self) -> int:
@@ -65,8 +69,12 @@ class InputCheck:
         if new != want:
             self.stats.mismatch(f"{rid}: expected steps {want[:4]}..., got {new[:4]}... (lost, duplicated or out of order)")
             return seen
+        stray = [name for name in self.elsewhere if self._field(payload, name) is not None]
+        if stray:
+            self.stats.mismatch(f"{rid}: got {stray}, which stage {self.up.stage_id} sends to other stages only (outputs[].to)")
+            return seen
         nbytes = 0
-        for spec in self.up.synthetic.outputs:
+        for spec in self.outputs:
             got = self._field(payload, spec.name)
             per = spec.shape[0]
             first = rows[0] * per

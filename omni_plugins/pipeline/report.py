@@ -55,6 +55,8 @@ class RunReport:
     servers: list[str] = field(default_factory=list)
     #: what the orchestrator freed after the stages stopped (leftovers of killed stages); not a failure by itself
     reclaimed: list[str] = field(default_factory=list)
+    #: per replica of a replicated stage: requests routed to it, completed, failed; retired replicas are not alive
+    replicas: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def mismatches(self) -> int:
@@ -90,6 +92,7 @@ class RunReport:
             "stages": self.stages,
             "servers": self.servers,
             "reclaimed": self.reclaimed,
+            "replicas": self.replicas,
         }
 
     def write_json(self, path: str | Path) -> None:
@@ -120,6 +123,12 @@ class RunReport:
             f"(concurrency {self.concurrency}); lost {len(self.lost)}, failed {len(self.failed)}, "
             f"mismatches {self.mismatches}, leaks {len(self.leaks)}, dead stages {len(self.deaths)}"
         )
+        for r in self.replicas:
+            state = "" if r["alive"] else " (retired)"
+            lines.append(
+                f"  replica: stage {r['stage']} replica {r['replica']}{state}: {r['routed']} routed, "
+                f"{r['completed']} completed, {r['failed']} failed"
+            )
         for title, items in (("dead", self.deaths), ("leak", self.leaks), ("problem", self.problems), ("reclaimed", self.reclaimed)):
             lines += [f"  {title}: {item}" for item in items]
         for rid, why in list(self.failed.items())[:10]:

@@ -1,44 +1,43 @@
-"""``--start-servers``: private redis-server / mooncake_master on free loopback ports for one run.
+"""``--start-servers``: the private servers a pipeline's backends need, for one run.
 
-Examples take server addresses from ``${OMNI_REDIS_URL:-...}`` and
-``${OMNI_MOONCAKE_MASTER:-...}``. :class:`PrivateServers` starts the servers a
-pipeline needs with the plugins' own test launchers
-(:mod:`omni_plugins_redis.testing`, :mod:`omni_plugins_mooncake.testing`),
-sets those variables, and stops the servers (by pid) when the run ends.
+A pipeline file takes server addresses from variables such as ``${OMNI_REDIS_URL:-...}``.
+Each plugin names its variables (``server_variables`` of its services, with stand-in values) and
+starts its own server (``start_server``). :class:`PrivateServers` reads the file with the
+stand-ins to learn which connectors it uses, starts one server per backend that has one, sets
+the variables to reach them, and stops the servers (by pid) when the run ends.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
 from pathlib import Path
 from typing import Any
 
 from omni_plugins.errors import ConfigError
+from omni_plugins.services import PrivateServer, ServiceUnavailable, offered, registered_services, services_for
 
 logger = logging.getLogger(__name__)
 
-REDIS_ENV = "OMNI_REDIS_URL"
-MOONCAKE_ENV = "OMNI_MOONCAKE_MASTER"
 
-#: canonical connector name -> the server kind it needs
-SERVER_OF = {"redis": "redis", "mooncake-store": "mooncake"}
-
-#: stand-ins for the variables --start-servers sets, so a file using them without a default loads before any server runs
-PLACEHOLDERS = {REDIS_ENV: "redis://127.0.0.1:6379/0", MOONCAKE_ENV: "127.0.0.1:50051"}
+def placeholders() -> dict[str, str]:
+    """Every installed plugin's server variables with their stand-in values."""
+    out: dict[str, str] = {}
+    for services in registered_services().values():
+        out.update(services.server_variables)
+    return out
 
 
 def connector_names(path: str | Path) -> set[str]:
-    """Canonical names of the connectors a pipeline file uses (nothing is started or contacted).
+    """Registered names of the connectors a pipeline file uses (nothing is started or contacted).
 
-    ``${OMNI_REDIS_URL}`` / ``${OMNI_MOONCAKE_MASTER}`` need no value yet: the servers
-    that will provide them are chosen from this answer.
+    The plugins' server variables need no value yet: the servers that will provide them are
+    chosen from this answer.
     """
     from omni_plugins.config import load_pipeline_config
     from omni_plugins.factory import resolve_connector
 
-    env = {**PLACEHOLDERS, **os.environ}
+    env = {**placeholders(), **os.environ}
     config = load_pipeline_config(path, env=env, check_plugins=False, check_builders=False)
     names = set()
     for conn in config.connectors.values():
@@ -50,20 +49,32 @@ def connector_names(path: str | Path) -> set[str]:
 
 
 class PrivateServers:
-    """Servers started for one run; a context manager restoring the environment on exit."""
+    """Servers started for one run; a context manager stopping them and restoring the environment on exit."""
 
     def __init__(self) -> None:
-        self._servers: list[Any] = []
+        self.servers: dict[str, PrivateServer] = {}
         self._saved: dict[str, str | None] = {}
         self.descriptions: list[str] = []
 
     def start_for(self, names: set[str]) -> PrivateServers:
-        kinds = {SERVER_OF[n] for n in names if n in SERVER_OF}
+        """Start the server of every connector in ``names`` whose plugin offers one (each backend once)."""
         try:
-            if "redis" in kinds:
-                self._start_redis()
-            if "mooncake" in kinds:
-                self._start_mooncake()
+            for name in sorted(names):
+                try:
+                    services = services_for(name)
+                except Exception:
+                    continue  # not registered: loading the pipeline reports it
+                if services is None or "start_server" not in offered(services) or name in self.servers:
+                    continue
+                try:
+                    server = services.start_server()
+                except ServiceUnavailable as exc:
+                    raise ConfigError(f"--start-servers: the {name!r} server cannot start: {exc}") from None
+                self.servers[name] = server
+                self.descriptions.append(f"{name} server pid {server.pid} at {server.address}")
+                if "server_environment" in offered(services):
+                    for var, value in services.server_environment(server).items():
+                        self._set(var, value)
         except BaseException:
             self.stop()
             raise
@@ -73,42 +84,13 @@ class PrivateServers:
         self._saved.setdefault(var, os.environ.get(var))
         os.environ[var] = value
 
-    def _start_redis(self) -> None:
-        try:
-            from omni_plugins_redis.testing import RedisServer  # type: ignore[import-not-found]
-        except ImportError:
-            raise ConfigError("--start-servers: the redis plugin is not installed: pip install omni-plugins-redis") from None
-        password = secrets.token_hex(16)
-        server = RedisServer(password=password)
-        try:
-            server.start()
-        except FileNotFoundError:
-            raise ConfigError("--start-servers: redis-server not found; install it (Debian: apt-get install redis-server)") from None
-        self._servers.append(server)
-        self._set(REDIS_ENV, f"redis://:{password}@127.0.0.1:{server.port}/0")
-        self.descriptions.append(f"redis-server pid {server.process.pid if server.process else '?'} at {server.url} (password set)")
-
-    def _start_mooncake(self) -> None:
-        try:
-            from omni_plugins_mooncake.testing import MooncakeMaster, loopback_environment  # type: ignore[import-not-found]
-        except ImportError:
-            raise ConfigError("--start-servers: the mooncake plugin is not installed: pip install 'omni-plugins-mooncake[cpu]'") from None
-        loopback_environment()
-        try:
-            master = MooncakeMaster().start()
-        except RuntimeError as exc:
-            raise ConfigError(f"--start-servers: {exc}") from None
-        self._servers.append(master)
-        self._set(MOONCAKE_ENV, master.address)
-        self.descriptions.append(f"mooncake_master pid {master.pid} at {master.address}")
-
     def stop(self) -> None:
-        for server in reversed(self._servers):
+        for name, server in reversed(list(self.servers.items())):
             try:
                 server.stop()
             except Exception:
-                logger.warning("stopping %s failed", server, exc_info=True)
-        self._servers.clear()
+                logger.warning("stopping the %s server failed", name, exc_info=True)
+        self.servers.clear()
         for var, value in self._saved.items():
             if value is None:
                 os.environ.pop(var, None)
@@ -119,5 +101,5 @@ class PrivateServers:
     def __enter__(self) -> PrivateServers:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self.stop()

@@ -13,8 +13,9 @@ outputs are described per stage in the pipeline YAML::
 
 Errors name the file, the stage and the field, like the rest of the loader.
 The cross-stage checks (:func:`build_plan`) make sure the runtime can carry
-the pipeline: a chain, one connector per stage, streaming senders feeding
-streaming receivers, KV edges with matching ``kv_transfer`` and ``rank_mapping``.
+the pipeline: one connected graph (any DAG: fan-in, fan-out, replicas),
+streaming senders feeding streaming receivers, every destination getting
+something, KV edges with matching ``kv_transfer`` and ``rank_mapping``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator, model_validator
 
 from omni_plugins.config.models import PipelineConfig, StageConfig
+from omni_plugins.config.topology import Edge
 from omni_plugins.errors import ConfigError
 
 #: dtype names accepted in ``outputs[].dtype`` / ``kv.dtype``
@@ -79,6 +81,9 @@ class TensorSpec(_Typed):
     name: str = Field(description="'section.field', e.g. 'hidden.states' or 'codes.audio'")
     shape: list[PositiveInt] = Field(min_length=2, description="per-step shape; dim 0 (tokens) is concatenated across steps")
     dtype: str = Field(default="bfloat16", description=f"one of {', '.join(DTYPES)}")
+    to: list[int] | None = Field(
+        default=None, min_length=1, description="the stages this tensor goes to (default: every output edge); what each destination needs"
+    )
 
     @field_validator("name")
     @classmethod
@@ -143,18 +148,42 @@ class StagePlan:
 
     stage: StageConfig
     synthetic: SyntheticSpec
-    upstream: int | None  # the stage this one receives from
-    downstream: int | None  # the stage this one sends to
-    connector: str | None  # connector instance name (both edges)
+    inputs: tuple[Edge, ...] = ()  # the edges this stage receives on
+    outputs: tuple[Edge, ...] = ()  # the edges this stage sends on
 
     @property
     def stage_id(self) -> int:
         return self.stage.stage_id
 
+    @property
+    def replicas(self) -> int:
+        return self.stage.replicas
+
+    @property
+    def upstreams(self) -> tuple[int, ...]:
+        return tuple(e.from_stage for e in self.inputs)
+
+    @property
+    def downstreams(self) -> tuple[int, ...]:
+        return tuple(e.to_stage for e in self.outputs)
+
+    @property
+    def kv_input(self) -> Edge | None:
+        """The input edge KV arrives on (when its sender sends KV)."""
+        return next((e for e in self.inputs if e.kv), None)
+
+    def outputs_to(self, to_stage: int) -> list[TensorSpec]:
+        """The outputs this stage sends to ``to_stage`` (``outputs[].to``; all of them by default)."""
+        return [o for o in self.synthetic.outputs if o.to is None or to_stage in o.to]
+
+    def connectors(self) -> set[str]:
+        """Connector instances of this stage's edges (payloads, and KV on KV edges)."""
+        return {name for e in (*self.inputs, *self.outputs) for name in ((e.connector, e.kv_connector) if e.kv else (e.connector,))}
+
 
 @dataclass(frozen=True)
 class PipelinePlan:
-    """The stages of a validated pipeline in chain order."""
+    """The stages of a validated pipeline in dependency order (every stage after the stages it receives from)."""
 
     config: PipelineConfig
     stages: tuple[StagePlan, ...]
@@ -167,6 +196,11 @@ class PipelinePlan:
         raise KeyError(stage_id)
 
     @property
+    def heads(self) -> tuple[StagePlan, ...]:
+        """Stages with no input edge: a request enters the pipeline at each of them."""
+        return tuple(s for s in self.stages if not s.inputs)
+
+    @property
     def first(self) -> StagePlan:
         return self.stages[0]
 
@@ -174,8 +208,12 @@ class PipelinePlan:
     def last(self) -> StagePlan:
         return self.stages[-1]
 
-    def edges(self) -> list[tuple[StagePlan, StagePlan]]:
-        return list(zip(self.stages[:-1], self.stages[1:], strict=True))
+    def edges(self) -> list[Edge]:
+        return [e for s in self.stages for e in s.outputs]
+
+    def connectors(self) -> set[str]:
+        """Every connector instance an edge uses."""
+        return {name for s in self.stages for name in s.connectors()}
 
 
 def _where(filename: str, index: int, stage: StageConfig, field: str) -> str:
@@ -198,8 +236,45 @@ def parse_synthetic(stage: StageConfig, *, filename: str, index: int) -> Synthet
         raise ConfigError("\n".join(lines)) from None
 
 
+def _dependency_order(stages: list[int], edges: list[Edge]) -> list[int]:
+    """Stage ids, every stage after its senders (the graph is acyclic: the loader checked), ties by id."""
+    incoming = {sid: 0 for sid in stages}
+    for e in edges:
+        incoming[e.to_stage] += 1
+    ready = sorted(sid for sid, n in incoming.items() if n == 0)
+    order: list[int] = []
+    while ready:
+        sid = ready.pop(0)
+        order.append(sid)
+        for e in edges:
+            if e.from_stage == sid:
+                incoming[e.to_stage] -= 1
+                if incoming[e.to_stage] == 0:
+                    ready.append(e.to_stage)
+                    ready.sort()
+    return order
+
+
+def _components(stages: list[int], edges: list[Edge]) -> list[list[int]]:
+    """The stages grouped by (undirected) connectivity."""
+    parent = {sid: sid for sid in stages}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for e in edges:
+        parent[find(e.from_stage)] = find(e.to_stage)
+    groups: dict[int, list[int]] = {}
+    for sid in stages:
+        groups.setdefault(find(sid), []).append(sid)
+    return sorted(sorted(g) for g in groups.values())
+
+
 def build_plan(config: PipelineConfig, *, filename: str = "<pipeline>") -> PipelinePlan:
-    """Validate ``synthetic`` blocks and what the runtime needs of the graph; return the chain of stages."""
+    """Validate ``synthetic`` blocks and what the runtime needs of the graph; return the stages in dependency order."""
     index = {s.stage_id: i for i, s in enumerate(config.stages)}
     errors: list[str] = []
     specs: dict[int, SyntheticSpec] = {}
@@ -214,86 +289,78 @@ def build_plan(config: PipelineConfig, *, filename: str = "<pipeline>") -> Pipel
     def where(s: StageConfig, field: str) -> str:
         return _where(filename, index[s.stage_id], s, field)
 
-    ups: dict[int, int | None] = {}
-    downs: dict[int, int | None] = {}
-    conns: dict[int, str | None] = {}
-    for s in config.stages:
-        ins, outs = s.input_stages(), s.output_stages()
-        if len(ins) > 1:
-            errors.append(f"{where(s, 'input_connectors')}: 'omni-plugins run' drives chains: a stage has at most one input edge")
-        if len(outs) > 1:
-            errors.append(f"{where(s, 'output_connectors')}: 'omni-plugins run' drives chains: a stage has at most one output edge")
-        instances = set(ins.values()) | set(outs.values())
-        if len(instances) > 1:
-            errors.append(
-                f"{where(s, 'output_connectors')}: a stage runtime has one connector, but this stage's edges use {sorted(instances)}"
-            )
-        ups[s.stage_id] = next(iter(ins)) if ins else None
-        downs[s.stage_id] = next(iter(outs)) if outs else None
-        conns[s.stage_id] = next(iter(instances)) if instances else None
-    # edges declared on one end only count for both
-    for sid, down in list(downs.items()):
-        if down is not None and ups.get(down) is None:
-            ups[down] = sid
-            conns[down] = conns[down] or conns[sid]
-    for sid, up in list(ups.items()):
-        if up is not None and downs.get(up) is None:
-            downs[up] = sid
-            conns[up] = conns[up] or conns[sid]
+    edges = config.edge_list()
+    ids = [s.stage_id for s in config.stages]
+    groups = _components(ids, edges)
+    if len(groups) > 1:
+        raise ConfigError(
+            f"{filename}: 'omni-plugins run' drives one connected pipeline; these groups of stages share no edge: "
+            + ", ".join(str(g) for g in groups)
+        )
+    plans = {
+        sid: StagePlan(config.stage(sid), specs[sid], tuple(e for e in edges if e.to_stage == sid), tuple(e for e in edges if e.from_stage == sid))
+        for sid in ids
+    }
+    for p in plans.values():
+        errors += _stage_errors(p, plans, where)
     if errors:
-        raise ConfigError("\n".join(errors))
-    heads = [sid for sid, up in ups.items() if up is None]
-    if len(heads) != 1:
-        raise ConfigError(f"{filename}: 'omni-plugins run' needs exactly one first stage (no input edge); found stages {sorted(heads)}")
-    chain: list[int] = []
-    cur: int | None = heads[0]
-    while cur is not None:
-        chain.append(cur)
-        cur = downs[cur]
-    missing = sorted(set(index) - set(chain))
-    if missing:
-        raise ConfigError(f"{filename}: stages {missing} are not connected to the chain starting at stage {heads[0]}")
+        raise ConfigError("\n".join(dict.fromkeys(errors)))
+    return PipelinePlan(config, tuple(plans[sid] for sid in _dependency_order(ids, edges)), filename)
 
-    for sid in chain:
-        s, spec = config.stage(sid), specs[sid]
-        down = downs[sid]
-        if down is None:
-            if spec.kv is not None:
-                errors.append(f"{where(s, 'synthetic.kv')}: the last stage has no next stage to send KV to")
-            continue
-        d, dspec = config.stage(down), specs[down]
+
+def _stage_errors(p: StagePlan, plans: dict[int, StagePlan], where: Any) -> list[str]:
+    """What ``run`` cannot carry about stage ``p``'s output edges, KV and ``outputs[].to``."""
+    errors: list[str] = []
+    s, spec, sid = p.stage, p.synthetic, p.stage_id
+    for i, o in enumerate(spec.outputs):
+        for to in o.to or ():
+            if to not in p.downstreams:
+                errors.append(f"{where(s, f'synthetic.outputs.{i}.to')}: stage {sid} has no output edge to stage {to} (edges to: {list(p.downstreams)})")
+    if not p.outputs and spec.kv is not None:
+        errors.append(f"{where(s, 'synthetic.kv')}: the last stage has no next stage to send KV to")
+    for e in p.outputs:
+        ds = plans[e.to_stage].stage
+        routed = p.outputs_to(e.to_stage)
         if not spec.outputs:
-            errors.append(f"{where(s, 'synthetic.outputs')}: stage {sid} sends to stage {down} but emits no outputs")
-        if spec.send == "stream" and not d.async_chunk:
+            errors.append(f"{where(s, 'synthetic.outputs')}: stage {sid} sends to stage {e.to_stage} but emits no outputs")
+        elif not routed:
+            errors.append(f"{where(s, 'synthetic.outputs')}: no output goes to stage {e.to_stage} (outputs[].to leaves it out)")
+        if spec.send == "stream" and not ds.async_chunk:
             errors.append(
-                f"{where(s, 'synthetic.send')}: 'stream' needs the receiving stage {down} to have async_chunk: true (or use send: full)"
+                f"{where(s, 'synthetic.send')}: 'stream' needs the receiving stage {e.to_stage} to have async_chunk: true (or use send: full)"
             )
-        if d.worker_type == "generation" and d.async_chunk and "codes.audio" not in {o.name for o in spec.outputs}:
+        if ds.worker_type == "generation" and ds.async_chunk and routed and "codes.audio" not in {o.name for o in routed}:
             errors.append(
-                f"{where(s, 'synthetic.outputs')}: stage {down} is a 'generation' worker; it only takes chunks with "
-                f"'codes.audio', which stage {sid} does not emit"
+                f"{where(s, 'synthetic.outputs')}: stage {e.to_stage} is a 'generation' worker; it only takes chunks with "
+                f"'codes.audio', which stage {sid} does not send it"
             )
-        if spec.kv is not None:
+    if spec.kv is not None and p.outputs:
+        kv_edges = [e for e in p.outputs if e.kv]
+        if not s.kv_transfer or not kv_edges:
+            for e in p.outputs:
+                for st in (s, plans[e.to_stage].stage):
+                    if not st.kv_transfer:
+                        errors.append(f"{where(st, 'kv_transfer')}: must be true on both ends of the KV edge {sid} -> {e.to_stage}")
+        for e in kv_edges:
+            d: StageConfig = plans[e.to_stage].stage
             for st in (s, d):
-                if not st.kv_transfer:
-                    errors.append(f"{where(st, 'kv_transfer')}: must be true on both ends of the KV edge {sid} -> {down}")
                 rm = st.rank_mapping
                 if (rm.from_tp if rm else 1) != s.tp_size or (rm.to_tp if rm else 1) != d.tp_size:
                     errors.append(
-                        f"{where(st, 'rank_mapping')}: the KV edge {sid} -> {down} needs rank_mapping "
+                        f"{where(st, 'rank_mapping')}: the KV edge {sid} -> {d.stage_id} needs rank_mapping "
                         f"{{from_tp: {s.tp_size}, to_tp: {d.tp_size}}} (the two stages' tp_size)"
                     )
             if spec.kv.heads % s.tp_size or spec.kv.heads % d.tp_size:
                 errors.append(
                     f"{where(s, 'synthetic.kv.heads')}: {spec.kv.heads} heads do not split over tp_size {s.tp_size} and {d.tp_size}"
                 )
-        elif d.kv_transfer and dspec.kv is None:
-            errors.append(f"{where(d, 'kv_transfer')}: stage {sid} sends no KV (add synthetic.kv to stage {sid})")
-    for sid in chain:
-        s, spec = config.stage(sid), specs[sid]
-        if s.kv_transfer and spec.kv is not None and ups[sid] is not None and specs[ups[sid]].kv is not None:  # type: ignore[index]
-            errors.append(f"{where(s, 'synthetic.kv')}: a stage may receive KV or send KV, not both (one rank_mapping per stage)")
-    if errors:
-        raise ConfigError("\n".join(dict.fromkeys(errors)))
-    plans = tuple(StagePlan(config.stage(sid), specs[sid], ups[sid], downs[sid], conns[sid]) for sid in chain)
-    return PipelinePlan(config, plans, filename)
+    kv_in = p.kv_input
+    if s.kv_transfer and spec.kv is None and (kv_in is None or plans[kv_in.from_stage].synthetic.kv is None):
+        ups = [kv_in.from_stage] if kv_in is not None else list(p.upstreams)
+        if ups:
+            errors.append(f"{where(s, 'kv_transfer')}: stage {ups[0]} sends no KV (add synthetic.kv to stage {ups[0]})")
+        else:
+            errors.append(f"{where(s, 'kv_transfer')}: stage {sid} neither sends KV (synthetic.kv) nor has an input edge to receive it on")
+    if s.kv_transfer and spec.kv is not None and kv_in is not None and plans[kv_in.from_stage].synthetic.kv is not None:
+        errors.append(f"{where(s, 'synthetic.kv')}: a stage may receive KV or send KV, not both (one rank_mapping per stage)")
+    return errors

@@ -14,6 +14,8 @@ class EdgeStats:
     """What one receiving rank saw on one edge (payload or KV)."""
 
     edge: str
+    #: ``payload`` (moved by TP rank 0, checked on every rank) or ``kv`` (every rank receives its own shards)
+    kind: str = "payload"
     payloads: int = 0
     bytes: int = 0
     latencies_s: list[float] = field(default_factory=list)
@@ -39,6 +41,7 @@ class EdgeStats:
     def to_json(self) -> dict[str, Any]:
         return {
             "edge": self.edge,
+            "kind": self.kind,
             "payloads": self.payloads,
             "bytes": self.bytes,
             "latencies_s": self.latencies_s,

@@ -1,6 +1,6 @@
 """The stage transfer runtime: the data plane between a model runner and its connector.
 
-See ``docs/runtime.md``. Modules: ``core`` (:class:`StageTransferRuntime`),
+See ``docs/runtime/``. Modules: ``core`` (:class:`StageTransferRuntime`),
 ``state`` (one object per request), ``sender``/``receiver`` (I/O threads),
 ``delivery`` (receive-side rules), ``accumulate``/``spans`` (merging),
 ``consumable`` (payload predicates), ``tp`` (TP groups), ``kvbridge`` (KV),

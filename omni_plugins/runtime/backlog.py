@@ -25,7 +25,7 @@ class CleanupBacklog:
     """Remainders of interrupted key scans (bounded: the oldest are dropped beyond ``limit``)."""
 
     def __init__(self, limit: int = 4096) -> None:
-        self._scans: deque[list[str]] = deque(maxlen=limit)
+        self._scans: deque[tuple[Connector, list[str]]] = deque(maxlen=limit)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -40,18 +40,21 @@ class CleanupBacklog:
             except Exception:
                 logger.debug("cleanup of %s failed; %d key(s) kept for a retry at shutdown", key, len(keys) - i, exc_info=True)
                 with self._lock:
-                    self._scans.append(list(keys[i:]))
+                    self._scans.append((connector, list(keys[i:])))
                 return
 
-    def retry(self, connector: Connector, timeout: float) -> int:
-        """Run the kept scans once more (within ``timeout`` s, stopping at the first error); returns keys freed."""
+    def retry(self, timeout: float) -> int:
+        """Run the kept scans once more, each on its connector (within ``timeout`` s, stopping at the first error;
+        a connector already closed is skipped); returns keys freed."""
         with self._lock:
             scans, self._scans = list(self._scans), deque(maxlen=self._scans.maxlen)
         if not scans:
             return 0
         deadline = time.monotonic() + timeout
         freed = 0
-        for n, scan in enumerate(scans):
+        for n, (connector, scan) in enumerate(scans):
+            if connector.closed:
+                continue
             for key in scan:
                 if time.monotonic() > deadline:
                     logger.warning("cleanup retry ran out of time; %d key scan(s) left to the backend's expiry", len(scans) - n)

@@ -44,25 +44,35 @@ class PutChunkView(_View):
 
 
 class RequestPayloadView(_View, MutableMapping[str, Any]):
-    """``ext_id -> accumulated received chunks`` ("ar" workers)."""
+    """``ext_id -> accumulated received chunks`` ("ar" workers; ``{source_stage: chunks}`` on a fan-in stage)."""
 
     def __getitem__(self, key: str) -> Any:
         with self._registry.lock:
             state = self._state(key)
-            state.settle_cached()  # joins what the lazy merge left pending, in the sections ``merged`` shares
-            merged = state.merged
+            for entry in state.inputs:
+                entry.settle_cached()  # joins what the lazy merge left pending, in the sections ``merged`` shares
+            if len(state.inputs) > 1:  # fan-in: per source
+                merged: Any = {e.source: e.merged for e in state.inputs if e.merged is not None} or None
+            else:
+                merged = state.inputs[0].merged if state.inputs else None
         if merged is None:
             raise KeyError(key)
         return merged
 
     def __setitem__(self, key: str, value: Any) -> None:
-        self._state(key).merged = value
+        state = self._state(key)
+        if len(state.inputs) > 1:
+            for entry in state.inputs:
+                entry.merged = value.get(entry.source)
+        elif state.inputs:
+            state.inputs[0].merged = value
 
     def __delitem__(self, key: str) -> None:
-        self._state(key).merged = None
+        for entry in self._state(key).inputs:
+            entry.merged = None
 
     def __iter__(self) -> Iterator[str]:
-        return iter([s.external_id for s in self._registry if s.merged is not None and not s.released])
+        return iter([s.external_id for s in self._registry if any(i.merged is not None for i in s.inputs) and not s.released])
 
 
 class CodePromptView(_View, MutableMapping[str, Any]):

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from omni_plugins.config.models import PipelineConfig, RankMapping, StageConfig, StageConnectorConfig
+from omni_plugins.config.topology import StageTopology
 from omni_plugins.contract import Connector
 from omni_plugins.errors import ConfigError, OmniPluginsError
 from omni_plugins.factory import create_connector, format_validation_error
@@ -34,6 +35,7 @@ from omni_plugins.runtime.compat import CodePromptView, PutChunkView, RequestPay
 from omni_plugins.runtime.delivery import Delivery
 from omni_plugins.runtime.kvbridge import KVBridge
 from omni_plugins.runtime.receiver import Receiver
+from omni_plugins.runtime.routes import InputRoute, OutputRoute
 from omni_plugins.runtime.sender import Sender
 from omni_plugins.runtime.signals import ConnectorSignals
 from omni_plugins.runtime.snapshot import snapshot_payload
@@ -67,6 +69,16 @@ def _request_finished(request: Any, default: bool) -> bool:
     return default
 
 
+def _send_groups(routes: list[OutputRoute]) -> list[tuple[ResolvedBuilder | None, list[OutputRoute]]]:
+    """Output routes by the builder that makes their payload (a builder naming ``to_stage``: one group per route)."""
+    groups: dict[Any, tuple[ResolvedBuilder | None, list[OutputRoute]]] = {}
+    for route in routes:
+        builder = route.builder
+        key: Any = route if builder is not None and builder.per_destination else (builder.path if builder is not None else None)
+        groups.setdefault(key, (builder, []))[1].append(route)
+    return list(groups.values())
+
+
 class StageTransferRuntime:
     """The transfer runtime of one stage rank.
 
@@ -96,21 +108,43 @@ class StageTransferRuntime:
         local_rank: int | None = None,
         tuning: RuntimeTuning | None = None,
         close_connector: bool = True,
+        topology: StageTopology | None = None,
+        connectors: Mapping[str, Connector] | None = None,
     ) -> None:
         self.stage_config = stage_config
         self.stage_id = stage_config.stage_id
         self.tuning = tuning or RuntimeTuning()
+        if topology is not None and (connector_config is not None or connector is not None):
+            raise ConfigError(f"stage {self.stage_id}: give a topology (and its connectors) or one connector, not both")
+        if topology is not None and topology.stage_id != self.stage_id:
+            raise ConfigError(f"stage {self.stage_id}: the topology given is stage {topology.stage_id}'s")
+        self.topology = topology
         self.connector_config = self._validate_connector_config(connector_config)
         cfg = self.connector_config
-        if connector is None and cfg is not None:
-            connector = self._create_connector(cfg)
-        self._connector = connector
         self._close_connector = close_connector
+        #: every connector this runtime uses, by instance name (one runtime owns one per distinct instance)
+        self._connectors: dict[str, Connector] = {}
+        #: connectors this runtime created (always closed at shutdown) vs. given (closed unless close_connector=False)
+        self._created: set[str] = set()
+        if topology is not None:
+            self._open_connectors(topology, connectors or {})
+        elif connector is not None or cfg is not None:
+            self._connectors[cfg.name if connector is None and cfg is not None else getattr(connector, "name", "connector")] = (
+                connector if connector is not None else self._create_connector(cfg)  # type: ignore[arg-type]
+            )
+            if connector is None:
+                self._created = set(self._connectors)
+        self._connector: Connector | None = next(iter(self._connectors.values()), None)
+        connector = self._connector
         self.async_chunk = stage_config.async_chunk
         self.worker_type = stage_config.worker_type
-        self.next_stage_id = cfg.to_stage if cfg is not None and cfg.to_stage is not None else self.stage_id + 1
         inputs = stage_config.input_stages()
-        self.from_stage = next(iter(inputs)) if len(inputs) == 1 else self.stage_id - 1
+        if topology is not None:
+            self.next_stage_id = topology.outputs[0].to_stage if topology.outputs else self.stage_id + 1
+            self.from_stage = topology.inputs[0].from_stage if len(topology.inputs) == 1 else self.stage_id - 1
+        else:
+            self.next_stage_id = cfg.to_stage if cfg is not None and cfg.to_stage is not None else self.stage_id + 1
+            self.from_stage = next(iter(inputs)) if len(inputs) == 1 else self.stage_id - 1
         self.rank_mapping: RankMapping = (cfg.rank_mapping if cfg is not None else None) or stage_config.rank_mapping or RankMapping()
         self.tp: TPGroup = tp_group if tp_group is not None else SingleRankGroup()
         self.local_rank = self._resolve_local_rank(local_rank)
@@ -126,6 +160,10 @@ class StageTransferRuntime:
                 stage_config.custom_process_input_func,
                 full_payload=not self.async_chunk,
             )
+        self._outputs, self._inputs = self._routes()
+        #: output routes grouped by the builder that makes their payload: one build per group and step
+        self._send_groups = _send_groups(self._outputs)
+        self._has_builder = any(builder is not None for builder, _ in self._send_groups)
         # the accumulation gate is structural: decide once
         self._accumulate = bool(
             stage_config.custom_process_next_stage_input_func
@@ -133,83 +171,165 @@ class StageTransferRuntime:
             and not stage_config.final_output
             and stage_config.model_stage is not None
             and connector is not None
+            and self._outputs
         )
 
-        self._registry = RequestRegistry()
+        self._registry = RequestRegistry(self._inputs, outputs=len(self._outputs))
         self._lock = self._registry.lock
         multi = self.tp.world_size > 1
         self._delivery = Delivery(
             self._registry,
-            from_stage=self.from_stage,
             async_chunk=self.async_chunk,
             worker_type=self.worker_type,
             recv_timeout_s=stage_config.recv_timeout_s,
             abort_scan_limit=self.tuning.abort_scan_limit,
             multi_rank=multi,
+            fan_in=len(self._inputs) > 1,
         )
-        self._owns_kv = False
+        self._owned_kv: list[Any] = []
+        send_managers: list[Any] | None = None
         if kv_manager is None and stage_config.kv_transfer and connector is not None:
-            from omni_plugins.kv import KVTransferManager
-
-            kv_manager = KVTransferManager(
-                connector,
-                stage_id=self.stage_id,
-                from_stage=self.from_stage,
-                to_stage=self.next_stage_id,
-                rank_mapping=self.rank_mapping,
-                local_rank=self.local_rank,
-                recv_timeout_s=stage_config.recv_timeout_s,
-                layout=stage_config.kv_layout,
-            )
-            self._owns_kv = True
+            kv_manager, send_managers = self._kv_managers()
+            self._owned_kv = [m for m in [kv_manager, *(send_managers or [])] if m is not None]
         self._kv = KVBridge(
-            self._registry, kv_manager, from_tp=self.rank_mapping.from_tp, to_tp=self.rank_mapping.to_tp, local_rank=self.local_rank
+            self._registry,
+            kv_manager,
+            from_tp=self.rank_mapping.from_tp,
+            to_tp=self.rank_mapping.to_tp,
+            local_rank=self.local_rank,
+            send_managers=send_managers,
         )
 
         self._sender: Sender | None = None
-        self._receiver: Receiver | None = None
+        self._receivers: list[Receiver] = []
         #: key scans a backend error cut short (timeouts, aborts), retried at shutdown
         self._cleanup_backlog = CleanupBacklog()
         self._closed = False
-        if connector is not None:
-            tag = f"stage{self.stage_id}-r{self.local_rank}"
+        tag = f"stage{self.stage_id}-r{self.local_rank}"
+        if self._outputs:
             self._sender = Sender(
-                connector,
+                self._outputs,
                 self._registry,
-                from_stage=self.stage_id,
-                to_stage=self.next_stage_id,
                 max_retries=self.tuning.max_send_retries,
                 retry_backoff_s=self.tuning.retry_backoff_s,
                 handoff_s=self.tuning.send_handoff_s,
                 name=f"omni-send-{tag}",
             )
-            if self.is_data_transfer_rank() and self.stage_id > 0:
-                self._receiver = Receiver(
-                    connector,
-                    self._registry,
-                    self._delivery,
-                    from_stage=self.from_stage,
-                    to_stage=self.stage_id,
-                    tuning=self.tuning,
-                    name=f"omni-recv-{tag}",
-                    cleanup_backlog=self._cleanup_backlog,
+        if self._inputs and self.is_data_transfer_rank():
+            by_connector: dict[int, list[InputRoute]] = {}
+            for route in self._inputs:
+                by_connector.setdefault(id(route.connector), []).append(route)
+            for n, routes in enumerate(by_connector.values()):
+                self._receivers.append(
+                    Receiver(
+                        routes[0].connector,
+                        self._registry,
+                        self._delivery,
+                        routes=[r.index for r in routes],
+                        tuning=self.tuning,
+                        name=f"omni-recv-{tag}" + (f"-{n}" if n else ""),
+                        cleanup_backlog=self._cleanup_backlog,
+                    )
                 )
         logger.info(
-            "stage %s runtime: connector=%s async_chunk=%s worker=%s next_stage=%s builder=%s arrival=%s",
+            "stage %s runtime: connectors=%s async_chunk=%s worker=%s inputs=%s outputs=%s builder=%s arrival=%s",
             self.stage_id,
-            getattr(connector, "name", None),
+            {name: c.name for name, c in self._connectors.items()},
             self.async_chunk,
             self.worker_type,
-            self.next_stage_id,
+            [r.from_stage for r in self._inputs],
+            [r.to_stage for r in self._outputs],
             self.builder.path if self.builder else None,
-            self._receiver.mode if self._receiver else None,
+            self.arrival_mode,
         )
+
+    def _open_connectors(self, topology: StageTopology, given: Mapping[str, Connector]) -> None:
+        """One connector per distinct instance the topology uses (given ones are taken as they are); all or none."""
+        try:
+            for name, conf in topology.connectors.items():
+                if name in given:
+                    self._connectors[name] = given[name]
+                    continue
+                try:
+                    self._connectors[name] = create_connector(conf.name, conf.extra)
+                except OmniPluginsError as exc:
+                    raise ConfigError(f"stage {self.stage_id}: cannot create connector {name!r} ({conf.name}): {exc}") from exc
+                self._created.add(name)
+        except BaseException:
+            for name in self._created:
+                self._connectors[name].close()
+            raise
+
+    def _routes(self) -> tuple[list[OutputRoute], list[InputRoute]]:
+        """The output and input routes: from the topology, else the single edge of the connector config."""
+        topo = self.topology
+        if topo is None:
+            if self._connector is None:
+                return [], []
+            instance = next(iter(self._connectors))
+            outputs = [OutputRoute(0, self.stage_id, self.next_stage_id, str(self.stage_id), self._connector, instance, self.builder)]
+            inputs = [] if self.stage_id == 0 else [InputRoute(0, self.from_stage, self.stage_id, str(self.from_stage), self._connector, instance)]
+            return outputs, inputs
+        outputs = []
+        for i, e in enumerate(topo.outputs):
+            builder = self.builder
+            if e.payload_builder is not None:
+                from omni_plugins.payload import load_builder
+
+                builder = load_builder(e.payload_builder)
+            outputs.append(OutputRoute(i, self.stage_id, e.to_stage, e.key_stage, self._connectors[e.connector], e.connector, builder))
+        inputs = [
+            InputRoute(i, e.from_stage, self.stage_id, e.key_stage, self._connectors[e.connector], e.connector) for i, e in enumerate(topo.inputs)
+        ]
+        return outputs, inputs
+
+    def _kv_managers(self) -> tuple[Any | None, list[Any] | None]:
+        """The KV managers this stage needs: ``(receiving, sending)``; ``sending`` None means the receiving one sends too."""
+        from omni_plugins.kv import KVTransferManager
+
+        common: dict[str, Any] = {
+            "stage_id": self.stage_id,
+            "rank_mapping": self.rank_mapping,
+            "local_rank": self.local_rank,
+            "recv_timeout_s": self.stage_config.recv_timeout_s,
+            "layout": self.stage_config.kv_layout,
+        }
+        topo = self.topology
+        if topo is None:  # one connector: one manager both ways
+            return KVTransferManager(self._connector, from_stage=self.from_stage, to_stage=self.next_stage_id, **common), None
+        receiving = None
+        if (edge := topo.kv_input) is not None:
+            receiving = KVTransferManager(
+                self._connectors[edge.kv_connector], from_stage=edge.from_stage, to_stage=self.stage_id, recv_key_stage=edge.key_stage, **common
+            )
+        sending = [
+            KVTransferManager(
+                self._connectors[e.kv_connector],
+                from_stage=self.from_stage,
+                to_stage=e.to_stage,
+                send_key_stage=e.key_stage,
+                receives=False,
+                **common,
+            )
+            for e in topo.kv_outputs
+        ]
+        if receiving is None and not sending:
+            logger.warning("stage %s has kv_transfer but no KV edge (no neighbour with kv_transfer): no KV moves", self.stage_id)
+        return receiving, sending
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pipeline(cls, pipeline_config: PipelineConfig, stage_id: int, **kwargs: Any) -> StageTransferRuntime:
-        """The runtime of ``stage_id`` in a validated pipeline."""
-        return cls(pipeline_config.stage(stage_id), pipeline_config.stage_connector_config(stage_id), **kwargs)
+        """The runtime of ``stage_id`` in a validated pipeline: every edge of the stage, each on its own connector instance.
+
+        A stage with no edge at all keeps the single-connector form (``default_connector``,
+        see :meth:`PipelineConfig.stage_connector_config`).
+        """
+        stage = pipeline_config.stage(stage_id)
+        topology = pipeline_config.topology(stage_id)
+        if not topology.inputs and not topology.outputs:
+            return cls(stage, pipeline_config.stage_connector_config(stage_id), **kwargs)
+        return cls(stage, topology=topology, **kwargs)
 
     def _validate_connector_config(self, cfg: StageConnectorConfig | Mapping[str, Any] | None) -> StageConnectorConfig | None:
         if cfg is None or isinstance(cfg, StageConnectorConfig):
@@ -246,16 +366,42 @@ class StageTransferRuntime:
     # ------------------------------------------------------------------ properties
     @property
     def connector(self) -> Connector | None:
+        """The runtime's connector; with several (a topology), the first one (see :attr:`connectors`)."""
         return self._connector
 
     @property
+    def connectors(self) -> dict[str, Connector]:
+        """Every connector this runtime owns or was given, by instance name."""
+        return dict(self._connectors)
+
+    @property
     def kv_manager(self) -> Any | None:
-        return self._kv.manager
+        """The KV manager that receives (else the first that sends)."""
+        return self._kv.manager if self._kv.manager is not None else next(iter(self._kv.send_managers), None)
+
+    @property
+    def kv_managers(self) -> list[Any]:
+        """Every KV manager of this runtime (the receiving one first)."""
+        return self._kv.managers
 
     @property
     def arrival_mode(self) -> str | None:
-        """``"block"`` or ``"poll"`` on the rank that receives; None elsewhere."""
-        return self._receiver.mode if self._receiver else None
+        """``"block"`` or ``"poll"`` on the rank that receives (its first receive thread); None elsewhere."""
+        return self._receivers[0].mode if self._receivers else None
+
+    @property
+    def input_stages(self) -> list[int]:
+        """The stages this one receives from (several: a fan-in stage, whose payloads are ``{source_stage: payload}``)."""
+        return [r.from_stage for r in self._inputs]
+
+    @property
+    def output_stages(self) -> list[int]:
+        """The stages this one sends to (every send goes to each)."""
+        return [r.to_stage for r in self._outputs]
+
+    @property
+    def fan_in(self) -> bool:
+        return len(self._inputs) > 1
 
     def should_accumulate_full_payload_output(self) -> bool:
         """The (cached) accumulation gate: explicit next-stage builder, full-payload mode,
@@ -282,29 +428,59 @@ class StageTransferRuntime:
         return CodePromptView(self._registry)
 
     # ------------------------------------------------------------------ sending
-    def _build(self, request_id: str, request: Any, output: Any, is_finished: bool) -> tuple[bool, Any]:
-        """Run the builder on the caller's thread: ``(ok, payload)``; a crash reports the request failed."""
-        assert self.builder is not None
+    def _build(
+        self, builder: ResolvedBuilder, request_id: str, request: Any, output: Any, is_finished: bool, to_stage: int | None
+    ) -> tuple[bool, Any]:
+        """Run a builder on the caller's thread: ``(ok, payload)``; a crash reports the request failed."""
         try:
-            return True, self.builder(transfer_manager=self, pooling_output=output, request=request, is_finished=is_finished)
+            return True, builder(transfer_manager=self, pooling_output=output, request=request, is_finished=is_finished, to_stage=to_stage)
         except Exception:
-            logger.exception("payload builder %s failed for request %s; reporting it failed", self.builder.path, request_id)
+            logger.exception("payload builder %s failed for request %s; reporting it failed", builder.path, request_id)
             with self._lock:
                 self._registry.outbox.failed.add(request_id)
             return False, None
 
-    def _enqueue(self, state: RequestState, payload: Any) -> None:
-        assert self._sender is not None
+    def _enqueue(self, state: RequestState, payload: Any, routes: list[OutputRoute]) -> None:
+        """Queue one payload for every route in ``routes`` (snapshotted once, one key per route)."""
+        sender = self._sender
+        assert sender is not None
         if self.tuning.snapshot_payloads:
             payload = snapshot_payload(payload)
+        sent = state.sent
         with self._lock:
-            index = state.next_send_chunk
-            state.next_send_chunk += 1
-            signal = self._sender.enqueue_locked(state, f"{state.external_id}_{self.stage_id}_{index}", payload, hand_over=True)
-        self._sender.hand_over(signal)
+            route = routes[0]
+            index = sent[route.index]
+            sent[route.index] = index + 1
+            signal = sender.enqueue_locked(state, route, f"{state.external_id}_{route.key_stage}_{index}", payload, hand_over=True)
+            for route in routes[1:]:  # fan-out: the same payload to the other destinations
+                index = sent[route.index]
+                sent[route.index] = index + 1
+                sender.enqueue_locked(state, route, f"{state.external_id}_{route.key_stage}_{index}", payload)
+        sender.hand_over(signal)
+
+    def _send(self, rid: str, state: RequestState, request: Any, output: Any, is_finished: bool, *, raw: bool) -> int:
+        """Build (once per builder; per destination for builders that name ``to_stage``) and enqueue on every
+        output route. ``raw``: a route group without a builder sends ``output`` as it is. Returns payloads
+        enqueued; -1 when a builder raised (the request is reported failed, nothing more is sent)."""
+        enqueued = 0
+        for builder, routes in self._send_groups:
+            if builder is None:
+                if not raw:
+                    continue
+                payload = output
+            else:
+                to_stage = routes[0].to_stage if builder.per_destination else None
+                ok, payload = self._build(builder, rid, request, output, is_finished, to_stage)
+                if not ok:
+                    return -1
+            if payload is None:
+                continue
+            self._enqueue(state, payload, routes)
+            enqueued += 1
+        return enqueued
 
     def send_chunk(self, request: Any, pooling_output: Any = None) -> bool:
-        """Streaming mode: build this step's chunk on the caller's thread and enqueue it.
+        """Streaming mode: build this step's chunk on the caller's thread and enqueue it (on every output edge).
 
         Returns True when a chunk was enqueued (and on non-zero TP ranks, which
         never send ordinary payloads); False with no connector, no builder, or a
@@ -314,7 +490,7 @@ class StageTransferRuntime:
             return False
         if not self.is_data_transfer_rank():
             return True
-        if self.builder is None:
+        if not self._has_builder:
             logger.warning("stage %s: send_chunk without a payload builder (custom_process_next_stage_input_func)", self.stage_id)
             return False
         rid = _request_id(request)
@@ -322,11 +498,7 @@ class StageTransferRuntime:
         if state is None:
             with self._lock:
                 state = self._registry.ensure(rid, _external_id(request, rid))
-        ok, payload = self._build(rid, request, pooling_output, _request_finished(request, False))
-        if not ok or payload is None:
-            return False
-        self._enqueue(state, payload)
-        return True
+        return self._send(rid, state, request, pooling_output, _request_finished(request, False), raw=False) > 0
 
     def accumulate_full_payload_output(self, req_id: str, output: Any, request: Any = None) -> bool:
         """Full-payload mode, once per step: fold this step's output into the request's accumulator."""
@@ -354,7 +526,7 @@ class StageTransferRuntime:
         return self.send_full_payload_outputs(outputs)
 
     def send_full_payload_outputs(self, outputs: Mapping[str, Any]) -> list[str]:
-        """Send whole payloads: each value is ``(output, request)`` or a raw output.
+        """Send whole payloads (to every output edge): each value is ``(output, request)`` or a raw output.
 
         With a builder the builder makes the payload (None skips the request).
         Only the data-transfer rank enqueues; other ranks report the ids as sent.
@@ -366,18 +538,13 @@ class StageTransferRuntime:
         sent: list[str] = []
         for rid, value in outputs.items():
             output, request = value if isinstance(value, tuple) and len(value) == 2 else (value, None)
-            payload = output
-            if self.builder is not None:
-                ok, payload = self._build(rid, request, output, _request_finished(request, True))
-                if not ok:
-                    continue
-            if payload is None:
-                logger.debug("stage %s: nothing to send for %s", self.stage_id, rid)
-                continue
             with self._lock:
                 state = self._registry.ensure(rid, _external_id(request, rid))
-            self._enqueue(state, payload)
-            sent.append(rid)
+            got = self._send(rid, state, request, output, _request_finished(request, True), raw=True)
+            if got > 0:
+                sent.append(rid)
+            elif got == 0:
+                logger.debug("stage %s: nothing to send for %s", self.stage_id, rid)
         return sent
 
     def send_stage_outputs(self, scheduler_output: Any, outputs: Mapping[str, Any]) -> list[str]:
@@ -386,24 +553,27 @@ class StageTransferRuntime:
 
     # ------------------------------------------------------------------ receiving
     def register_chunk_recv(self, request: Any) -> bool:
-        """Ask the receive thread to look for this request's input. Returns True when newly registered.
+        """Ask the receive thread to look for this request's input (on every input edge). Returns True when newly registered.
 
-        Stage 0 never receives. A request whose payload already arrived, whose
-        stream finished, or that is already registered is not registered again.
+        A stage with no input edge (stage 0) never receives. A request whose payload already
+        arrived, whose stream finished, or that is already registered is not registered again.
         """
-        if self.stage_id == 0 or self._connector is None or self._closed:
+        if not self._inputs or self._closed:
             return False
         rid = _request_id(request)
         with self._lock:
             state = self._registry.ensure(rid, _external_id(request, rid))
             if state.released or state.registered or state.payload_arrived or state.stream_finished:
                 return False
-            self._registry.set_registered(state, True)
             now = time.monotonic()
-            state.deadline = now + self.stage_config.recv_timeout_s
-            state.last_arrival = now
-        if self._receiver is not None:
-            self._receiver.notify()
+            deadline = now + self.stage_config.recv_timeout_s
+            for entry in state.inputs:
+                if not entry.delivered:
+                    self._registry.set_registered(entry, True)
+                    entry.deadline = deadline
+                    entry.last_arrival = now
+        for receiver in self._receivers:
+            receiver.notify()
         return True
 
     def wait_ready(self, timeout: float) -> bool:
@@ -411,16 +581,20 @@ class StageTransferRuntime:
         return self._delivery.ready.wait(timeout)
 
     def recv_chunk(self) -> dict[str, Any]:
-        """Streaming mode: copies of the payloads of requests woken since the last :meth:`collect_signals`."""
+        """Streaming mode: copies of the payloads of requests woken since the last :meth:`collect_signals`.
+
+        On a fan-in stage each value is ``{source_stage: payload}`` of the sources that woke it.
+        """
         with self._lock:
             return self._delivery.ready_payloads()
 
     def recv_full_payload_inputs(self, scheduler_output: Any = None) -> dict[str, Any]:
         """Full-payload mode: publish what arrived and return ``{request_id: payload}``.
 
-        With TP > 1 this is collective: rank 0 broadcasts, so no rank sees a
-        request before its payload is visible. A cheap no-op on one rank when
-        nothing arrived.
+        On a fan-in stage a request is published once every input edge delivered,
+        as ``{request_id: {source_stage: payload}}``. With TP > 1 this is
+        collective: rank 0 broadcasts, so no rank sees a request before its
+        payload is visible. A cheap no-op on one rank when nothing arrived.
         """
         multi = self.tp.world_size > 1
         if not multi and self._delivery.unpublished == 0:
@@ -443,18 +617,19 @@ class StageTransferRuntime:
     recv_stage_inputs = recv_full_payload_inputs
 
     def get_local_stage_payload(self, req_id: str) -> Any:
-        """The runner's cached payload of a request (not removed)."""
+        """The runner's cached payload of a request (not removed); ``{source_stage: payload}`` on a fan-in stage."""
         with self._lock:
             state = self._registry.get(req_id)
-            return state.settle_cached() if state is not None else None
+            return self._delivery.payload_of(state) if state is not None else None
 
     def pop_local_stage_payload(self, req_id: str) -> Any:
         """Consume the cached payload. Generation workers must do this before their next chunk is fetched."""
         with self._lock:
             state = self._registry.get(req_id)
-            payload = state.pop_cached() if state is not None else None
-        if payload is not None and self._receiver is not None:
-            self._receiver.notify()
+            payload = self._delivery.pop_payload(state) if state is not None else None
+        if payload is not None:
+            for receiver in self._receivers:
+                receiver.notify()
         return payload
 
     # ------------------------------------------------------------------ signals
@@ -477,9 +652,12 @@ class StageTransferRuntime:
                     self._delivery.apply_stream_packet(packet)
         with self._lock:  # one hold on a single rank: take the flags and build the report together
             if packet is None:  # single rank: one pass over the signalled states
-                woken, finished, metadata, stage_recv, pending = self._delivery.drain_signals()
+                woken, finished, metadata, stage_recv, pending, ready_src, finished_src = self._delivery.drain_signals()
             else:
                 woken, finished, metadata = set(packet["woken"]), set(packet["finished"]), dict(packet["metadata"])
+                sources = packet.get("sources", {})
+                ready_src = {rid: set(pair[0]) for rid, pair in sources.items() if pair[0]}
+                finished_src = {rid: set(pair[1]) for rid, pair in sources.items() if pair[1]}
                 stage_recv = set()
                 for state in self._registry.signalled():
                     if state.stage_recv:
@@ -488,13 +666,15 @@ class StageTransferRuntime:
                 pending = self._registry.settle()
             outbox = self._registry.outbox
             # hand the outbox's containers over and give it fresh ones (no copy and clear per call)
-            kv_sent, failed, timed_out = outbox.kv_sent, outbox.failed, outbox.timed_out
+            kv_sent, failed, timed_out, missing = outbox.kv_sent, outbox.failed, outbox.timed_out, outbox.missing
             if kv_sent:
                 outbox.kv_sent = []
             if failed:
                 outbox.failed = set()
             if timed_out:
                 outbox.timed_out = set()
+            if missing:
+                outbox.missing = {}
             signals = ConnectorSignals(
                 chunk_ready=woken,
                 chunk_finished=finished,
@@ -504,12 +684,16 @@ class StageTransferRuntime:
                 has_pending_kv_work=self._kv.has_pending_work(),
                 failed=failed if failed else set(),
                 timed_out=timed_out if timed_out else set(),
+                chunk_ready_sources=ready_src,
+                chunk_finished_sources=finished_src,
+                missing_sources=missing if missing else {},
             )
             ready = self._delivery.ready
             if not pending and not outbox.dropped_for_followers and ready.is_set():  # set only under this lock: no race
                 ready.clear()
-        if self._receiver is not None and self.worker_type == "generation" and (woken or metadata):
-            self._receiver.notify()  # a request whose flags were drained may take its next chunk now
+        if self.worker_type == "generation" and (woken or metadata):
+            for receiver in self._receivers:
+                receiver.notify()  # a request whose flags were drained may take its next chunk now
         return signals
 
     get_omni_connector_output = collect_signals
@@ -537,28 +721,27 @@ class StageTransferRuntime:
             state = self._registry.get(req_id)
             ids = {req_id} if state is None else {req_id, state.request_id, state.external_id}
             self._registry.outbox.forget(ids)
-            keys: list[str] = []
-            purge: list[str] = []
+            keys: list[tuple[Connector, list[str]]] = []
+            purge: list[tuple[Connector, str]] = []
             if state is not None:
-                if self._receiver is not None:
+                if self._receivers:
                     keys = self._delivery.abort_keys(state)
-                if aborted and self._sender is not None and state.next_send_chunk:
+                if aborted and self._sender is not None and any(state.sent):
                     if self._sender.abort(state):
                         state.purge_sent = True  # the running put's completion frees them
                     else:
                         purge = self._sender.keys_put(state)
                 self._registry.release(state)
         self._free_keys(keys)
-        if purge and self._sender is not None and self._connector is not None and not self._connector.closed:
+        if purge and self._sender is not None:
             self._sender.purge(purge)
         self._kv.cleanup(req_id, aborted=aborted)
         return state is not None
 
-    def _free_keys(self, keys: list[str]) -> None:
-        connector = self._connector
-        if connector is None or connector.closed:
-            return
-        self._cleanup_backlog.free_in_order(connector, keys)
+    def _free_keys(self, keys: list[tuple[Connector, list[str]]]) -> None:
+        for connector, scan in keys:
+            if not connector.closed:
+                self._cleanup_backlog.free_in_order(connector, scan)
 
     def prune_inactive_requests(self, active_req_ids: Iterable[str] | None) -> set[str]:
         """Drop requests not in ``active_req_ids``, except those waiting for input or
@@ -578,28 +761,29 @@ class StageTransferRuntime:
         return set(stale)
 
     def shutdown(self) -> None:
-        """Let queued sends finish (bounded), stop both threads (bounded joins), close the connector. Idempotent."""
+        """Let queued sends finish (bounded), stop the threads (bounded joins), close every connector. Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._sender is not None:
             self._sender.wait_idle(self.tuning.drain_timeout_s)
             self._sender.stop(self.tuning.join_timeout_s)
-        if self._receiver is not None:
-            self._receiver.stop(self.tuning.join_timeout_s)
-        if self._connector is not None and len(self._cleanup_backlog) and not self._connector.closed:
-            freed = self._cleanup_backlog.retry(self._connector, self.tuning.drain_timeout_s)
+        for receiver in self._receivers:
+            receiver.stop(self.tuning.join_timeout_s)
+        if len(self._cleanup_backlog):
+            freed = self._cleanup_backlog.retry(self.tuning.drain_timeout_s)
             logger.info("stage %s: freed %d key(s) whose cleanup had failed", self.stage_id, freed)
-        if self._owns_kv and self._kv.manager is not None:
+        for manager in self._owned_kv:
             try:
-                self._kv.manager.close()
+                manager.close()
             except Exception:
                 logger.warning("closing the KV manager failed", exc_info=True)
-        if self._connector is not None and self._close_connector:
-            try:
-                self._connector.close()
-            except Exception:
-                logger.warning("closing the connector failed", exc_info=True)
+        for name, connector in self._connectors.items():
+            if name in self._created or self._close_connector:
+                try:
+                    connector.close()
+                except Exception:
+                    logger.warning("closing the connector %r failed", name, exc_info=True)
 
     shutdown_omni_connectors = shutdown
 
@@ -624,14 +808,17 @@ class StageTransferRuntime:
             return len(self._registry)
 
     def debug_state(self) -> dict[str, Any]:
-        """A JSON-able dump: per-request summaries, indexes, thread stats."""
+        """A JSON-able dump: per-request summaries, indexes, thread stats (``receiver``: the first receive thread)."""
         with self._lock:
             snap = self._registry.snapshot()
         snap["sender"] = dict(self._sender.stats, cpu_s=self._sender.cpu_seconds()) if self._sender else None
-        snap["receiver"] = dict(self._receiver.stats, cpu_s=self._receiver.cpu_seconds()) if self._receiver else None
+        receivers = [dict(r.stats, cpu_s=r.cpu_seconds()) for r in self._receivers]
+        snap["receiver"] = receivers[0] if receivers else None
+        snap["receivers"] = receivers
+        first = self._receivers[0] if self._receivers else None
         snap["arrival_mode"] = self.arrival_mode
-        snap["arrival_waits_any"] = self._receiver.waits_any if self._receiver else None
-        snap["arrival_wait_interruptible"] = self._receiver.interrupts if self._receiver else None
+        snap["arrival_waits_any"] = first.waits_any if first else None
+        snap["arrival_wait_interruptible"] = first.interrupts if first else None
         return snap
 
     # ------------------------------------------------------------------ KV

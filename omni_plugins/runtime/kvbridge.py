@@ -25,24 +25,44 @@ def _pure_kv(state: RequestState) -> bool:
     return (
         state.kv_phase is KVPhase.NONE
         and not state.kv_triggered
-        and state.next_send_chunk == 0
-        and state.next_recv_chunk == 0
+        and not any(state.sent)
+        and not any(i.next_recv_chunk or i.has_cached or i.stream_finished or i.payload_arrived for i in state.inputs)
         and state.in_flight == 0
         and state.full_payload is None
-        and not state.has_cached
-        and not state.stream_finished
-        and not state.payload_arrived
         and not state.has_undelivered_input()
     )
 
 
 class KVBridge:
-    """KV delegation and lifecycle for one runtime."""
+    """KV delegation and lifecycle for one runtime.
 
-    def __init__(self, registry: RequestRegistry, manager: Any | None, *, from_tp: int, to_tp: int, local_rank: int) -> None:
+    ``manager`` receives (and, on a stage with one KV edge, also sends);
+    ``send_managers`` are the managers of the KV output edges when they are
+    not ``manager`` itself: a fanning-out stage sends every KV transfer on
+    each of them.
+    """
+
+    def __init__(
+        self,
+        registry: RequestRegistry,
+        manager: Any | None,
+        *,
+        from_tp: int,
+        to_tp: int,
+        local_rank: int,
+        send_managers: list[Any] | None = None,
+    ) -> None:
         self._registry = registry
         self.manager = manager
+        self.send_managers: list[Any] = send_managers if send_managers is not None else ([manager] if manager is not None else [])
         self.from_tp, self.to_tp, self.local_rank = from_tp, to_tp, local_rank
+        self._used = False  # the KV lifecycle was entered (mark/ack) at least once
+
+    @property
+    def managers(self) -> list[Any]:
+        """Every distinct manager (the receiving one first)."""
+        out = [self.manager] if self.manager is not None else []
+        return out + [m for m in self.send_managers if m is not self.manager]
         self._used = False  # the KV lifecycle was entered (mark/ack) at least once
 
     # -- transfers ------------------------------------------------------------------
@@ -54,19 +74,20 @@ class KVBridge:
         cache_dtype: str,
         request_id_resolver: Callable[[str], str] | None = None,
     ) -> list[str]:
-        if self.manager is None:
+        if not self.send_managers:
             return list(finished_reqs) if finished_reqs else []
-        sent = list(
-            self.manager.handle_finished_requests_kv_transfer(
+        sent: list[str] = []
+        failed: list[str] = []
+        for manager in self.send_managers:
+            done = manager.handle_finished_requests_kv_transfer(
                 finished_reqs=finished_reqs,
                 kv_caches=kv_caches,
                 block_size=block_size,
                 cache_dtype=cache_dtype,
                 request_id_resolver=request_id_resolver,
             )
-            or []
-        )
-        failed = list(getattr(self.manager, "drain_failed_sends", list)())
+            sent += [rid for rid in done or [] if rid not in sent]
+            failed += list(getattr(manager, "drain_failed_sends", list)())
         with self._registry.lock:
             self._registry.outbox.kv_sent.extend(sent)
             self._registry.outbox.failed.update(failed)
@@ -124,14 +145,13 @@ class KVBridge:
         return ok
 
     def cleanup(self, request_id: str, *, aborted: bool) -> None:
-        if self.manager is None:
-            return
-        try:
-            self.manager.cleanup(request_id, drop_sent=aborted)
-        except TypeError:
-            self.manager.cleanup(request_id)
-        except Exception:
-            logger.warning("KV cleanup of %s failed", request_id, exc_info=True)
+        for manager in self.managers:
+            try:
+                manager.cleanup(request_id, drop_sent=aborted)
+            except TypeError:
+                manager.cleanup(request_id)
+            except Exception:
+                logger.warning("KV cleanup of %s failed", request_id, exc_info=True)
 
     # -- lifecycle (lock held by the caller) -------------------------------------------
     def mark(self, req_id: str, seq_len: int, block_ids: list[int], custom_metadata: dict[str, Any] | None) -> bool:

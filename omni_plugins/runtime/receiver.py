@@ -36,13 +36,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from omni_plugins.contract import Connector
 from omni_plugins.errors import ConnectorContractError, WireFormatError
 from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.rhythm import ArrivalRhythm
-from omni_plugins.runtime.state import RequestRegistry, RequestState
+from omni_plugins.runtime.state import InputState, RequestRegistry
 from omni_plugins.runtime.threads import preemptions, thread_cpu_seconds
 from omni_plugins.runtime.tuning import RuntimeTuning
 
@@ -65,16 +66,20 @@ _QUIET_S = 0.5
 _BURST_GAP_S = 0.002
 
 
+#: keys to free, per connector (a fan-in request's inputs may come over different connectors)
+KeysToFree = list[tuple[Connector, list[str]]]
+
+
 class ArrivalHandler(Protocol):
     """What the receive thread calls, always under the registry lock."""
 
-    def pollable(self, state: RequestState) -> bool: ...
+    def pollable(self, entry: InputState) -> bool: ...
 
-    def recv_key(self, state: RequestState) -> str: ...
+    def recv_key(self, entry: InputState) -> str: ...
 
-    def on_payload(self, state: RequestState, payload: Any) -> None: ...
+    def on_payload(self, entry: InputState, payload: Any) -> None: ...
 
-    def on_failure(self, state: RequestState, *, timed_out: bool) -> list[str]:
+    def on_failure(self, entry: InputState, *, timed_out: bool) -> KeysToFree:
         """Drop the request; return connector keys to clean (outside the lock)."""
         ...
 
@@ -88,7 +93,12 @@ class ArrivalHandler(Protocol):
 
 
 class Receiver:
-    """Owns the receive thread of one runtime."""
+    """Owns one receive thread of a runtime: the input routes over one connector.
+
+    A runtime has one receiver per connector instance its input edges use (one
+    for a single input edge; a fan-in stage whose sources share a connector
+    waits on all of them in one ``wait_any``).
+    """
 
     def __init__(
         self,
@@ -96,8 +106,7 @@ class Receiver:
         registry: RequestRegistry,
         handler: ArrivalHandler,
         *,
-        from_stage: int,
-        to_stage: int,
+        routes: Sequence[int],
         tuning: RuntimeTuning,
         name: str = "omni-recv",
         cleanup_backlog: CleanupBacklog | None = None,
@@ -106,8 +115,8 @@ class Receiver:
         self._backlog = cleanup_backlog if cleanup_backlog is not None else CleanupBacklog()
         self._registry = registry
         self._handler = handler
-        #: the stage ids as the connector's get takes them (``Connector.get`` would ``str()`` each per call)
-        self._edge = (str(from_stage), str(to_stage))
+        #: the input routes (``InputRoute.index``) this thread serves
+        self._routes = tuple(routes)
         self._tuning = tuning
         mode = tuning.arrival
         if mode == "auto":
@@ -177,15 +186,15 @@ class Receiver:
             logger.warning("receive thread did not stop within %.1fs", timeout)
 
     # -- thread -----------------------------------------------------------------
-    def _plan(self) -> list[tuple[RequestState, int, str]]:
+    def _plan(self) -> list[tuple[InputState, int, str]]:
         """Expire deadlines, then list (state, index, key) of every request to look for."""
         self._expire()
         with self._registry.lock:
             return self._plan_locked()
 
-    def _plan_locked(self) -> list[tuple[RequestState, int, str]]:
+    def _plan_locked(self) -> list[tuple[InputState, int, str]]:
         handler = self._handler
-        return [(s, s.next_recv_chunk, handler.recv_key(s)) for s in self._registry.receiving_iter() if handler.pollable(s)]
+        return [(s, s.next_recv_chunk, handler.recv_key(s)) for s in self._registry.receiving_iter(self._routes) if handler.pollable(s)]
 
     def _expire(self) -> None:
         """Drop requests whose wait exceeded their timeout (at most every ``_EXPIRY_EVERY_S``)."""
@@ -193,18 +202,21 @@ class Receiver:
         if now < self._next_expiry:
             return
         self._next_expiry = now + _EXPIRY_EVERY_S
-        cleanup: list[str] = []
+        cleanup: KeysToFree = []
         with self._registry.lock:
-            for state in self._registry.receiving():
-                if state.deadline is not None and state.deadline <= now:
+            for state in self._registry.receiving(self._routes):
+                if state.registered and state.deadline is not None and state.deadline <= now:
                     logger.warning(
-                        "request %s waited more than its timeout for chunk %d; dropping it", state.request_id, state.next_recv_chunk
+                        "request %s waited more than its timeout for chunk %d from stage %s; dropping it",
+                        state.request_id,
+                        state.next_recv_chunk,
+                        state.source,
                     )
                     cleanup += self._handler.on_failure(state, timed_out=True)
             self._handler.publish()  # a no-op unless something timed out
         self._cleanup(cleanup)
 
-    def _target(self) -> tuple[RequestState, int, str] | None:
+    def _target(self) -> tuple[InputState, int, str] | None:
         """The request most likely to receive next: the earliest expected arrival.
 
         A request is expected ``arrival_gap`` after its last arrival (or its
@@ -214,10 +226,10 @@ class Receiver:
         arrival first and stops at the first request already due.
         """
         now = time.monotonic()
-        best: RequestState | None = None
+        best: InputState | None = None
         best_at = float("inf")
         with self._registry.lock:
-            for state in self._registry.receiving_iter():
+            for state in self._registry.receiving_iter(self._routes):
                 if not self._handler.pollable(state):
                     continue
                 gap = state.arrival_gap
@@ -230,10 +242,11 @@ class Receiver:
                         break
             return None if best is None else (best, best.next_recv_chunk, self._handler.recv_key(best))
 
-    def _cleanup(self, keys: list[str]) -> None:
+    def _cleanup(self, keys: KeysToFree) -> None:
         """Free keys of a dropped request; they are sequential, so the first miss ends the scan
         (a backend error keeps the rest for a retry at shutdown)."""
-        self._backlog.free_in_order(self._connector, keys)
+        for connector, scan in keys:
+            self._backlog.free_in_order(connector, scan)
 
     def _cleanup_one(self, key: str) -> bool:
         try:
@@ -242,7 +255,7 @@ class Receiver:
             logger.debug("cleanup of %s failed", key, exc_info=True)
             return False
 
-    def _sweep(self, batch: list[tuple[RequestState, int, str]]) -> bool:
+    def _sweep(self, batch: list[tuple[InputState, int, str]]) -> bool:
         self.stats["sweeps"] += 1
         progress = False
         for item in batch:
@@ -301,7 +314,7 @@ class Receiver:
         t = self._tuning
         next_sweep = 0.0
         backoff = t.poll_min_s
-        pending: dict[str, tuple[RequestState, int]] = {}
+        pending: dict[str, tuple[InputState, int]] = {}
         self._epoch = -1
         while not self._stop.is_set():
             try:
@@ -377,7 +390,7 @@ class Receiver:
             rhythm.arrived(time.monotonic())
         return ready
 
-    def _take_reported(self, keys: list[str], pending: dict[str, tuple[RequestState, int]]) -> bool:
+    def _take_reported(self, keys: list[str], pending: dict[str, tuple[InputState, int]]) -> bool:
         """Take the keys a wait reported and deliver them; True if any was there.
 
         A chunk is handed over as soon as the model thread has read everything
@@ -386,7 +399,7 @@ class Receiver:
         each; chunks taken while the model thread is still busy with an earlier
         delivery gather and go over together when it is done or at the end.
         """
-        taken: list[tuple[RequestState, int, str, Any]] = []
+        taken: list[tuple[InputState, int, str, Any]] = []
         found = False
         unread = self._handler.unread
         stop = self._stop
@@ -406,7 +419,7 @@ class Receiver:
             self._deliver(taken, pending)
         return found
 
-    def _fetch(self, state: RequestState, index: int, key: str, *, timeout: float | None) -> bool:
+    def _fetch(self, state: InputState, index: int, key: str, *, timeout: float | None) -> bool:
         """Take one key and deliver it (park-one and poll modes)."""
         got = self._take(state, index, key, timeout=timeout)
         if got is _ABSENT:
@@ -414,11 +427,11 @@ class Receiver:
         self._deliver([(state, index, key, got)])
         return True
 
-    def _take(self, state: RequestState, index: int, key: str, *, timeout: float | None) -> Any:
+    def _take(self, state: InputState, index: int, key: str, *, timeout: float | None) -> Any:
         """The connector I/O of one arrival (no lock held): the payload, ``_UNDECODABLE`` or ``_ABSENT``."""
         self.stats["gets"] += 1
         try:
-            result = self._connector.get(*self._edge, key, timeout=timeout)
+            result = self._connector.get(*state.route.edge, key, timeout=timeout)
         except (WireFormatError, ConnectorContractError) as exc:  # retrying gets the same bytes, or the same plugin bug
             why = "cannot be decoded" if isinstance(exc, WireFormatError) else "came from a get that broke the connector contract"
             logger.error("payload under %s %s; request %s reported failed", key, why, state.request_id, exc_info=True)
@@ -444,7 +457,7 @@ class Receiver:
         self.stats["arrivals"] += 1
         return result.data
 
-    def _fail_taken(self, state: RequestState, index: int) -> list[str]:
+    def _fail_taken(self, state: InputState, index: int) -> KeysToFree:
         """Lock held: chunk ``index`` of ``state`` was taken (consumed) but is unusable: fail the request.
 
         Its later chunks are cleaned from ``index + 1`` on (the cleanup scan stops at the first
@@ -453,22 +466,20 @@ class Receiver:
         state.next_recv_chunk = index + 1
         return self._handler.on_failure(state, timed_out=False)
 
-    def _deliver(
-        self, taken: list[tuple[RequestState, int, str, Any]], pending: dict[str, tuple[RequestState, int]] | None = None
-    ) -> None:
+    def _deliver(self, taken: list[tuple[InputState, int, str, Any]], pending: dict[str, tuple[InputState, int]] | None = None) -> None:
         """Hand taken payloads over under one lock hold, wake the model thread once.
 
         ``pending`` (wait-any mode): move each request's entry to its next key.
         """
         if not taken:
             return
-        cleanup: list[str] = []
+        cleanup: KeysToFree = []
         handler = self._handler
         registry = self._registry
         with registry.lock:
             epoch0 = registry.epoch
             for state, index, key, data in taken:
-                if not (state.registered and state.next_recv_chunk == index and registry.get(state.request_id) is state):
+                if not (state.registered and state.next_recv_chunk == index and registry.get(state.request_id) is state.request):
                     logger.debug("dropping %s: request %s is gone or moved on", key, state.request_id)
                 elif data is _UNDECODABLE:
                     cleanup += self._fail_taken(state, index)

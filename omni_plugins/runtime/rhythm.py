@@ -19,10 +19,9 @@ no arrival): polling is then either pointless or too expensive.
 
 Polling needs a core nobody else wants. On a machine whose cores are busy (another
 job, more runnable threads than cores) the spinning thread is preempted and takes
-its core from threads that have real work (with one CPU-bound neighbour on this
-project's two cores, 64 % of polls were preempted against 4 % idle; whether that
-is all of the latency the benchmark loses under load is not established, see
-docs/runtime.md, session 8). :meth:`ArrivalRhythm.polled` is told after each poll whether
+its core from threads that have real work (with one CPU-bound neighbour on two
+cores, most polls are preempted; on idle cores almost none are).
+:meth:`ArrivalRhythm.polled` is told after each poll whether
 the thread was preempted meanwhile (the receiver reads its involuntary context
 switches); while that happened in most recent polls, windows are withheld except
 one every ``_PROBE_INTERVALS`` intervals, which re-measures.

@@ -24,9 +24,11 @@ import threading
 import time
 from _thread import allocate_lock as _allocate_lock
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from omni_plugins.contract import Connector
+from omni_plugins.runtime.routes import OutputRoute
 from omni_plugins.runtime.state import RequestRegistry, RequestState, SendTask
 from omni_plugins.runtime.threads import thread_cpu_seconds
 from omni_plugins.runtime.wakeflag import WakeFlag
@@ -40,25 +42,20 @@ _PUT_EWMA_WEIGHT = 0.2
 
 
 class Sender:
-    """Owns the send thread of one runtime."""
+    """Owns the send thread of one runtime: the puts of every output route (each task names its route)."""
 
     def __init__(
         self,
-        connector: Connector,
+        routes: Sequence[OutputRoute],
         registry: RequestRegistry,
         *,
-        from_stage: int,
-        to_stage: int,
         max_retries: int = 3,
         retry_backoff_s: float = 0.002,
         handoff_s: float = 0.0,
         name: str = "omni-send",
     ) -> None:
-        self._connector = connector
+        self._routes = tuple(routes)
         self._registry = registry
-        self._from, self._to = from_stage, to_stage
-        #: the stage ids as the connector's put takes them (``Connector.put`` would ``str()`` each per call)
-        self._edge = (str(from_stage), str(to_stage))
         self.max_retries = max_retries
         self._backoff = retry_backoff_s
         self._lock = registry.lock  # entered directly: ``with`` on the Condition adds a Python frame per hold
@@ -79,18 +76,14 @@ class Sender:
         self._thread.start()
 
     # -- model thread ---------------------------------------------------------
-    def enqueue(self, state: RequestState, key: str, data: Any) -> None:
-        with self._lock:
-            self.enqueue_locked(state, key, data)
-
-    def enqueue_locked(self, state: RequestState, key: str, data: Any, *, hand_over: bool = False) -> Any:
-        """:meth:`enqueue` with the registry lock already held.
+    def enqueue_locked(self, state: RequestState, route: OutputRoute, key: str, data: Any, *, hand_over: bool = False) -> Any:
+        """Queue ``data`` under ``key`` on ``route`` for ``state``'s request; the caller holds the registry lock.
 
         ``hand_over``: also claim the hand-over slot for this task when a
         hand-over is due (see :meth:`hand_over`); returns the signal to pass
         to :meth:`hand_over`, or None (no wait).
         """
-        task = SendTask(key, data)
+        task = SendTask(key, data, route)
         state.send_queue.append(task)
         state.in_flight += 1
         if not state.in_send_ring:
@@ -134,9 +127,9 @@ class Sender:
             self._handoff_signal.release()
             self._handoff = self._handoff_signal = None
 
-    def keys_put(self, state: RequestState) -> list[str]:
-        """Every key this stage has put (or is putting) for ``state``."""
-        return [f"{state.external_id}_{self._from}_{i}" for i in range(state.next_send_chunk)]
+    def keys_put(self, state: RequestState) -> list[tuple[Connector, str]]:
+        """Every key this stage has put (or is putting) for ``state``, with its route's connector."""
+        return [(r.connector, r.key(state.external_id, i)) for r in self._routes for i in range(state.sent[r.index])]
 
     def abort(self, state: RequestState) -> int:
         """Lock held: drop the request's queued puts; returns the puts still running (0 or 1)."""
@@ -144,11 +137,13 @@ class Sender:
         state.send_queue.clear()
         return state.in_flight
 
-    def purge(self, keys: list[str]) -> None:
+    def purge(self, keys: list[tuple[Connector, str]]) -> None:
         """Free keys of an aborted request (those already consumed are simply absent)."""
-        for key in keys:
+        for connector, key in keys:
+            if connector.closed:
+                continue
             try:
-                self._connector.cleanup(key)
+                connector.cleanup(key)
             except Exception:
                 logger.debug("cleanup of %s failed", key, exc_info=True)
 
@@ -185,8 +180,9 @@ class Sender:
     def _next_tasks(self) -> list[tuple[RequestState, SendTask]]:
         """Under the lock: the next due task of each request in the ring (round-robin, at most ``_BATCH``).
 
-        At most one task per request, so a failed put is re-queued before its
-        request's next task is taken.
+        At most one task per request and route, so a failed put is re-queued
+        before the next task of its request on that route is taken; the tasks
+        of one chunk to several destinations (fan-out) go in the same round.
         """
         now = time.monotonic()
         ring = self._ring
@@ -202,12 +198,18 @@ class Sender:
                 ring.rotate(-1)
                 continue
             state.send_queue.popleft()
+            picked.append((state, task))
+            queue = state.send_queue
+            if queue and queue[0].route is not task.route:  # fan-out: the same chunk's other destinations
+                routes = {task.route}
+                while queue and queue[0].route not in routes and queue[0].not_before <= now and len(picked) < _BATCH:
+                    routes.add(queue[0].route)
+                    picked.append((state, queue.popleft()))
             ring.popleft()
             if state.send_queue:
                 ring.append(state)
             else:
                 state.in_send_ring = False
-            picked.append((state, task))
             if len(picked) >= _BATCH:
                 break
         return picked
@@ -221,7 +223,7 @@ class Sender:
         picked: list[tuple[RequestState, SendTask]] = []
         results: list[bool] = []
         while True:
-            purge: list[str] = []
+            purge: list[tuple[Connector, str]] = []
             with lock:
                 if picked:
                     for (state, task), ok in zip(picked, results, strict=True):
@@ -268,7 +270,8 @@ class Sender:
     def _put(self, state: RequestState, task: SendTask) -> bool:
         started = time.monotonic()
         try:
-            result = self._connector.put(*self._edge, task.key, task.data)
+            route = task.route
+            result = route.connector.put(*route.edge, task.key, task.data)
             ok = bool(result.ok)
             if not ok:
                 logger.warning("put of %s failed: %s", task.key, (result.metadata or {}).get("error", "backend refused"))
@@ -279,7 +282,7 @@ class Sender:
         self.stats["puts" if ok else "put_failures"] += 1
         return ok
 
-    def _done(self, state: RequestState) -> list[str]:
+    def _done(self, state: RequestState) -> list[tuple[Connector, str]]:
         """One put finished; free a released request after its last. Returns keys to purge (aborted)."""
         state.in_flight -= 1
         if state.in_flight == 0 and state.released:
@@ -288,7 +291,7 @@ class Sender:
                 return self.keys_put(state)
         return []
 
-    def _retry_or_drop(self, state: RequestState, task: SendTask) -> list[str]:
+    def _retry_or_drop(self, state: RequestState, task: SendTask) -> list[tuple[Connector, str]]:
         task.attempts += 1
         if task.attempts <= self.max_retries and not self._stop:
             task.not_before = time.monotonic() + self._backoff * (2 ** (task.attempts - 1))

@@ -26,6 +26,12 @@ class ConnectorSignals:
             crash, undecodable payload); their state is gone.
         timed_out: requests that waited longer than ``recv_timeout_s`` for input; their
             state is gone.
+        chunk_ready_sources: fan-in stages: per request in ``chunk_ready``, the source
+            stages whose chunk woke it.
+        chunk_finished_sources: fan-in stages: per request, the source stages whose
+            stream ended this step (``chunk_finished`` lists a request once every source's has).
+        missing_sources: per request in ``timed_out``, the source stages it was still
+            waiting for.
     """
 
     chunk_ready: set[str] = field(default_factory=set)
@@ -36,6 +42,9 @@ class ConnectorSignals:
     has_pending_kv_work: bool = False
     failed: set[str] = field(default_factory=set)
     timed_out: set[str] = field(default_factory=set)
+    chunk_ready_sources: dict[str, set[int]] = field(default_factory=dict)
+    chunk_finished_sources: dict[str, set[int]] = field(default_factory=dict)
+    missing_sources: dict[str, list[int]] = field(default_factory=dict)
 
     def has_signals(self) -> bool:
         """True when the scheduler has anything to act on."""
@@ -48,6 +57,7 @@ class ConnectorSignals:
             or self.has_pending_kv_work
             or self.failed
             or self.timed_out
+            or self.chunk_finished_sources
         )
 
     __bool__ = has_signals

@@ -1,9 +1,12 @@
 """File templates of ``omni-plugins new-plugin`` (``string.Template``: ``$name``, ``$dist``, ``$pkg``, ``$cls``).
 
 The generated plugin is a complete, working connector -- a file-system
-directory backend (atomic rename on put, atomic rename-to-claim on get) -- so
-that it installs and passes the conformance kit unchanged; replace its I/O
-with your backend's.
+directory backend (atomic rename on put, atomic rename-to-claim on get) -- with
+its services (leak census and reclaim of a run's files, a raw baseline for
+``omni-plugins bench``, preload modules) and tests that use omni-plugins'
+pytest plugin, so that it installs and passes both conformance kits unchanged;
+replace its I/O with your backend's. ``examples/custom-plugin`` is this output
+for ``fs-dir`` (a test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ $name = "$pkg.plugin"
 [tool.setuptools]
 packages = ["$pkg"]
 
+# type information for code that imports the plugin (PEP 561)
+[tool.setuptools.package-data]
+$pkg = ["py.typed"]
+
+# 'pytest' here runs the plugin's tests; omni-plugins' pytest plugin brings the fixtures (omni_connector ...)
 [tool.pytest.ini_options]
 addopts = "-p no:cacheprovider"
 testpaths = ["tests"]
@@ -48,8 +56,9 @@ deletes it. Payloads are encoded with `omni_plugins.wire` (no pickle).
 
 ```bash
 pip install -e .                 # registers the entry point
-omni-plugins list                # shows '$name'
-python -m pytest tests           # the conformance kit (omni_plugins.testing.ConnectorContract)
+omni-plugins list                # shows '$name' and its services
+pytest                           # its tests: the conformance kits and unit tests
+omni-plugins bench --backends $name --sizes 1MiB   # the connector against its raw baseline
 ```
 
 Use it in a pipeline YAML:
@@ -61,9 +70,17 @@ connectors:
     extra: {directory: /tmp/omni-$name}
 ```
 
-Files: `$pkg/config.py` (the pydantic settings model: unknown fields are rejected),
-`$pkg/connector.py` (the connector), `$pkg/plugin.py` (the registration hook),
-`tests/` (conformance kit + unit tests).
+Files:
+
+- `$pkg/config.py`: the pydantic settings model (unknown fields are rejected);
+- `$pkg/connector.py`: the connector;
+- `$pkg/services.py`: its services: `census` and `reclaim` (the payload files a run
+  left, which `omni-plugins run` reports as leaks and then frees), `bench_config` and `raw_baseline`
+  (`baseline.py`: the same bytes as a plain file, what `omni-plugins bench` compares the connector
+  with), `preload` (the connector module, imported once in the fork server of stage processes);
+- `$pkg/plugin.py`: the registration hook (import strings only);
+- `tests/`: the conformance kits (`ConnectorContract`, `ServicesContract`) and unit tests, using the
+  fixtures of omni-plugins' pytest plugin (`omni_connector`, `omni_server`, `omni_plugin_manager`).
 """
 
 INIT = '''\
@@ -75,25 +92,28 @@ from $pkg.connector import ${cls}Connector
 __all__ = ["${cls}Config", "${cls}Connector"]
 '''
 
-PLUGIN = '''\
-"""Entry point (group ``omni_plugins``): registers the '$name' connector.
+PY_TYPED = """\
+"""
 
-Only import strings here: the connector module is imported when a connector is created.
+PLUGIN = '''\
+"""Entry point (group ``omni_plugins``): registers the '$name' connector and its services.
+
+Only import strings here: the connector module is imported when a connector is created, the
+services module when a service is asked for (``omni-plugins run``'s leak checks, ``omni-plugins bench``).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from omni_plugins import hookimpl
+from omni_plugins import RegistrationSink, hookimpl
 
 
 @hookimpl
-def omni_register_connectors(registry: Any) -> None:
+def omni_register_connectors(registry: RegistrationSink) -> None:
     registry.register(
         "$name",
         connector="$pkg.connector:${cls}Connector",
         config="$pkg.config:${cls}Config",
+        services="$pkg.services:${cls}Services",
         aliases=["${cls}Connector"],
         description="payloads as files in a directory (atomic rename)",
     )
@@ -138,22 +158,24 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 import uuid
 from typing import Any
 
 from omni_plugins import wire
+from omni_plugins.backoff import Backoff
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorError
 from $pkg.config import ${cls}Config
 
+#: every payload file's name starts with this
+PAYLOAD_PREFIX = "k-"
 _MAX_SLEEP = 0.05
 
 
 def file_name(key: str) -> str:
-    """A safe file name for any key (hex; long keys hashed)."""
+    """A safe file name for any key: ``k-`` and the key's UTF-8 in hex (keys over 100 bytes: ``k-h`` and their SHA-256)."""
     raw = key.encode("utf-8")
-    return "k-" + (raw.hex() if len(raw) <= 100 else "h" + hashlib.sha256(raw).hexdigest())
+    return PAYLOAD_PREFIX + (raw.hex() if len(raw) <= 100 else "h" + hashlib.sha256(raw).hexdigest())
 
 
 class ${cls}Connector(Connector):
@@ -208,18 +230,14 @@ class ${cls}Connector(Connector):
             os.unlink(claim)
 
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
-        deadline = time.monotonic() + (timeout or 0.0)
-        delay = self.config.poll_interval
+        backoff = Backoff.within(timeout or 0.0, self.config.poll_interval, max(_MAX_SLEEP, self.config.poll_interval))
         while True:
             self._check_open()
             buf = self._claim(key)
             if buf is not None:
                 return GetResult(wire.decode(buf, copy=False), len(buf))  # tensors are views over our private buffer
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if not backoff.sleep():
                 return None
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _MAX_SLEEP)
 
     def _cleanup(self, key: str) -> bool:
         try:
@@ -230,7 +248,7 @@ class ${cls}Connector(Connector):
 
     def _health(self) -> dict[str, Any]:
         try:
-            files = [n for n in os.listdir(self.directory) if n.startswith("k-")]
+            files = [n for n in os.listdir(self.directory) if n.startswith(PAYLOAD_PREFIX)]
         except OSError as exc:
             return {"ok": False, "directory": self.directory, "error": str(exc)}
         # 'staged': payloads put and not yet read (any producer's); after a run, omni-plugins run reports them as leaks
@@ -249,8 +267,126 @@ class ${cls}Connector(Connector):
                     pass
 '''
 
+SERVICES = '''\
+"""The '$name' connector's services: what a run left in the directory, freeing it, and the raw baseline.
+
+``omni-plugins run`` calls ``census`` and ``reclaim`` after every stage process exited, for every
+connector instance of the pipeline; ``omni-plugins bench`` measures the connector against
+``raw_baseline`` with the config of ``bench_config``. No server: a directory needs none.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from omni_plugins.services import ConnectorServices, Finding, PrivateServer, RawBaseline, RunScope
+from $pkg.config import ${cls}Config
+
+
+def _run_files(config: ${cls}Config, run: RunScope) -> list[str]:
+    """The payload files of the run's keys (every key of the run starts with its request prefix; keys over
+    100 bytes are stored under a hash and cannot be told apart)."""
+    from $pkg.connector import PAYLOAD_PREFIX
+
+    start = PAYLOAD_PREFIX + run.request_prefix.encode("utf-8").hex()
+    try:
+        return sorted(n for n in os.listdir(config.directory) if n.startswith(start))
+    except FileNotFoundError:
+        return []
+
+
+class ${cls}Services(ConnectorServices[${cls}Config]):
+    preload = ("$pkg.connector",)
+
+    def census(self, config: ${cls}Config, run: RunScope) -> Finding:
+        left = _run_files(config, run)
+        return Finding(len(left), "payload file(s) of this run", f"in {config.directory}", tuple(left[:5]))
+
+    def reclaim(self, config: ${cls}Config, run: RunScope) -> Finding:
+        removed = 0
+        for name in _run_files(config, run):
+            try:
+                os.unlink(os.path.join(config.directory, name))
+                removed += 1
+            except FileNotFoundError:  # read meanwhile
+                pass
+        return Finding(removed, "payload file(s) of this run", f"from {config.directory}")
+
+    def bench_config(self, max_bytes: int, server: PrivateServer | None, scratch: Path) -> dict[str, Any]:
+        return {"directory": str(scratch / "payloads")}
+
+    def raw_baseline(self, config: ${cls}Config, max_bytes: int, producer: bool) -> RawBaseline:
+        from $pkg.baseline import FileRaw
+
+        return FileRaw(config.directory)
+'''
+
+BASELINE = '''\
+"""The '$name' raw baseline: the same bytes as one plain file, written and renamed, read and deleted.
+
+What the connector costs is measured against it: the connector adds the wire codec, the claim
+rename and its own bookkeeping. ``omni-plugins bench`` runs the producer's end and the
+consumer's end in two processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+TIMEOUT_S = 30.0
+
+
+class FileRaw:
+    """One end of the baseline (:class:`omni_plugins.services.RawBaseline`)."""
+
+    def __init__(self, directory: str) -> None:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        self.directory = directory
+
+    def handshake(self) -> Mapping[str, Any]:
+        return {}
+
+    def connect(self, peer: Mapping[str, Any]) -> None:
+        return None
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory, "raw-" + key.encode("utf-8").hex())
+
+    def put(self, key: str, payload: torch.Tensor) -> None:
+        tmp = os.path.join(self.directory, f".tmp-raw-{uuid.uuid4().hex}")
+        with open(tmp, "wb") as f:
+            f.write(memoryview(payload.numpy()))
+        os.replace(tmp, self._path(key))
+
+    def get(self, key: str, nbytes: int) -> torch.Tensor:
+        path = self._path(key)
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:  # the producer renamed the file before the consumer is asked: the first open finds it
+            try:
+                with open(path, "rb") as f:
+                    out = torch.empty(nbytes, dtype=torch.uint8)
+                    f.readinto(memoryview(out.numpy()))
+                os.unlink(path)
+                return out
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(key) from None
+                time.sleep(0.0005)
+
+    def close(self) -> None:
+        return None
+'''
+
 TEST_CONTRACT = '''\
-"""The omni-plugins conformance kit, run against '$name' (same process and across processes)."""
+"""The omni-plugins conformance kits, run against '$name': the connector (same process and across processes) and its services."""
 
 from __future__ import annotations
 
@@ -259,7 +395,16 @@ from pathlib import Path
 
 import pytest
 
-from omni_plugins.testing import ConnectorContract
+from omni_plugins.testing import ConnectorContract, ServicesContract
+
+
+@pytest.fixture
+def payloads(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The test's payload directory; nothing may be left in it afterwards."""
+    directory = tmp_path / "payloads"
+    yield directory
+    left = sorted(os.listdir(directory)) if directory.exists() else []
+    assert left == [], f"files left behind: {left}"
 
 
 class Test${cls}Contract(ConnectorContract):
@@ -267,19 +412,24 @@ class Test${cls}Contract(ConnectorContract):
     bad_config = {"poll_interval": -1}
 
     @pytest.fixture
-    def connector_spec(self, tmp_path: Path) -> tuple[str, dict[str, object]]:
-        return "$name", {"directory": str(tmp_path / "payloads")}
+    def connector_spec(self, payloads: Path) -> tuple[str, dict[str, object]]:
+        return "$name", {"directory": str(payloads)}
 
-    @pytest.fixture(autouse=True)
-    def _no_leftover_files(self, tmp_path: Path):  # type: ignore[no-untyped-def]
-        yield
-        directory = tmp_path / "payloads"
-        left = sorted(os.listdir(directory)) if directory.exists() else []
-        assert left == [], f"files left behind: {left}"
+
+class Test${cls}Services(ServicesContract):
+    leftover = "killed"  # a SIGKILLed producer's payload file stays: the census must see it, reclaim free it
+
+    @pytest.fixture
+    def connector_spec(self, payloads: Path) -> tuple[str, dict[str, object]]:
+        return "$name", {"directory": str(payloads)}
 '''
 
 TEST_UNITS = '''\
-"""Unit tests of the '$name' connector: atomic visibility, file modes, odd keys, discovery."""
+"""Unit tests of the '$name' connector: atomic visibility, file modes, odd keys, discovery.
+
+``omni_connector`` (a fixture of omni-plugins' pytest plugin) creates connectors that are closed
+after the test, whatever happens in it.
+"""
 
 from __future__ import annotations
 
@@ -290,65 +440,54 @@ from pathlib import Path
 import pytest
 import torch
 
-from omni_plugins import available_connectors, create_connector
+from omni_plugins import available_connectors
 from omni_plugins.errors import ConfigError
+from omni_plugins.testing import ConnectorFactory
 
 
 def test_discovered_through_the_entry_point() -> None:
     assert "$name" in available_connectors()
 
 
-def test_usable_by_import_path_with_its_settings(tmp_path: Path) -> None:
+def test_usable_by_import_path_with_its_settings(tmp_path: Path, omni_connector: ConnectorFactory) -> None:
     path = "$pkg.connector:${cls}Connector"
-    conn = create_connector(path, {"directory": str(tmp_path)})
-    try:
-        assert conn.put(0, 1, "k", {"v": 1}).ok
-        got = conn.get(0, 1, "k")
-        assert got is not None and got.data == {"v": 1}
-    finally:
-        conn.close()
+    conn = omni_connector(path, {"directory": str(tmp_path)})
+    assert conn.put(0, 1, "k", {"v": 1}).ok
+    got = conn.get(0, 1, "k")
+    assert got is not None and got.data == {"v": 1}
     with pytest.raises(ConfigError, match="directoy"):
-        create_connector(path, {"directoy": str(tmp_path)})
+        omni_connector(path, {"directoy": str(tmp_path)})
 
 
-def test_temp_files_are_invisible_and_files_are_private(tmp_path: Path) -> None:
-    conn = create_connector("$name", {"directory": str(tmp_path)})
-    try:
-        (tmp_path / ".tmp-someone-else").write_bytes(b"half a payload")
-        assert conn.get(0, 1, ".tmp-someone-else") is None
-        assert conn.put(0, 1, "k", {"x": torch.arange(4)}).ok
-        payload_files = [p for p in tmp_path.iterdir() if p.name.startswith("k-")]
-        assert len(payload_files) == 1
-        assert stat.S_IMODE(payload_files[0].stat().st_mode) == 0o600
-        got = conn.get(0, 1, "k")
-        assert got is not None and torch.equal(got.data["x"], torch.arange(4))
-        assert [p.name for p in tmp_path.iterdir()] == [".tmp-someone-else"]
-    finally:
-        conn.close()
+def test_temp_files_are_invisible_and_files_are_private(tmp_path: Path, omni_connector: ConnectorFactory) -> None:
+    conn = omni_connector("$name", {"directory": str(tmp_path)})
+    (tmp_path / ".tmp-someone-else").write_bytes(b"half a payload")
+    assert conn.get(0, 1, ".tmp-someone-else") is None
+    assert conn.put(0, 1, "k", {"x": torch.arange(4)}).ok
+    payload_files = [p for p in tmp_path.iterdir() if p.name.startswith("k-")]
+    assert len(payload_files) == 1
+    assert stat.S_IMODE(payload_files[0].stat().st_mode) == 0o600
+    got = conn.get(0, 1, "k")
+    assert got is not None and torch.equal(got.data["x"], torch.arange(4))
+    assert [p.name for p in tmp_path.iterdir()] == [".tmp-someone-else"]
 
 
-def test_keys_with_slashes_and_long_keys(tmp_path: Path) -> None:
-    conn = create_connector("$name", {"directory": str(tmp_path)})
-    try:
-        for key in ("../../etc/passwd", "a/b/c", "x" * 500, "ünïcode key"):
-            assert conn.put(0, 1, key, {"k": key}).ok
-            got = conn.get(0, 1, key)
-            assert got is not None and got.data == {"k": key}
-        assert os.listdir(tmp_path) == []
-    finally:
-        conn.close()
+def test_keys_with_slashes_and_long_keys(tmp_path: Path, omni_connector: ConnectorFactory) -> None:
+    conn = omni_connector("$name", {"directory": str(tmp_path)})
+    for key in ("../../etc/passwd", "a/b/c", "x" * 500, "ünïcode key"):
+        assert conn.put(0, 1, key, {"k": key}).ok
+        got = conn.get(0, 1, key)
+        assert got is not None and got.data == {"k": key}
+    assert os.listdir(tmp_path) == []
 
 
-def test_a_put_replaces_an_unread_payload(tmp_path: Path) -> None:
-    conn = create_connector("$name", {"directory": str(tmp_path)})
-    try:
-        conn.put(0, 1, "k", {"v": 1})
-        conn.put(0, 1, "k", {"v": 2})
-        got = conn.get(0, 1, "k")
-        assert got is not None and got.data == {"v": 2}
-        assert conn.get(0, 1, "k") is None
-    finally:
-        conn.close()
+def test_a_put_replaces_an_unread_payload(tmp_path: Path, omni_connector: ConnectorFactory) -> None:
+    conn = omni_connector("$name", {"directory": str(tmp_path)})
+    conn.put(0, 1, "k", {"v": 1})
+    conn.put(0, 1, "k", {"v": 2})
+    got = conn.get(0, 1, "k")
+    assert got is not None and got.data == {"v": 2}
+    assert conn.get(0, 1, "k") is None
 '''
 
 #: relative path -> template
@@ -356,9 +495,12 @@ FILES: dict[str, str] = {
     "pyproject.toml": PYPROJECT,
     "README.md": README,
     "$pkg/__init__.py": INIT,
+    "$pkg/py.typed": PY_TYPED,
     "$pkg/plugin.py": PLUGIN,
     "$pkg/config.py": CONFIG,
     "$pkg/connector.py": CONNECTOR,
+    "$pkg/services.py": SERVICES,
+    "$pkg/baseline.py": BASELINE,
     "tests/test_contract.py": TEST_CONTRACT,
     "tests/test_units.py": TEST_UNITS,
 }

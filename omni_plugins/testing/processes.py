@@ -4,7 +4,7 @@
 which then imports torch and the plugins: ~2-4 s of CPU per child on a small
 machine, most of a multi-process test's time. :func:`process_context` returns
 the ``forkserver`` context instead, with torch, the core and the installed
-plugins preloaded: the server process imports them once (the first child of a
+plugins' ``preload`` modules (their services) preloaded: the server process imports them once (the first child of a
 test session pays for it) and forks every child from that clean state. Each
 child is still its own process, with nothing inherited from the test process
 (no threads, no connectors, no test state), and targets and arguments are
@@ -21,19 +21,12 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 
 from omni_plugins.forkserver import preloaded_context
 
-#: imported once in the fork server (missing ones are skipped by ``multiprocessing``)
-PRELOAD = [
-    "torch",
-    "omni_plugins",
-    "omni_plugins.wire",
-    "omni_plugins.runtime",
-    "omni_plugins.kv.testing",
-    "omni_plugins_shm.connector",
-    "omni_plugins_redis",
-    "omni_plugins_mooncake",
-]
+#: the core's modules imported once in the fork server, before every installed plugin's ``preload`` (missing ones are skipped)
+PRELOAD = ["torch", "omni_plugins", "omni_plugins.wire", "omni_plugins.runtime", "omni_plugins.kv.testing"]
 
 
 def process_context() -> ForkServerContext | SpawnContext:
-    """:func:`omni_plugins.forkserver.preloaded_context` with :data:`PRELOAD`."""
-    return preloaded_context(PRELOAD)
+    """:func:`omni_plugins.forkserver.preloaded_context` with :data:`PRELOAD` and every installed plugin's preload modules."""
+    from omni_plugins.services import preload_modules
+
+    return preloaded_context([*PRELOAD, *preload_modules()])

@@ -3,7 +3,7 @@
 ``encode(obj)`` returns an :class:`Encoded` that references tensor memory;
 ``decode(buffer)`` rebuilds the payload with tensors as views over ``buffer``
 (or owned copies with ``copy=True``). The header is msgpack, never pickle, and
-the decoder treats every byte as untrusted: see ``docs/wire-format.md``.
+the decoder treats every byte as untrusted: see ``docs/plugins/wire-format.md``.
 ``encode_into(obj, dest)`` writes the encoding straight into a caller's buffer (no :class:`Encoded`).
 ``empty_bytes(n)`` is the owned, uninitialised receive buffer the decoder's copies use
 (huge pages above 32 MiB), for backends that read a message into memory of their own.

@@ -1,7 +1,7 @@
 """Owned output memory for ``decode(copy=True)``.
 
 For large buffers the cost of a copy into fresh memory is dominated by page faults
-(one per 4 KiB page; see docs/backends.md: 2.1 GB/s fresh vs 13 GB/s pre-touched).
+(one per 4 KiB page: copying into fresh memory is several times slower than into pre-touched memory).
 glibc serves allocations up to its dynamic mmap threshold (at most 32 MiB) from the heap,
 whose pages are reused already faulted, so ``numpy.empty`` is the right choice below
 :data:`HUGE_THRESHOLD`. Above it every ``malloc`` is a fresh ``mmap`` that faults page by

@@ -14,7 +14,7 @@ _ZEROS = bytes(64)
 #: below this, memoryview assignment wins; above it torch's multi-threaded ``copy_``
 #: is faster (~9 GB/s against ~6 GB/s for one thread on an idle machine). On a loaded
 #: machine torch's thread pool costs milliseconds per call (1 MiB: 15.6 ms against
-#: 0.31 ms for a memoryview copy, measured here), so only large buffers take it.
+#: 0.31 ms for a memoryview copy), so only large buffers take it.
 TORCH_COPY_MIN = 32 * 1024 * 1024
 
 
@@ -77,11 +77,6 @@ class Encoded:
 
     def __len__(self) -> int:
         return self.nbytes
-
-    @property
-    def header_nbytes(self) -> int:
-        """Bytes before the first buffer (prefix, header and padding)."""
-        return len(self._head)
 
     def buffers(self) -> list[memoryview]:
         """Flat uint8 views whose concatenation equals :meth:`to_bytes` (for vectored writes).

@@ -1206,7 +1206,7 @@ static PyObject *make_ref(Dec *d) {
         /* a 1-d tensor viewing a writable buffer: torch.frombuffer makes it without a numpy array in between
          * (the same tensor as torch.from_numpy(numpy.frombuffer(...)): same memory, dtype, shape, writability;
          * it keeps the buffer exported while it lives). Measured across processes: ~0.8 us less per tensor on
-         * two cores, ~3 us on one shared core (docs/wire-format.md). */
+         * two cores, ~3 us on one shared core. */
         PyObject *t = NULL;
         if (count != NULL && off != NULL) {
             PyObject *args[4] = {d->mv, spec->torch_dtype, count, off};

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -12,6 +11,7 @@ import pytest
 from omni_plugins.errors import ConnectorError
 from omni_plugins.pipeline import RunOptions, run_pipeline
 from omni_plugins.pipeline.stage import StageRunner
+from omni_plugins.ports import free_port
 
 from .conftest import tiny_pipeline
 
@@ -27,9 +27,9 @@ class _Connector:
 
 
 def _runner(health: dict[str, Any]) -> Any:
-    rt = SimpleNamespace(connector=_Connector(health), shutdown_calls=0)
+    rt = SimpleNamespace(connectors={"c": _Connector(health)}, shutdown_calls=0)
     rt.shutdown = lambda: setattr(rt, "shutdown_calls", rt.shutdown_calls + 1)
-    return SimpleNamespace(rt=rt, me=SimpleNamespace(connector="c"))
+    return SimpleNamespace(rt=rt)
 
 
 def test_a_failed_health_check_stops_the_stage() -> None:
@@ -46,15 +46,10 @@ def test_a_healthy_or_possibly_transient_state_starts(health: dict[str, Any]) ->
     assert runner.rt.shutdown_calls == 0
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # nothing listens once the socket is closed
-
 
 def test_an_unreachable_redis_fails_the_run_at_start(tmp_path: Path) -> None:
     pytest.importorskip("omni_plugins_redis")
-    path = tiny_pipeline(tmp_path, name="redis", extra=f'{{url: "redis://127.0.0.1:{_closed_port()}/0", key_prefix: "cli-down:"}}')
+    path = tiny_pipeline(tmp_path, name="redis", extra=f'{{url: "redis://127.0.0.1:{free_port()}/0", key_prefix: "cli-down:"}}')
     report = run_pipeline(path, RunOptions(requests=1, progress=False))
     assert not report.ok and report.completed == 0
     assert len(report.deaths) == 2, report.deaths

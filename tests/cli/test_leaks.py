@@ -16,16 +16,16 @@ def test_shm_leftover_segment_is_reported(tmp_path: Path, shm_ns: str) -> None:
     from omni_plugins import create_connector
 
     config = load_pipeline_config(tiny_pipeline(tmp_path, extra=f"{{namespace: {shm_ns}}}"))
-    assert backend_leaks(config, {"c"}) == []
+    assert backend_leaks(config, {"c"}, "abc123") == []
     producer = create_connector("shm", {"namespace": shm_ns, "pool_bytes": 0})
     try:
         producer.put(0, 1, "never-read", {"x": list(range(10))})
-        leaks = backend_leaks(config, {"c"})
+        leaks = backend_leaks(config, {"c"}, "abc123")
         assert len(leaks) == 1 and shm_ns in leaks[0] and "shm file" in leaks[0]
         assert producer.cleanup("never-read")
     finally:
         producer.close()
-    assert backend_leaks(config, {"c"}) == []
+    assert backend_leaks(config, {"c"}, "abc123") == []
 
 
 def test_redis_leftover_key_is_reported(tmp_path: Path) -> None:
@@ -33,11 +33,11 @@ def test_redis_leftover_key_is_reported(tmp_path: Path) -> None:
     with testing.RedisServer(password="pw") as server:
         url = f"redis://:pw@127.0.0.1:{server.port}/0"
         config = load_pipeline_config(tiny_pipeline(tmp_path, name="redis", extra=f'{{url: "{url}", key_prefix: "lk:"}}'))
-        assert backend_leaks(config, {"c"}) == []
+        assert backend_leaks(config, {"c"}, "abc123") == []
         client = server.client()
         client.set("lk:orphan", b"x")
         client.set("other:key", b"y")  # another prefix is not ours
-        leaks = backend_leaks(config, {"c"})
+        leaks = backend_leaks(config, {"c"}, "abc123")
         client.close()
         assert len(leaks) == 1 and "1 Redis key(s)" in leaks[0] and "lk:orphan" in leaks[0]
 
@@ -52,7 +52,7 @@ def test_redis_reclaim_deletes_only_this_runs_keys(tmp_path: Path) -> None:
         theirs = [b"l*k:{req-zzz999-00001_0_0}:m", b"lXk:{req-abc123-00001_0_0}:m", b"other:{req-abc123-00001_0_0}:m"]
         for key in mine + theirs:
             client.set(key, b"x")
-        assert reclaim(config, {"c"}, "abc123") == ["connector 'c': deleted 2 Redis key(s) of this run"]
+        assert reclaim(config, {"c"}, "abc123") == ["connector 'c': removed 2 Redis key(s) of this run"]
         left = sorted(client.keys("*"))
         client.close()
         assert left == sorted(theirs)  # another run's keys, and a prefix the glob '*' must not match, stay
@@ -119,7 +119,6 @@ def test_mooncake_store_check_removes_only_this_runs_objects(tmp_path: Path) -> 
             theirs = ["req-abc1234-00001_0_0", "req-zzz999-00001_0_0", "other_0_0", "xreq-abc123-00001_0_0"]
             for key in mine + theirs:
                 assert client.put(key, b"payload") == 0
-            assert backend_leaks(config, {"c"}) == []  # no run: nothing to match, nothing removed
             assert master.key_count() == 6
             leaks = backend_leaks(config, {"c"}, "abc123")
             assert leaks == [f"connector 'c': 2 store object(s) of this run left on {master.address} (removed)"]

@@ -65,7 +65,7 @@ def test_synthetic_schema_errors_name_file_stage_field(synthetic: str, receiver_
 def test_plan_is_the_chain_in_order() -> None:
     plan = _plan(BASE % ("{steps: 3, outputs: [{name: a.b, shape: [1, 2]}]}", "true"))
     assert [s.stage_id for s in plan.stages] == [0, 1]
-    assert plan.first.downstream == 1 and plan.last.upstream == 0 and plan.last.connector == "c"
+    assert plan.first.downstreams == (1,) and plan.last.upstreams == (0,) and plan.last.inputs[0].connector == "c"
 
 
 def _payload(rid: str, steps: list[int], plan, *, corrupt: bool = False) -> dict:  # type: ignore[no-untyped-def]
@@ -84,7 +84,7 @@ def _payload(rid: str, steps: list[int], plan, *, corrupt: bool = False) -> dict
 def test_input_check_accepts_exact_and_flags_corruption_loss_and_dtype() -> None:
     plan = _plan(BASE % ("{steps: 3, outputs: [{name: a.b, shape: [1, 2]}]}", "true"))
     stats = EdgeStats("e")
-    check = InputCheck(plan.first, merged=True, stats=stats)
+    check = InputCheck(plan.first, to_stage=1, merged=True, stats=stats)
     assert check.check("r", _payload("r", [0, 1], plan), 0) == 2
     assert check.check("r", _payload("r", [0, 1, 2], plan), 2) == 3  # merged: only row 2 is new
     assert stats.payloads == 3 and stats.mismatches == 0
@@ -152,8 +152,8 @@ def test_cli_run_start_servers_redis(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     data = json.loads(report.read_text())
     assert data["ok"] and data["edges"][0]["payloads"] == 3 * 4
-    started = [s for s in data["servers"] if s.startswith("redis-server pid ")]
-    assert len(started) == 1 and "password set" in started[0]
+    started = [s for s in data["servers"] if s.startswith("redis server pid ")]
+    assert len(started) == 1 and " at 127.0.0.1:" in started[0] and "@" not in started[0]  # the password stays out of reports
     pid = int(re.search(r"pid (\d+)", started[0]).group(1))  # type: ignore[union-attr]
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, "the private redis-server is still running"
 

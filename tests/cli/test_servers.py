@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from omni_plugins.errors import ConfigError
-from omni_plugins.pipeline.servers import MOONCAKE_ENV, REDIS_ENV, connector_names
+from omni_plugins.pipeline.servers import connector_names
+
+REDIS_ENV, MOONCAKE_ENV = "OMNI_REDIS_URL", "OMNI_MOONCAKE_MASTER"
 
 NO_DEFAULTS = """
 connectors:

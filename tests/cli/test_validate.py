@@ -107,3 +107,50 @@ def test_a_runnable_file_is_ok(tmp_path: Path, shm_ns: str, capsys: pytest.Captu
     rc, out, err = _validate(tiny_pipeline(tmp_path, extra=f"{{namespace: {shm_ns}}}"), capsys)
     assert rc == 0, err
     assert "ok (2 stages, 1 edges, connectors: c)" in out
+
+
+def test_every_example_pipeline_validates(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The examples, topologies included (a connector per edge, fan-in, fan-out, replicas), pass validate with every check on."""
+    pytest.importorskip("omni_plugins_shm")
+    pytest.importorskip("omni_plugins_redis")
+    pytest.importorskip("omni_plugins_mooncake")
+    monkeypatch.setenv("OMNI_REDIS_URL", "redis://127.0.0.1:1/0")  # nothing is contacted
+    files = sorted((Path(__file__).resolve().parents[2] / "examples").glob("pipeline-*.yaml"))
+    assert {"pipeline-hybrid.yaml", "pipeline-fanin.yaml", "pipeline-fanout.yaml", "pipeline-pd.yaml"} <= {f.name for f in files}
+    assert main(["validate", *map(str, files)]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "pipeline-fanin.yaml: ok (4 stages, 3 edges" in out and "pipeline-hybrid.yaml: ok (3 stages, 2 edges, connectors: local, net)" in out
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ("{outputs: [{name: a.b, shape: [1, 2], to: [5]}]}", "synthetic.outputs.0.to: stage 0 has no output edge to stage 5"),
+        ("{outputs: [{name: a.b, shape: [1, 2], to: [1]}]}", "synthetic.outputs: no output goes to stage 2"),
+    ],
+)
+def test_fan_out_outputs_to_names_real_edges_and_feeds_every_one(
+    tmp_path: Path, change: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text = f"""
+    connectors: {{c: {{name: shm}}}}
+    stages:
+      - {{stage_id: 0, async_chunk: true, output_connectors: {{to_stage_1: c, to_stage_2: c}}, synthetic: {change}}}
+      - {{stage_id: 1, async_chunk: true, input_connectors: {{from_stage_0: c}}}}
+      - {{stage_id: 2, async_chunk: true, input_connectors: {{from_stage_0: c}}}}
+    """
+    rc, _, err = _validate(_write(tmp_path, text), capsys)
+    assert rc == 1 and expected in err, err
+
+
+def test_a_graph_in_two_pieces_is_not_one_pipeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = """
+    connectors: {c: {name: shm}}
+    stages:
+      - {stage_id: 0, async_chunk: true, output_connectors: {to_stage_1: c}, synthetic: {outputs: [{name: a.b, shape: [1, 2]}]}}
+      - {stage_id: 1, async_chunk: true, input_connectors: {from_stage_0: c}}
+      - {stage_id: 2, async_chunk: true, output_connectors: {to_stage_3: c}, synthetic: {outputs: [{name: a.b, shape: [1, 2]}]}}
+      - {stage_id: 3, async_chunk: true, input_connectors: {from_stage_2: c}}
+    """
+    rc, _, err = _validate(_write(tmp_path, text), capsys)
+    assert rc == 1 and "share no edge: [0, 1], [2, 3]" in err, err

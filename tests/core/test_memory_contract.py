@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from omni_plugins.testing import ConnectorContract
+from omni_plugins.testing import ConnectorContract, ServicesContract
 
 
 class TestMemoryConnector(ConnectorContract):
@@ -38,3 +38,13 @@ def test_memory_refuses_puts_over_its_budget() -> None:
         res = conn.put(0, 1, "big", {"x": b"x" * 1000})
         assert res.ok is False and "full" in (res.metadata or {}).get("error", "")
         assert conn.get(0, 1, "big") is None
+
+
+class TestMemoryServices(ServicesContract):
+    """The built-in connector's services go through the same kit as every plugin's."""
+
+    leftover = "open"
+
+    @pytest.fixture
+    def connector_spec(self) -> tuple[str, dict[str, Any]]:
+        return "memory", {"namespace": f"services-{uuid.uuid4().hex}"}

@@ -97,3 +97,52 @@ def test_pipeline_mooncake(tmp_path: Path) -> None:
     finally:
         master.stop()
     check_speech_edges(data, thinker_steps=16, talker_steps=8)
+
+
+def test_pipeline_hybrid(tmp_path: Path, shm_namespace: str) -> None:
+    """thinker -> talker over Redis (stream + KV), talker -> codec over shared memory: one runtime, two connectors."""
+    from omni_plugins_shm.testing import assert_namespace_empty
+
+    testing = pytest.importorskip("omni_plugins_redis.testing")
+    with testing.RedisServer(password="example-pw") as server:
+        url = f"redis://:example-pw@127.0.0.1:{server.port}/0"
+        data = run_example("pipeline-hybrid.yaml", tmp_path, {"OMNI_REDIS_URL": url, "OMNI_SHM_NAMESPACE": shm_namespace})
+        assert server.keys("*") == []
+    assert edge(data, "0->1 net", "stream")["payloads"] == REQUESTS * 16
+    assert edge(data, "0->1 net", "KV")["payloads"] == REQUESTS
+    assert edge(data, "1->2 local", "stream")["payloads"] == REQUESTS * 8
+    assert_namespace_empty(shm_namespace)
+
+
+def test_pipeline_fanin(tmp_path: Path, shm_namespace: str) -> None:
+    from omni_plugins_shm.testing import assert_namespace_empty
+
+    data = run_example("pipeline-fanin.yaml", tmp_path, {"OMNI_SHM_NAMESPACE": shm_namespace})
+    assert edge(data, "0->2", "full")["payloads"] == REQUESTS  # one full payload per request and source
+    assert edge(data, "1->2", "full")["payloads"] == REQUESTS
+    assert edge(data, "2->3", "stream")["payloads"] == REQUESTS * 8
+    assert_namespace_empty(shm_namespace)
+
+
+def test_pipeline_fanout(tmp_path: Path, shm_namespace: str) -> None:
+    from omni_plugins_shm.testing import assert_namespace_empty
+
+    data = run_example("pipeline-fanout.yaml", tmp_path, {"OMNI_SHM_NAMESPACE": shm_namespace})
+    talker, detok = edge(data, "0->1", "stream"), edge(data, "0->2", "stream")
+    assert talker["payloads"] == detok["payloads"] == REQUESTS * 16  # every chunk to both
+    assert talker["bytes"] > 100 * detok["bytes"]  # the detokenizer gets the token ids only
+    assert edge(data, "0->1", "KV")["payloads"] == REQUESTS and not [e for e in data["edges"] if e["edge"].startswith("0->2") and "KV" in e["edge"]]
+    assert_namespace_empty(shm_namespace)
+
+
+def test_pipeline_pd(tmp_path: Path, shm_namespace: str) -> None:
+    from omni_plugins_shm.testing import assert_namespace_empty
+
+    data = run_example("pipeline-pd.yaml", tmp_path, {"OMNI_SHM_NAMESPACE": shm_namespace})
+    # least_inflight with two requests in flight: one per prefill replica, each over its own row
+    for replica in (0, 1):
+        assert edge(data, f"0.r{replica}->1", "full")["payloads"] == 1
+        assert edge(data, f"0.r{replica}->1", "KV")["payloads"] == 1
+    assert [(r["stage"], r["replica"], r["routed"], r["completed"], r["alive"]) for r in data["replicas"]] == [(0, 0, 1, 1, True), (0, 1, 1, 1, True)]
+    assert sorted((s["stage"], s["replica"]) for s in data["stages"]) == [(0, 0), (0, 1), (1, 0)]
+    assert_namespace_empty(shm_namespace)

@@ -1,11 +1,10 @@
 """Aborts reach the stages in either order; nothing may stay in the backend either way.
 
 Producer first (then consumer) is what ``benchmarks/soak.py`` does and it leaves nothing
-(``test_soak_bounded``). Consumer first is the case the peer leaked on: the consumer's
-abort frees the chunks already put, but chunks the producer puts *after* that -- the
-rest of its queue, or the steps it runs before its own abort arrives -- are never read.
-They used to stay until the producer's connector closed (shm) or their TTL (Redis); since
-d255b1e an aborted cleanup on the producer drops its queued sends and frees every key it put.
+(``test_soak_bounded``). Consumer first is the hard case: the consumer's abort frees the
+chunks already put, but chunks the producer puts *after* that -- the rest of its queue, or
+the steps it runs before its own abort arrives -- are never read. An aborted cleanup on the
+producer therefore drops its queued sends and frees every key it put.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def test_pipeline_survives_redis_restart(persistent_redis: Any) -> None:
     left = [k.decode() for k in persistent_redis.keys(prefix + "*")]
     payload_keys = [k for k in left if ":w:" not in k]
     assert payload_keys == [], "manifests, parts or claim lists left behind"
-    # Known gap (docs/reliability.md): a commit marker ("...:w:<put id>") whose deferred DEL was lost
+    # Known gap: a commit marker ("...:w:<put id>") whose deferred DEL was lost
     # with the killed server's connection can stay until its own TTL (MARKER_TTL_MS, 10 min).
     client = persistent_redis.client()
     try:

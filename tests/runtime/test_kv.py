@@ -219,7 +219,7 @@ def test_real_kv_manager_round_trip(namespace: str) -> None:
 
 
 def test_cfg_companions_share_one_deadline(namespace: str) -> None:
-    """Missing companions cost one receive timeout in total, not one per role (docs/kv.md)."""
+    """Missing companions cost one receive timeout in total, not one per role (docs/runtime/kv.md)."""
     c = StageTransferRuntime(
         StageConfig(stage_id=1, kv_transfer=True, recv_timeout_s=0.2), {"name": "memory", "extra": {"namespace": namespace}}
     )

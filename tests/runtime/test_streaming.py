@@ -54,7 +54,7 @@ def test_chunks_merged_while_nobody_reads_are_joined_for_every_reader(runtimes: 
     req = Req("r")
     for step in range(4):
         p.send_chunk(req, {"embed": {"decode": torch.full((1, 2), float(step))}, "codes": {"audio": torch.full((1, 1), step)}})
-    state = c._registry.get("r")
+    state = c._registry.get("r").inputs[0]
     wait_until(lambda: state.next_recv_chunk == 4)
     with c._lock:
         assert type(state.cached["embed"]["decode"]) is PendingCat  # four chunks, no cat yet

@@ -4,7 +4,6 @@ rank 1 sees the same payloads at the same step. Plus in-process tests of the fan
 from __future__ import annotations
 
 import copy
-import socket
 import threading
 import uuid
 from typing import Any
@@ -13,15 +12,9 @@ import torch
 from rt_helpers import Req, make_runtime, wait_until
 
 from omni_plugins import StageConfig
+from omni_plugins.ports import free_port
 from omni_plugins.runtime import StageTransferRuntime
 from omni_plugins.testing.processes import process_context
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
 
 SCENARIOS = [("full", "wire"), ("stream", "wire"), ("stream", "pickle")]
 
@@ -31,7 +24,7 @@ def test_tp2_leader_receives_and_broadcasts() -> None:
 
     ctx = process_context()
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     scenarios = [(f"tp-{uuid.uuid4().hex[:8]}", mode, codec) for mode, codec in SCENARIOS]
     n, chunks = 6, 3
     procs = [ctx.Process(target=tp_worker.rank_main, args=(r, port, scenarios, n, chunks, out)) for r in range(2)]

@@ -6,7 +6,7 @@ Known exception, asserted precisely rather than hidden: Mooncake's TransferEngin
 wildcard addresses ``0.0.0.0`` and ``::`` for its handshake RPC port and its TCP
 transport port, whatever ``MC_TCP_BIND_ADDRESS`` says (mooncake 0.3.13.post1 has no
 setting for it). What binds where, what was tried and the loopback-only network
-namespace mitigation: docs/mooncake.md.
+namespace mitigation: docs/operations/security.md.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_mooncake_connectors_own_sockets_are_loopback(engine_sockets: dict[str, 
     strict=True,
     reason="Mooncake TransferEngine (0.3.13.post1) binds its handshake port to 0.0.0.0 (INADDR_ANY, hard-coded) and its "
     "TCP data port to :: (dual-stack) whatever MC_TCP_BIND_ADDRESS, MC_LEGACY_RPC_PORT_BINDING, a host:port local_hostname "
-    "or an HTTP metadata server say (all tried); mitigation: a loopback-only network namespace (docs/mooncake.md)",
+    "or an HTTP metadata server say (all tried); mitigation: a loopback-only network namespace (docs/operations/security.md)",
 )
 def test_mooncake_engine_sockets_are_loopback(engine_sockets: dict[str, object]) -> None:
     for name in ("store", "te"):

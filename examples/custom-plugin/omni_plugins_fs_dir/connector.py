@@ -11,22 +11,24 @@ from __future__ import annotations
 
 import hashlib
 import os
-import time
 import uuid
 from typing import Any
 
 from omni_plugins import wire
+from omni_plugins.backoff import Backoff
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorError
 from omni_plugins_fs_dir.config import FsDirConfig
 
+#: every payload file's name starts with this
+PAYLOAD_PREFIX = "k-"
 _MAX_SLEEP = 0.05
 
 
 def file_name(key: str) -> str:
-    """A safe file name for any key (hex; long keys hashed)."""
+    """A safe file name for any key: ``k-`` and the key's UTF-8 in hex (keys over 100 bytes: ``k-h`` and their SHA-256)."""
     raw = key.encode("utf-8")
-    return "k-" + (raw.hex() if len(raw) <= 100 else "h" + hashlib.sha256(raw).hexdigest())
+    return PAYLOAD_PREFIX + (raw.hex() if len(raw) <= 100 else "h" + hashlib.sha256(raw).hexdigest())
 
 
 class FsDirConnector(Connector):
@@ -81,18 +83,14 @@ class FsDirConnector(Connector):
             os.unlink(claim)
 
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
-        deadline = time.monotonic() + (timeout or 0.0)
-        delay = self.config.poll_interval
+        backoff = Backoff.within(timeout or 0.0, self.config.poll_interval, max(_MAX_SLEEP, self.config.poll_interval))
         while True:
             self._check_open()
             buf = self._claim(key)
             if buf is not None:
                 return GetResult(wire.decode(buf, copy=False), len(buf))  # tensors are views over our private buffer
-            left = deadline - time.monotonic()
-            if left <= 0:
+            if not backoff.sleep():
                 return None
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _MAX_SLEEP)
 
     def _cleanup(self, key: str) -> bool:
         try:
@@ -103,7 +101,7 @@ class FsDirConnector(Connector):
 
     def _health(self) -> dict[str, Any]:
         try:
-            files = [n for n in os.listdir(self.directory) if n.startswith("k-")]
+            files = [n for n in os.listdir(self.directory) if n.startswith(PAYLOAD_PREFIX)]
         except OSError as exc:
             return {"ok": False, "directory": self.directory, "error": str(exc)}
         # 'staged': payloads put and not yet read (any producer's); after a run, omni-plugins run reports them as leaks

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator
+from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator, model_validator
 
 from omni_plugins.settings import ConnectorSettings
 
@@ -35,7 +35,9 @@ class _Engine(ConnectorSettings):
         validation_alias=AliasChoices("local_hostname", "host"),
         description="address this process advertises to peers (also exported as MC_TCP_BIND_ADDRESS unless set)",
     )
-    protocol: Literal["tcp", "rdma"] = Field(default="tcp", validation_alias=AliasChoices("protocol", "proto"))
+    protocol: Literal["tcp", "rdma"] = Field(
+        default="tcp", validation_alias=AliasChoices("protocol", "proto"), description="transport of the bulk data: tcp, or rdma (with device_name)"
+    )
     device_name: str = Field(
         default="",
         validation_alias=AliasChoices("device_name", "rdma", "rdma_devices"),
@@ -119,9 +121,27 @@ class MooncakeTEConfig(_Engine):
         description="registered memory kept for reuse between transfers",
     )
     rendezvous_dir: str | None = Field(
-        default=None,
+        default="auto",
         description="same-host discovery: instances announce their listen address as a file here and read from all "
-        "others (lets identically configured instances in several processes find each other)",
+        "others. 'auto' (the default): a directory private to this user and this network namespace, so processes on "
+        "one host find each other with no configuration; a path: that directory (separates groups of instances); "
+        "null: none",
+    )
+    metadata_server: str | None = Field(
+        default=None,
+        description="cross-host discovery: http://host:port/metadata of Mooncake's HTTP metadata server (mooncake_master "
+        "--enable_http_metadata_server); producers announce their control address in a roster there, consumers read "
+        "from every producer on it. Needs `secret`. None or 'P2PHANDSHAKE': off",
+    )
+    discovery_group: str = Field(
+        default="default",
+        min_length=1,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="name of the roster on the metadata server: instances read only from producers of the same group",
+    )
+    discovery_ttl: float = Field(
+        default=30.0, ge=3.0, description="seconds a roster entry lives without a heartbeat (producers renew it every third of that)"
     )
     claim_timeout: float = Field(default=60.0, gt=0, description="seconds a consumer may take to read a payload it claimed")
     payload_ttl: float = Field(default=300.0, gt=0, description="seconds after which an unconsumed payload is reclaimed")
@@ -137,6 +157,24 @@ class MooncakeTEConfig(_Engine):
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"listen_address must look like 'host:port' (port 0 = any), got {value!r}")
         return value.strip()
+
+    @field_validator("metadata_server")
+    @classmethod
+    def _check_metadata_server(cls, value: str | None) -> str | None:
+        if value is None or value.strip() in ("", "P2PHANDSHAKE"):
+            return None
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"metadata_server must be Mooncake's HTTP metadata server, http://host:port/metadata; got {value!r}")
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _discovery_needs_a_secret(self) -> MooncakeTEConfig:
+        if self.metadata_server is not None and self.secret is None:
+            raise ValueError(
+                "metadata_server discovery reaches producers on other hosts, which can only be authenticated with a "
+                "configured secret (a generated one never leaves its host): set `secret` on every instance"
+            )
+        return self
 
     @field_validator("secret")
     @classmethod

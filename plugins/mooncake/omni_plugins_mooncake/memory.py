@@ -156,7 +156,7 @@ class SlabPool:
         exporter = slab.exporter(nbytes)
         # A bare weakref with a callback, not weakref.finalize: this runs right after a
         # transfer, when caches are cold, and finalize's Python bookkeeping cost 30-50 us
-        # there against a few for this (docs/mooncake.md).
+        # there against a few for this.
         ref = weakref.ref(exporter, self._lease_ended)
         self._leases[id(ref)] = (ref, slab)
         return exporter.data  # a memoryview whose exporter is `exporter`

@@ -20,9 +20,9 @@ import threading
 from typing import Any
 
 from omni_plugins import wire
+from omni_plugins.backoff import poll
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorError
-from omni_plugins_mooncake._backoff import poll
 from omni_plugins_mooncake._direct import DIRECT_MIN, DirectPut
 from omni_plugins_mooncake._env import prepare_environment
 from omni_plugins_mooncake._import import import_mooncake

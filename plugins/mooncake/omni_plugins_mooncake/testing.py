@@ -14,7 +14,7 @@ metadata server stays off). The process is stopped by pid, never by name.
 
 Mooncake's TransferEngine (inside every store client and ``mooncake-te``
 connector) binds its handshake port on ``0.0.0.0`` and its TCP data port on
-``::`` whatever the settings (see docs/mooncake.md). To keep a test or a
+``::`` whatever the settings (see docs/operations/security.md). To keep a test or a
 single-host pipeline unreachable from other hosts anyway, run it in a private
 network namespace that only has loopback: :func:`loopback_namespace_command`.
 """
@@ -34,8 +34,9 @@ import time
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
-LOOPBACK = "127.0.0.1"
+from omni_plugins.ports import LOOPBACK, free_port
 
 
 def loopback_environment() -> None:
@@ -64,13 +65,6 @@ def loopback_namespace_available(timeout: float = 10.0) -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
-
-
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port free on ``host`` right now (another process may still take it: callers retry)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:
@@ -138,6 +132,10 @@ class MooncakeMaster:
     @property
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
+
+    def connector_config(self, **overrides: Any) -> dict[str, Any]:
+        """A ``mooncake-store`` config (a stage's ``extra``) reaching this master, with ``overrides`` applied."""
+        return {"master_address": self.address, **overrides}
 
     def command(self) -> list[str]:
         return [

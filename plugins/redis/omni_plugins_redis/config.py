@@ -37,12 +37,12 @@ class RedisConfig(ConnectorSettings):
         description="redis://[user[:pass]@]host[:port][/db], rediss://..., unix:///path?db=N, "
         "sentinel://[user[:pass]@]host:port[,host:port...]/service_name[/db]",
     )
-    host: str = "127.0.0.1"
-    port: int = Field(6379, ge=1, le=65535)
-    db: int = Field(0, ge=0, le=1_000_000)
+    host: str = Field("127.0.0.1", description="server host when no url is given")
+    port: int = Field(6379, ge=1, le=65535, description="server port when no url is given")
+    db: int = Field(0, ge=0, le=1_000_000, description="database number when no url is given")
     unix_socket: str | None = Field(None, description="path of the server's unix socket (instead of host/port)")
     username: str | None = Field(None, description="ACL user (Redis 6+); None means 'default'")
-    password: SecretStr | None = None
+    password: SecretStr | None = Field(None, description="password (of username, or of the default user); never in repr, logs or errors")
     credential_provider: str | None = Field(
         None,
         description="'package.module:name' of a redis-py CredentialProvider (instance, class or zero-argument factory) "
@@ -50,11 +50,11 @@ class RedisConfig(ConnectorSettings):
         "instead of username/password",
     )
 
-    tls: bool = False
-    tls_ca_file: Path | None = None
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    tls_check_hostname: bool = True
+    tls: bool = Field(False, description="connect with TLS (a rediss:// url sets it)")
+    tls_ca_file: Path | None = Field(None, description="CA certificate file to verify the server with (must exist)")
+    tls_cert_file: Path | None = Field(None, description="client certificate file, for tls-auth-clients (with tls_key_file)")
+    tls_key_file: Path | None = Field(None, description="private key of tls_cert_file")
+    tls_check_hostname: bool = Field(True, description="check that the server certificate names the host")
 
     cluster: bool = Field(False, description="talk to a Redis Cluster; startup_nodes (or host:port) seed the slot map")
     startup_nodes: list[str] = Field(default_factory=list, description="'host:port' entries of cluster nodes")
@@ -78,8 +78,8 @@ class RedisConfig(ConnectorSettings):
 
     key_prefix: str = Field("omni:", max_length=200, description="namespace of every key this connector writes")
     ttl_seconds: float = Field(300.0, ge=0, le=365 * 86400, description="expiry of unread payloads; 0 = never expire")
-    # 2 MiB: measured best of 1/2/4 MiB for 64 MiB puts and gets here (less server CPU per byte: smaller
-    # reply buffers and query-buffer moves in Redis), docs/redis.md
+    # 2 MiB parts cost the server less CPU per byte than 1 or 4 MiB (smaller reply buffers and query-buffer
+    # moves in Redis); benchmarks/bench_redis.py --chunk-bytes measures other sizes
     chunk_bytes: int = Field(2 * MIB, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="size of one stored part")
     inline_bytes: int = Field(
         256 * KIB, ge=0, le=MAX_CHUNK_BYTES, description="payloads up to this size (capped at chunk_bytes) travel in the manifest itself"
@@ -100,13 +100,13 @@ class RedisConfig(ConnectorSettings):
         "pages; any other write deletes them at once. off = parts are deleted right after the get",
     )
 
-    connect_timeout: float = Field(5.0, gt=0, le=3600)
+    connect_timeout: float = Field(5.0, gt=0, le=3600, description="bound on every connect, in seconds")
     socket_timeout: float = Field(30.0, gt=0, le=3600, description="bound on every socket read/write; nothing waits forever")
     pool_size: int = Field(16, ge=1, le=1024, description="connections per server")
     pool_timeout: float = Field(30.0, gt=0, le=3600, description="wait for a free pooled connection")
     retry_attempts: int = Field(6, ge=0, le=1000, description="retries after a connection failure")
     retry_backoff: float = Field(0.05, gt=0, le=60, description="first retry delay; doubles each attempt")
-    retry_backoff_max: float = Field(2.0, gt=0, le=600)
+    retry_backoff_max: float = Field(2.0, gt=0, le=600, description="longest retry delay")
     poll_interval_max: float = Field(0.05, gt=0, le=10, description="longest sleep of the polling fallback of get(timeout=)")
 
     @model_validator(mode="before")

@@ -328,8 +328,8 @@ class RedisConnector(Connector):
         anything is visible). The parts of payloads this connection's gets consumed
         earlier (:meth:`Connection.retire`) are deleted one right before each new
         part: the server then stores each new part in the memory the old one just
-        left, instead of in fresh pages it must first fault in (measured: 64 MiB put,
-        server CPU and page faults roughly halved; see docs/redis.md).
+        left, instead of in fresh pages it must first fault in (for 64 MiB puts this
+        roughly halves the server's CPU and page faults; see docs/backends/redis.md).
         """
         manifest = state.manifest
         state.retired += link.take_retired()

@@ -6,17 +6,16 @@ connector is created.
 
 from __future__ import annotations
 
-from typing import Any
-
-from omni_plugins.hookspecs import hookimpl
+from omni_plugins import RegistrationSink, hookimpl
 
 
 @hookimpl
-def omni_register_connectors(registry: Any) -> None:
+def omni_register_connectors(registry: RegistrationSink) -> None:
     registry.register(
         "redis",
         connector="omni_plugins_redis.connector:RedisConnector",
         config="omni_plugins_redis.config:RedisConfig",
         aliases=["RedisConnector", "RedisClusterConnector"],
         description="Redis / Redis Cluster: cross-host payloads, chunked pipelined writes, blocking get via BLMOVE",
+        services="omni_plugins_redis.services:RedisServices",
     )

@@ -35,7 +35,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import threading
@@ -45,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+
+from omni_plugins.ports import free_port
 
 REDIS_SERVER = os.environ.get("OMNI_REDIS_SERVER", "redis-server")
 REDIS_CLI = os.environ.get("OMNI_REDIS_CLI", "redis-cli")
@@ -61,25 +62,6 @@ def _stop_leftovers() -> None:
 
 
 atexit.register(_stop_leftovers)
-
-
-def free_port(*, also_plus: int | None = None) -> int:
-    """A TCP port on 127.0.0.1 that is free now (and ``port + also_plus`` too, for cluster bus ports)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if also_plus is None:
-            return port
-        if port + also_plus > 65535:
-            continue
-        with socket.socket() as s2:
-            try:
-                s2.bind(("127.0.0.1", port + also_plus))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError("no free port pair found")
 
 
 class TlsFiles:
@@ -155,6 +137,11 @@ class RedisServer:
     @property
     def host(self) -> str:
         return "127.0.0.1"
+
+    @property
+    def address(self) -> str:
+        """``127.0.0.1:<port>`` (or the unix socket's path); no credentials."""
+        return str(self.socket_path) if self.socket_path is not None else f"127.0.0.1:{self.port}"
 
     @property
     def url(self) -> str:

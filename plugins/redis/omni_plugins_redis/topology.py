@@ -69,7 +69,7 @@ class Topology(Protocol):
     def close(self) -> None: ...
 
 
-def _auth_and_timeouts(config: RedisConfig) -> dict[str, Any]:
+def auth_and_timeouts(config: RedisConfig) -> dict[str, Any]:
     """Keyword arguments of every data connection (redis-py ``Connection``)."""
     kwargs: dict[str, Any] = {
         "socket_timeout": config.socket_timeout,
@@ -86,7 +86,7 @@ def _auth_and_timeouts(config: RedisConfig) -> dict[str, Any]:
     return kwargs
 
 
-def _tls(config: RedisConfig) -> dict[str, Any]:
+def tls_options(config: RedisConfig) -> dict[str, Any]:
     return {
         "ssl_ca_certs": str(config.tls_ca_file) if config.tls_ca_file else None,
         "ssl_certfile": str(config.tls_cert_file) if config.tls_cert_file else None,
@@ -101,7 +101,7 @@ class Standalone:
 
     def __init__(self, config: RedisConfig) -> None:
         self.label = config.server_label()
-        kwargs = _auth_and_timeouts(config)
+        kwargs = auth_and_timeouts(config)
         kwargs.update(db=config.db, max_connections=config.pool_size, timeout=config.pool_timeout)
         if config.unix_socket:
             kwargs.update(connection_class=OmniUnixConnection, path=config.unix_socket)
@@ -110,7 +110,7 @@ class Standalone:
             kwargs.update(host=config.host, port=config.port, connection_class=OmniConnection)
             name = f"{config.host}:{config.port}"
             if config.tls:
-                kwargs.update(connection_class=OmniSSLConnection, **_tls(config))
+                kwargs.update(connection_class=OmniSSLConnection, **tls_options(config))
         self._route = Route(redis.BlockingConnectionPool(**kwargs), name)
 
     def route(self, slot: int) -> Route:
@@ -129,6 +129,21 @@ class Standalone:
         self._route.pool.disconnect(inuse_connections=False)
 
 
+def sentinel_for(config: RedisConfig) -> Sentinel:
+    """redis-py's ``Sentinel`` for the config's Sentinels (their own credentials; TLS like the data nodes)."""
+    sentinel_kwargs: dict[str, Any] = {
+        "socket_timeout": config.socket_timeout,
+        "socket_connect_timeout": config.connect_timeout,
+        "username": config.sentinel_username,
+        "password": config.sentinel_password.get_secret_value() if config.sentinel_password is not None else None,
+        "driver_info": None,
+        "protocol": 2,
+    }
+    if config.tls:
+        sentinel_kwargs.update(ssl=True, **tls_options(config))
+    return Sentinel(config.sentinel_nodes(), sentinel_kwargs=sentinel_kwargs)
+
+
 class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
     """Sentinel's pool (connections find the current primary when they connect) that waits for a free connection."""
 
@@ -143,21 +158,12 @@ class SentinelPrimary:
 
     def __init__(self, config: RedisConfig) -> None:
         self.label = config.server_label()
-        kwargs = _auth_and_timeouts(config)
-        sentinel_kwargs: dict[str, Any] = {
-            "socket_timeout": config.socket_timeout,
-            "socket_connect_timeout": config.connect_timeout,
-            "username": config.sentinel_username,
-            "password": config.sentinel_password.get_secret_value() if config.sentinel_password is not None else None,
-            "driver_info": None,
-            "protocol": 2,
-        }
+        kwargs = auth_and_timeouts(config)
         connection_class: type[OmniSentinelConnection | OmniSentinelSSLConnection] = OmniSentinelConnection
         if config.tls:
             connection_class = OmniSentinelSSLConnection
-            kwargs.update(_tls(config))
-            sentinel_kwargs.update(ssl=True, **_tls(config))
-        self._sentinel = Sentinel(config.sentinel_nodes(), sentinel_kwargs=sentinel_kwargs)
+            kwargs.update(tls_options(config))
+        self._sentinel = sentinel_for(config)
         client = self._sentinel.master_for(
             config.service_name or "",
             connection_pool_class=_BlockingSentinelPool,
@@ -210,7 +216,7 @@ class Cluster:
     def __init__(self, config: RedisConfig) -> None:
         self.label = config.server_label()
         self._nodes = config.nodes()
-        kwargs = _auth_and_timeouts(config)
+        kwargs = auth_and_timeouts(config)
         kwargs.update(
             max_connections=config.pool_size,
             timeout=config.pool_timeout,
@@ -218,7 +224,7 @@ class Cluster:
             connection_class=OmniSSLConnection if config.tls else OmniConnection,
         )
         if config.tls:
-            kwargs.update(ssl=True, **_tls(config))
+            kwargs.update(ssl=True, **tls_options(config))
         self._kwargs = kwargs
         self._client: RedisCluster | None = None
         self._routes: dict[str, Route] = {}  # by node name: kept across slot map refreshes

@@ -3,8 +3,8 @@
 ``--all`` refuses (exit status 3, the live instances on stderr) while a live connector instance has a
 marker in the namespace(s): it would remove memory they are using. ``--force`` removes it anyway.
 
-The core ``omni-plugins`` CLI can expose the same as ``omni-plugins shm gc`` by calling
-:func:`main` with the arguments after ``shm`` (or :func:`omni_plugins_shm.gc.collect` directly).
+The plugin registers :func:`main` as the ``omni-plugins shm`` command (hook ``omni_register_commands``),
+so ``omni-plugins shm gc ...`` is the same; :func:`omni_plugins_shm.gc.collect` does the work.
 """
 
 from __future__ import annotations

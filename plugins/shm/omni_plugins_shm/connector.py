@@ -9,7 +9,7 @@ Life of one payload (every state change is an atomic ``rename`` in the shm direc
    header, copy the payload into private memory (or hand out zero-copy views), then return the
    segment to its owner (``c. -> f.``) or unlink it (dedicated segments, owner gone).
 
-Nothing travels from ``put`` to ``get`` but the key. See ``docs/shm.md``.
+Nothing travels from ``put`` to ``get`` but the key. See ``docs/backends/shm.md``.
 """
 
 from __future__ import annotations

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TypeVar
 
+from omni_plugins.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 IN_MOVED_TO = 0x00000080
@@ -48,6 +50,8 @@ _BUF = 64 * 1024
 _MAX_SLEEP = 3600.0
 #: a tracked set of published names larger than this is rebuilt from a directory scan
 _SEEN_MAX = 8192
+#: without inotify: lstat checks 0.2 ms apart, doubling up to 20 ms
+_POLL_BACKOFF = (0.0002, 0.02)
 #: stands for a queue overflow among the names read (not a valid file name)
 OVERFLOW = b"/"
 
@@ -249,17 +253,16 @@ class Notifier:
         if watch is not None:
             with self._lock:
                 watch.busy = True
-        backoff = 0.0002
+        backoff = Backoff(*_POLL_BACKOFF, deadline)
         try:
             while True:
-                remaining = deadline - time.monotonic()
+                remaining = backoff.remaining()
                 if remaining <= 0 or self._closed:
                     return None
                 if watch is not None and not watch.dead:
                     watch.wait(names, remaining)
                 else:
-                    time.sleep(min(backoff, remaining))
-                    backoff = min(backoff * 2, 0.02)
+                    backoff.sleep()
                 result = attempt()
                 if result is not None:
                     return result
@@ -289,14 +292,11 @@ class Notifier:
         watch = self._watch()
         if watch is None:
             bdir = os.fsencode(self._dir) + b"/"
-            backoff = 0.0002
+            backoff = Backoff(*_POLL_BACKOFF, deadline)
             while True:
                 found = [k for n, k in wanted.items() if os.path.lexists(bdir + n)]
-                remaining = deadline - time.monotonic()
-                if found or remaining <= 0 or self._closed:
+                if found or self._closed or not backoff.sleep():
                     return found
-                time.sleep(min(backoff, remaining))
-                backoff = min(backoff * 2, 0.02)
         with self._lock:
             watch.busy = True
         try:

@@ -160,7 +160,7 @@ class SlotTable:
         Producers with the table raise it before a file-path publication (and mark the segment
         ``counted``), the get that consumes a counted segment lowers it. Too high is harmless (a
         waiting get then tries the file path, as it always did); it is never too low among instances
-        with the table (those without it do not look into the table, see docs/shm.md).
+        with the table (those without it do not look into the table, see docs/backends/shm.md).
         """
         return int(self._native.slot_files(self.mm, delta))
 

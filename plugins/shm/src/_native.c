@@ -266,7 +266,7 @@ native_rename_noreplace(PyObject *self, PyObject *args)
     return result;
 }
 
-/* 3. The slot table: small payloads handed off without file syscalls (see slots.py, docs/shm.md).
+/* 3. The slot table: small payloads handed off without file syscalls (see slots.py, docs/backends/shm.md).
  *
  * Table file layout (all little-endian, native atomics; the file is a MAP_SHARED tmpfs mapping):
  *   header (TBL_HDR bytes): magic "OMNISLT1", u32 version, u32 nslots, u64 slot_bytes, u64 stride,
@@ -984,7 +984,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "omni_plugins_shm._native", "Futex wake slots in shared mappings and renameat2 (see docs/shm.md).", -1, methods,
+    PyModuleDef_HEAD_INIT, "omni_plugins_shm._native", "Futex wake slots in shared mappings and renameat2 (see docs/backends/shm.md).", -1, methods,
 };
 
 PyMODINIT_FUNC

@@ -24,9 +24,9 @@ import time
 from typing import Any
 
 from omni_plugins import wire
+from omni_plugins.backoff import poll
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorError, WireFormatError
-from omni_plugins_mooncake._backoff import poll
 from omni_plugins_mooncake._env import prepare_environment
 from omni_plugins_mooncake._import import import_mooncake
 from omni_plugins_mooncake.config import MooncakeTEConfig
@@ -43,8 +43,9 @@ from omni_plugins_mooncake.te.control import (
     parse_key,
     parse_token,
 )
-from omni_plugins_mooncake.te.discovery import PeerDirectory, PeerEntry
+from omni_plugins_mooncake.te.discovery import PeerDirectory, PeerEntry, resolve_rendezvous_dir
 from omni_plugins_mooncake.te.pool import Staged, StagingTable
+from omni_plugins_mooncake.te.roster import MetadataRoster
 from omni_plugins_mooncake.te.transfer import DONE, FAILED, TIMED_OUT, Reader
 
 logger = logging.getLogger(__name__)
@@ -94,11 +95,14 @@ class MooncakeTransferEngineConnector(Connector):
         self._clients_lock = threading.Lock()
         self._server: ControlServer | None = None
         self._directory: PeerDirectory | None = None
+        self._roster: MetadataRoster | None = None
+        self._quarantine: dict[str, float] = {}  # roster address that failed -> its expiry then (skipped until renewed)
         self._stop = threading.Event()
         self._configured_secret: bytes | None = None if cfg.secret is None else cfg.secret.get_secret_value().encode()
         try:
-            if cfg.rendezvous_dir is not None:
-                self._directory = PeerDirectory(cfg.rendezvous_dir)
+            rendezvous = resolve_rendezvous_dir(cfg.rendezvous_dir)
+            if rendezvous is not None:
+                self._directory = PeerDirectory(rendezvous)
             if cfg.listen_address is not None:
                 generated = None if self._configured_secret is not None else secrets.token_urlsafe(32)
                 secret = generated.encode() if generated is not None else self._configured_secret or b""
@@ -115,12 +119,30 @@ class MooncakeTransferEngineConnector(Connector):
                         self.segment,
                         self._server.address,
                     )
+            if cfg.metadata_server is not None:
+                self._roster = MetadataRoster(cfg.metadata_server, cfg.discovery_group, ttl=cfg.discovery_ttl, timeout=cfg.socket_timeout)
+                if self._server is not None:
+                    self._roster.announce(self._advertised())
+                else:
+                    self._roster.read()
         except BaseException:
             self._close()
             raise
         interval = max(0.05, min(1.0, cfg.payload_ttl / 4, cfg.claim_timeout / 4))
         self._reaper = threading.Thread(target=self._reap_loop, args=(interval,), name="mooncake-te-reaper", daemon=True)
         self._reaper.start()
+        self._discovery: threading.Thread | None = None
+        if self._roster is not None:
+            self._discovery = threading.Thread(target=self._discovery_loop, name="mooncake-te-discovery", daemon=True)
+            self._discovery.start()
+
+    def _advertised(self) -> str:
+        """The control address others reach: a wildcard listen host is replaced by ``local_hostname``."""
+        assert self._server is not None
+        host, _, port = self._server.address.rpartition(":")
+        if host.strip("[]") in ("0.0.0.0", "::", ""):
+            host = self.config.local_hostname
+        return f"{host}:{port}"
 
     @property
     def address(self) -> str | None:
@@ -175,6 +197,7 @@ class MooncakeTransferEngineConnector(Connector):
             "staging_pool": self._send_pool.stats(),
             "receive_buffers": self._recv_pool.stats(),
             "stranded_receive_buffers": len(self._stranded),
+            **({} if self._roster is None else {"roster": {"url": self._roster.url, "key": self._roster.key, "peers": len(self._roster.cached())}}),
         }
 
     def _secret_source(self) -> str:
@@ -185,6 +208,14 @@ class MooncakeTransferEngineConnector(Connector):
 
     def _close(self) -> None:
         self._stop.set()
+        discovery = getattr(self, "_discovery", None)
+        if discovery is not None:
+            discovery.join(self.config.socket_timeout * 4 + 1)
+        if self._roster is not None and self._server is not None:
+            try:
+                self._roster.withdraw(self._advertised())
+            except ConnectorError as exc:
+                logger.warning("mooncake-te %s: could not leave the roster (its entry expires by itself): %s", self.segment, exc)
         if self._directory is not None:
             self._directory.close()
         if self._server is not None:
@@ -308,6 +339,10 @@ class MooncakeTransferEngineConnector(Connector):
         addresses = list(self.config.peers)
         if self._directory is not None:
             addresses += [a for a in self._directory.peers() if a not in addresses]
+        if self._roster is not None:
+            with self._clients_lock:
+                quarantined = dict(self._quarantine)
+            addresses += [a for a, expiry in self._roster.cached().items() if a not in addresses and quarantined.get(a) != expiry]
         own = self.address
         out = []
         with self._clients_lock:
@@ -335,17 +370,57 @@ class MooncakeTransferEngineConnector(Connector):
         return self._configured_secret
 
     def _peer_failed(self, address: str, exc: PeerUnreachableError, key: str) -> bool:
-        """Handle an unreachable peer; True when it is an error (a configured peer), False when it was a stale announcement."""
-        if address not in self.config.peers and self._directory is not None and exc.refused:
-            entry: PeerEntry | None = self._directory.peers().get(address)
+        """Handle an unreachable peer; True when it is an error (a configured peer), False for a discovered one.
+
+        A discovered address that fails is only a stale or foreign announcement: one that
+        refuses connections leaves the rendezvous directory, and one from the roster is
+        skipped until its producer renews its entry (a heartbeat: it is alive again).
+        """
+        if address in self.config.peers:
+            return True
+        entry: PeerEntry | None = None
+        if self._directory is not None and exc.refused:
+            entry = self._directory.peers().get(address)
             if entry is not None:
                 self._directory.forget(entry)
-            with self._clients_lock:
-                client = self._clients.pop(address, None)
-            if client is not None:
-                client.close()
-            return False
-        return True
+        expiry = None if self._roster is None else self._roster.cached().get(address)
+        in_roster = expiry is not None
+        if entry is None and not in_roster:
+            return True
+        with self._clients_lock:
+            if expiry is not None:
+                self._quarantine[address] = expiry
+            client = self._clients.pop(address, None)
+        if client is not None:
+            client.close()
+        if in_roster:
+            logger.info("mooncake-te: discovered peer %s failed (%s); skipped until it renews its roster entry", address, exc)
+        return False
+
+    def _discovery_loop(self) -> None:
+        """Refresh the roster every second; a producer renews its entry every third of ``discovery_ttl``."""
+        roster = self._roster
+        assert roster is not None
+        renew_every = roster.ttl / 3
+        last_renewal = time.monotonic()
+        failing = False
+        while not self._stop.wait(1.0):
+            try:
+                if self._server is not None and time.monotonic() - last_renewal >= renew_every:
+                    roster.announce(self._advertised())
+                    last_renewal = time.monotonic()
+                else:
+                    roster.read()
+                entries = roster.cached()
+                with self._clients_lock:  # a renewed (or expired) entry is tried again
+                    self._quarantine = {a: e for a, e in self._quarantine.items() if entries.get(a) == e}
+                if failing:
+                    logger.warning("mooncake-te %s: metadata server %s reachable again", self.segment, roster.url)
+                failing = False
+            except ConnectorError as exc:
+                if not failing:
+                    logger.warning("mooncake-te %s: %s; using the last roster read", self.segment, exc)
+                failing = True
 
     # -- producer ---------------------------------------------------------------
     def _listen(self, address: str, secret: bytes) -> ControlServer:

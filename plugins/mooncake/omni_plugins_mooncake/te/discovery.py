@@ -1,7 +1,9 @@
 """Same-host discovery: each producer announces its control address as a file in a shared directory.
 
 Lets identically configured instances (in several processes of one host) read
-from each other without listing peers. A file holds the address and, when the
+from each other without listing peers. By default (:func:`default_rendezvous_dir`)
+the directory is private to the user and to the network namespace: an address
+only means something in the namespace it was announced in. A file holds the address and, when the
 producer generated its control-channel secret (none configured), that secret:
 so the directory must be private to the user. It is created 0700; an existing
 one owned by someone else or writable by group/others is refused, and files
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import tempfile
 import uuid
 from pathlib import Path
 from typing import NamedTuple
@@ -25,6 +28,53 @@ logger = logging.getLogger(__name__)
 
 _SUFFIX = ".peer"
 _MAX_FILE = 4096
+
+
+AUTO = "auto"
+
+
+def default_rendezvous_dir() -> Path:
+    """``$XDG_RUNTIME_DIR/omni-plugins`` (else ``$TMPDIR/omni-plugins-UID``) ``/mooncake-te/net-INODE``.
+
+    One directory per user and network namespace (``INODE`` of ``/proc/self/ns/net``):
+    processes in other namespaces -- containers, test sandboxes -- announce addresses
+    that are unreachable (or someone else's) here, so they never share a directory.
+    The per-user base is created 0700 and refused when another user owns it or
+    group/others may write to it.
+    """
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and Path(runtime).is_dir() and _private_problem(Path(runtime)) is None:
+        base = Path(runtime) / "omni-plugins"
+    else:
+        base = Path(tempfile.gettempdir()) / f"omni-plugins-{os.getuid()}"
+    base.mkdir(mode=0o700, exist_ok=True)
+    problem = _private_problem(base)
+    if problem is not None:
+        raise ConnectorError(f"mooncake-te default rendezvous directory {base}: {problem}; set rendezvous_dir to a private directory")
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:  # no procfs (not Linux): one namespace is all there is
+        netns = 0
+    return base / "mooncake-te" / f"net-{netns}"
+
+
+def resolve_rendezvous_dir(setting: str | None) -> Path | None:
+    """The directory a ``rendezvous_dir`` setting names (``auto``: :func:`default_rendezvous_dir`), or None."""
+    if not setting:
+        return None
+    return default_rendezvous_dir() if setting == AUTO else Path(setting)
+
+
+def _private_problem(path: Path) -> str | None:
+    st = os.stat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        return (
+            f"must be private to this user (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}; need owner uid "
+            f"{os.getuid()} and no group/other write, e.g. 0700)"
+        )
+    return None
 
 
 class PeerEntry(NamedTuple):
@@ -40,14 +90,10 @@ class PeerDirectory:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.stat(self.path)
-        if not stat.S_ISDIR(st.st_mode):
-            raise ConnectorError(f"mooncake-te rendezvous_dir {self.path} is not a directory")
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        problem = _private_problem(self.path)
+        if problem is not None:
             raise ConnectorError(
-                f"mooncake-te rendezvous_dir {self.path} must be private to this user (owner uid {st.st_uid}, mode "
-                f"{stat.S_IMODE(st.st_mode):04o}; need owner uid {os.getuid()} and no group/other write, e.g. 0700): "
-                f"its files carry control-channel secrets and say which producers to trust"
+                f"mooncake-te rendezvous_dir {self.path} {problem}: its files carry control-channel secrets and say which producers to trust"
             )
         self._own: Path | None = None
 

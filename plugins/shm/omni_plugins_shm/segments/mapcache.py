@@ -136,11 +136,6 @@ class MapCache:
             if mapping.leases == 0 and not mapping.cached:
                 mapping.drop()
 
-    def sweep(self) -> None:
-        """Drop mappings whose file was unlinked (their owner closed), releasing the pinned memory."""
-        with self._lock:
-            self._sweep_locked()
-
     def clear(self) -> None:
         with self._lock:
             for ident, m in list(self._entries.items()):
