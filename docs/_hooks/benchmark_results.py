@@ -2,8 +2,8 @@
 
 The only source of the numbers the docs quote. A results file of ``omni-plugins bench --json``
 (``{"machine", "command", "results": {backend: [row per size]}, "skipped"}``) becomes a table and
-the plot; any other JSON file is listed with its command and machine and its ``ratios``, if it has
-them. Nothing here measures anything.
+the plot; any other JSON file is listed with its command and machine and its ``ratios`` and
+``figures`` (absolute measures), if it has them. Nothing here measures anything.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ def markdown(results: list[tuple[str, dict[str, Any]]], plot: str | None) -> str
                 parts.append(f"![{name}: throughput and ratio per size]({plot})\n")
         elif isinstance(data.get("ratios"), dict):
             parts.append(_flat_table(data["ratios"]))
+        if not is_bench(data) and isinstance(data.get("figures"), dict):
+            parts.append(_flat_table(data["figures"]))
         parts.append(f"Raw data: `benchmarks/results/{name}`.\n")
     return "\n".join(parts)
 
