@@ -164,7 +164,11 @@ install_vllm_omni() {
   byte_compile "$VLLM_VENV"
 }
 
+# The default suite runs on $OMNI_TEST_WORKERS pytest-xdist workers (3 by default: most tests wait on
+# other processes, servers and sockets, so three keep two cores busy); 0 runs it in this process.
 run_pytest() {
+  local workers="${OMNI_TEST_WORKERS:-3}"
+  if [ "$workers" != 0 ]; then set -- -n "$workers" "$@"; fi
   pytest_in "$VENV" "$@"
 }
 
@@ -190,6 +194,13 @@ case "$MODE" in
     install_all
     shift
     cd "$ROOT"
+    if [ "$#" -eq 0 ]; then
+      # the integration venv installs (mostly downloads) meanwhile; its log follows the default suite
+      vllm_log="$(mktemp)"
+      install_vllm_omni > "$vllm_log" 2>&1 &
+      vllm_install=$!
+      trap 'kill "$vllm_install" 2>/dev/null; rm -f "$vllm_log"' EXIT  # ruff, mypy or the docs failed first
+    fi
     say "ruff"
     "$VENV/bin/ruff" check .
     say "mypy"
@@ -205,7 +216,11 @@ case "$MODE" in
     fi
     status=0
     run_pytest || status=$?  # plugins/vllm_omni/tests: its unit tests run here, the integration tests skip
-    install_vllm_omni
+    vllm_ok=0
+    wait "$vllm_install" || vllm_ok=$?
+    cat "$vllm_log"
+    rm -f "$vllm_log"
+    [ "$vllm_ok" = 0 ] || { echo "installing the vLLM-Omni integration venv failed" >&2; exit 1; }
     # --tb=short: pytest's long tracebacks fail to render (AST recursion error) in frames of vLLM's modules
     pytest_in "$VLLM_VENV" --tb=short plugins/vllm_omni/tests || status=$?
     exit "$status"
