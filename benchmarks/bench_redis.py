@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 from omni_plugins_redis.config import RedisConfig
-from omni_plugins_redis.framing import ReplyReader, pack_many, send_buffers
+from omni_plugins_redis.packing import Buffer, pack_many
+from omni_plugins_redis.replies import ReplyReader
 from omni_plugins_redis.testing import RedisServer
 from tqdm import tqdm
 
@@ -73,7 +74,7 @@ class ServerProbe:
         self.chunk = chunk
         self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=120)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.reader = ReplyReader(self.sock)
+        self.reader = ReplyReader(self.sock, self.sock.settimeout, 120.0)
 
     def cpu(self) -> float:
         total = 0
@@ -90,14 +91,18 @@ class ServerProbe:
         """Write ``data`` as parts; returns their keys (for :meth:`drop`, outside the timed call)."""
         keys = [b"bench:floor:%d" % i for i in range(-(-data.nbytes // self.chunk))]
         chunk = self.chunk
-        send_buffers(self.sock, pack_many([("SET", k, data[i * chunk : (i + 1) * chunk], "PX", 600_000) for i, k in enumerate(keys)]))
-        replies = [self.reader.read() for _ in keys]
+        self._send(pack_many([("SET", k, data[i * chunk : (i + 1) * chunk], "PX", 600_000) for i, k in enumerate(keys)]))
+        replies = [self.reader.reply() for _ in keys]
         assert all(r == "OK" for r in replies), replies
         return keys
 
+    def _send(self, frames: list[Buffer]) -> None:
+        for frame in frames:  # large values are views of ``data``: the kernel copies them, Python does not
+            self.sock.sendall(frame)
+
     def drop(self, keys: list[bytes]) -> None:
-        send_buffers(self.sock, pack_many([("UNLINK", *keys)]))
-        self.reader.read()
+        self._send(pack_many([("UNLINK", *keys)]))
+        self.reader.reply()
 
     def close(self) -> None:
         self.sock.close()

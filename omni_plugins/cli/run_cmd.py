@@ -81,6 +81,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--timeout", type=positive_seconds, default=600.0, metavar="S", help="give up after S seconds (default 600)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--platform", metavar="NAME", help="vLLM-Omni files: apply their platforms section for this platform (npu, rocm, xpu ...); without it, platform sections are not applied")
     hosts = p.add_argument_group("across hosts")
     hosts.add_argument("--host", metavar="NAME", help="this machine's name: one of the placement's hosts (default: the hostname)")
     hosts.add_argument("--stages", type=stage_list, metavar="IDS", help="the stages this machine runs, e.g. 1,2 (default: the placement's)")
@@ -190,10 +191,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(LOOPBACK_SERVERS)
     with PrivateServers() as servers:
         if args.start_servers:  # before the YAML is read: it may read the servers' addresses from variables they set
-            servers.start_for(connector_names(args.pipeline))
+            servers.start_for(connector_names(args.pipeline, platform=args.platform))
             for line in servers.descriptions:
                 print(f"started {line}", file=sys.stderr)
-        role = resolve_role(args, load_pipeline_config(args.pipeline))
+        role = resolve_role(args, load_pipeline_config(args.pipeline, platform=args.platform))
         if role.kind != "alone" and args.start_servers:
             raise ConfigError(LOOPBACK_SERVERS)
         if role.kind == "join":
@@ -223,6 +224,7 @@ def _options(args: argparse.Namespace) -> Any:
         timeout_s=args.timeout,
         progress=not args.no_progress,
         log_level=logging.getLogger().getEffectiveLevel(),
+        platform=args.platform,
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         host_timeout_s=args.host_timeout,
@@ -256,6 +258,7 @@ def _join(args: argparse.Namespace, role: Role) -> int:
         log_level=logging.getLogger().getEffectiveLevel(),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        platform=args.platform,
     )
     agent = HostAgent(args.pipeline, options)
     try:

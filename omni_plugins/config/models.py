@@ -86,6 +86,11 @@ class ConnectorConfig(_Strict):
 
     name: str = Field(description="registered connector name, alias, 'dist:name' or 'pkg.mod:Class'")
     extra: dict[str, Any] = Field(default_factory=dict, description="settings validated by the plugin's config model")
+    builder_settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="settings the payload builders read from their connector's config (transfer_manager.connector.config), "
+        "not the backend: a vLLM-Omni file's extra as written",
+    )
 
     @field_validator("name")
     @classmethod
@@ -135,6 +140,7 @@ class StageConnectorConfig(_Strict):
     extra: dict[str, Any] = Field(default_factory=dict)
     to_stage: Int | None = None
     rank_mapping: RankMapping = Field(default_factory=RankMapping)
+    builder_settings: dict[str, Any] = Field(default_factory=dict, description="what the payload builders read as their connector's config")
 
     @field_validator("name")
     @classmethod
@@ -207,6 +213,12 @@ class StageConfig(_Strict):
     model_stage: str | None = None
     custom_process_input_func: str | None = None
     custom_process_next_stage_input_func: str | None = None
+    cfg_kv_collect_func: str | None = Field(
+        default=None,
+        description="dotted path of the function that turns the KV of a request's CFG companions into its sampling-param "
+        "fields: vLLM-Omni's f(request_id, cfg_request_ids, kv_transfer_manager, target_device) (BAGEL's collect_cfg_kv_caches) "
+        "or f(request_id, {role: (payload, size)}); receive_multi_kv_cache uses it when the caller passes none",
+    )
     input_connectors: dict[str, EdgeRef] = Field(default_factory=dict, description="{from_stage_N: connector instance or edge mapping}")
     output_connectors: dict[str, EdgeRef] = Field(default_factory=dict, description="{to_stage_N: connector instance or edge mapping}")
     rank_mapping: RankMapping | None = None
@@ -221,6 +233,9 @@ class StageConfig(_Strict):
         default=None, description=f"how a request picks one replica (replicated stages only; default {DEFAULT_ROUTING})"
     )
     synthetic: dict[str, Any] | None = Field(default=None, description="synthetic model description used by 'omni-plugins run'")
+    vllm_omni: dict[str, Any] = Field(
+        default_factory=dict, description="the stage's vLLM-Omni settings omni-plugins does not use (engine, placement, sampling), kept"
+    )
 
     @field_validator("input_connectors", "output_connectors")
     @classmethod
@@ -318,6 +333,7 @@ class PipelineConfig(_Strict):
     connectors: dict[str, ConnectorConfig] = Field(default_factory=dict)
     stages: list[StageConfig] = Field(min_length=1)
     default_connector: str | None = None
+    vllm_omni: dict[str, Any] = Field(default_factory=dict, description="pipeline-wide vLLM-Omni settings omni-plugins does not use, kept")
     placement: PlacementConfig | None = Field(default=None, description="which host runs which stages (a pipeline across machines)")
 
     @model_validator(mode="after")
@@ -534,4 +550,10 @@ class PipelineConfig(_Strict):
         else:
             return None
         conn = self.connectors[instance]
-        return StageConnectorConfig(name=conn.name, extra=dict(conn.extra), to_stage=to_stage, rank_mapping=s.rank_mapping or RankMapping())
+        return StageConnectorConfig(
+            name=conn.name,
+            extra=dict(conn.extra),
+            to_stage=to_stage,
+            rank_mapping=s.rank_mapping or RankMapping(),
+            builder_settings=dict(conn.builder_settings),
+        )

@@ -45,6 +45,8 @@ class JoinOptions:
     log_level: int = logging.WARNING
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    #: a vLLM-Omni file's platforms section to apply
+    platform: str | None = None
 
 
 @dataclass
@@ -66,7 +68,7 @@ class HostAgent:
 
         self.path = str(path)
         self.opts = options
-        self.plan = plan_for_run(load_pipeline_config(path), filename=self.path)
+        self.plan = plan_for_run(load_pipeline_config(path, platform=options.platform), filename=self.path)
         self.local = LocalStages(self.plan, options.stages, log_level=options.log_level, metrics=options.metrics_port is not None)
         self.events: queue.Queue[Any] = queue.Queue()
         self.procs: dict[tuple[int, int, int], LocalProcess] = {}

@@ -60,6 +60,8 @@ class RunOptions:
     stop_timeout_s: float = 60.0  # every stage reported its final state
     progress: bool = True
     log_level: int = logging.WARNING
+    #: a vLLM-Omni file's platforms section to apply (npu, rocm, xpu ...)
+    platform: str | None = None
     #: serve this host's stage metrics on ``metrics_host:metrics_port`` (None: no metrics; 0: any free port)
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -716,7 +718,7 @@ def prepare(path: str | Path, options: RunOptions, coordination: Coordination | 
     from omni_plugins.config import load_pipeline_config
     from omni_plugins.pipeline.checks import plan_for_run
 
-    config = load_pipeline_config(path)
+    config = load_pipeline_config(path, platform=options.platform)
     plan = plan_for_run(config, filename=str(path))
     return Orchestrator(plan, options, coordination)
 
