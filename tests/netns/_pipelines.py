@@ -3,7 +3,9 @@
 A host process coordinates (:func:`coordinate`: the orchestrator, serving the
 control channel) or joins (:func:`join`); either starts its own stage
 processes from a fork server inside the host, so every socket of the run is
-the host's. What each saw goes back on ``out`` as one tuple.
+the host's. What each saw goes back on ``out`` as one tuple; the coordinator
+also says when the requests start going in (``feeding``), for a fault to be
+injected into a running pipeline.
 """
 
 from __future__ import annotations
@@ -28,11 +30,20 @@ def coordinate(
     try:
         _host_environment(address)
         from omni_plugins.pipeline.control import pipeline_digest
-        from omni_plugins.pipeline.launcher import Coordination, RunOptions, run_pipeline
+        from omni_plugins.pipeline.launcher import Coordination, RunOptions, prepare
 
         options = RunOptions(progress=False, **run)
-        coordination = Coordination(here, tuple(stages), serve, secret, pipeline_digest(path), expected)
-        out.put(("report", here, run_pipeline(path, options, coordination).to_json()))
+        orchestrator = prepare(path, options, Coordination(here, tuple(stages), serve, secret, pipeline_digest(path), expected))
+        wait_ready = orchestrator._wait_ready
+
+        def ready_then_say_so(bar: Any) -> bool:
+            ready = wait_ready(bar)
+            if ready:
+                out.put(("feeding", here, None))  # every stage on every host is ready: requests go in now
+            return bool(ready)
+
+        orchestrator._wait_ready = ready_then_say_so  # type: ignore[method-assign]
+        out.put(("report", here, orchestrator.run().to_json()))
     except BaseException as exc:
         out.put(("error", here, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
