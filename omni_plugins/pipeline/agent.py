@@ -93,7 +93,13 @@ class HostAgent:
                 self.procs[key] = spawned.process
             link.send({"op": "spawned", "procs": [[*key, p.pid] for key, p in self.procs.items()]})
             link.start(self.events.put, lambda why: self.events.put(("lost", why)), name="omni-control")
-            return self._relay(link)
+            try:
+                return self._relay(link)
+            except KeyboardInterrupt:  # Ctrl-C here: stop this host's stages as if the coordinator were gone, then exit 130
+                outcome = self._on_our_own("interrupted")
+                for line in [*outcome.problems[1:], *outcome.leaks, *outcome.reclaimed]:
+                    print(f"  host {self.opts.host}: {line}", file=sys.stderr)
+                raise
         finally:
             self._stop_local()
             link.close("done")
@@ -162,9 +168,13 @@ class HostAgent:
     def _coordinator_lost(self, why: str) -> HostOutcome:
         """Nobody drives the run any more: stop the stages, free what they used, fail."""
         logger.warning("the coordinating host at %s is lost (%s): stopping this host's stages", self.opts.join, why)
+        return self._on_our_own(f"the coordinating host at {self.opts.join} was lost: {why}")
+
+    def _on_our_own(self, why: str) -> HostOutcome:
+        """Stop this host's stages (the ``stop`` the coordinator would send), then check and free every backend they used."""
         for inbox in self.local.inboxes.values():
             inbox.put(("stop",))
-        problems = [f"the coordinating host at {self.opts.join} was lost: {why}"]
+        problems = [why]
         problems += self._wait_exits(STOP_TIMEOUT_S)
         used = {c for sid in self.opts.stages for c in self.plan.plan(sid).connectors()}
         outcome = HostOutcome(ok=False, problems=problems)

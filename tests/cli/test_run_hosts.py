@@ -139,6 +139,36 @@ def test_a_lost_host_fails_its_requests_naming_it_and_the_coordinator_stops_clea
     assert _keys(server, net["key_prefix"]) == []  # what b's stages left on the shared Redis was reclaimed by host a
 
 
+def test_a_lost_coordinator_leaves_the_other_host_to_stop_and_clean_up_on_its_own(
+    tmp_path: Path, redis_net: tuple[dict[str, Any], Any]
+) -> None:
+    net, server = redis_net
+    control = f"127.0.0.1:{free_port()}"
+    path = _pipeline(tmp_path, net, steps=100000, step_ms=2)
+    a = _start(path, "--stages", "0", "--serve", control, "--host", "a", "-n", "4", "-c", "2", session=True)
+    b = _start(path, "--stages", "1,2", "--join", control, "--host", "b", "--report", str(tmp_path / "b.json"))
+    try:
+        deadline = time.monotonic() + 180
+        while not _keys(server, net["key_prefix"]) and time.monotonic() < deadline:
+            assert a.poll() is None and b.poll() is None
+            time.sleep(0.1)
+        time.sleep(0.5)
+        os.killpg(a.pid, signal.SIGKILL)  # the coordinating machine is gone
+        b_out, b_err = b.communicate(timeout=120)
+    finally:
+        for proc in (a, b):
+            if proc.poll() is None:
+                proc.kill()
+        a.communicate(timeout=30)
+    assert b.returncode == 1, b_out + b_err[-3000:]
+    data = json.loads((tmp_path / "b.json").read_text())
+    assert not data["ok"] and data["problems"][0].startswith(f"the coordinating host at {control} was lost")
+    assert not [p for p in data["problems"] if "did not stop" in p]  # its stages stopped when told, none was killed
+    if data["leaks"]:  # what the killed producer left (a commit marker of a put cut short) ...
+        assert any("removed" in line for line in data["reclaimed"]), data
+    assert _keys(server, net["key_prefix"]) == []  # ... was reclaimed by host b: nothing of the run is left on Redis
+
+
 def test_a_host_local_edge_between_hosts_is_refused_naming_the_edge_and_both_hosts(tmp_path: Path) -> None:
     from omni_plugins.config import load_pipeline_config
     from omni_plugins.pipeline.checks import plan_for_run
