@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import socket
 import struct
+import threading
+from collections.abc import Callable
 from typing import Protocol
 
 from omni_plugins.errors import OmniPluginsError
+
+logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">I")
 _TIMEVAL = struct.Struct("@ll")  # struct timeval
@@ -196,3 +201,72 @@ class SecretHandshake:
             raise HandshakeError("malformed", f"the peer sent a malformed handshake verdict ({len(verdict)} bytes)")
         if not hmac.compare_digest(verdict[1:], self._mac(self._server_label, server_nonce, client_nonce)):
             raise HandshakeError("impostor", "the peer does not know the secret")
+
+
+#: what a :class:`Listener` runs for each connection: ``serve(conn, peer, admitted)``
+Serve = Callable[[socket.socket, str, Callable[[], None]], None]
+
+
+class Listener:
+    """The server side's TCP listener: one daemon thread accepts, one thread per connection runs ``serve``.
+
+    At most ``max_pending`` connections may be between their accept and their
+    ``admitted()`` call (what ``serve`` calls once the handshake is over, passed or
+    not; at the latest when it returns) at once: more are closed at once, so
+    clients that never finish a handshake cannot hold many threads. ``serve`` owns
+    its connection (it closes it, or hands it on).
+    """
+
+    def __init__(self, host: str, port: int, serve: Serve, *, max_pending: int, name: str, backlog: int = 64) -> None:
+        self._serve = serve
+        self._max_pending = max_pending
+        self._name = name
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._sock = socket.create_server((host.strip("[]"), port), backlog=backlog)
+        self._sock.settimeout(0.25)  # lets the accept loop notice close()
+        bound = self._sock.getsockname()
+        self.address = f"{bound[0]}:{bound[1]}"
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
+        self._acceptor.start()
+
+    def close(self) -> None:
+        """Stop accepting (connections already served are their ``serve``'s)."""
+        self._stopping.set()
+        self._sock.close()
+        self._acceptor.join(5)
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            with self._lock:
+                full = self._pending >= self._max_pending
+                if not full:
+                    self._pending += 1
+            where = f"{peer[0]}:{peer[1]}"
+            if full:
+                logger.warning("%s %s: %d connections already in the handshake; closing one from %s", self._name, self.address, self._max_pending, where)
+                conn.close()
+                continue
+            threading.Thread(target=self._run, args=(conn, where), name=f"{self._name}-conn", daemon=True).start()
+
+    def _run(self, conn: socket.socket, peer: str) -> None:
+        released = False
+
+        def admitted() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                with self._lock:
+                    self._pending -= 1
+
+        try:
+            self._serve(conn, peer, admitted)
+        finally:
+            admitted()

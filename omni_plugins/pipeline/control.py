@@ -47,7 +47,7 @@ from typing import Any
 
 import msgpack
 
-from omni_plugins.channel import Channel, FrameError, HandshakeError, SecretHandshake, set_io_timeout
+from omni_plugins.channel import Channel, FrameError, HandshakeError, Listener, SecretHandshake, set_io_timeout
 from omni_plugins.config.models import split_host_port
 from omni_plugins.errors import ConfigError, OmniPluginsError
 
@@ -257,53 +257,20 @@ class ControlServer:
         max_pending: int = 16,
     ) -> None:
         host, port = _split(address, "--serve", any_port=True)
-        try:
-            self._listener = socket.create_server((host, port), backlog=16, reuse_port=False)
-        except OSError as exc:
-            raise ControlError(f"cannot serve the control channel on {address}: {exc.strerror or exc}") from None
-        self._listener.settimeout(0.25)  # the accept loop notices close()
-        bound = self._listener.getsockname()
-        self.address = f"{bound[0]}:{bound[1]}"
         self._auth = SecretHandshake(secret, PROTOCOL, VERSION)
         self._on_join = on_join
         self._timeout_s = timeout_s
         self._handshake_timeout = handshake_timeout
-        self._max_pending = max_pending
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._stopping = threading.Event()
-        self._acceptor = threading.Thread(target=self._accept_loop, name="omni-control-accept", daemon=True)
-        self._acceptor.start()
+        try:
+            self._listener = Listener(host, port, self._admit, max_pending=max_pending, name="omni-control", backlog=16)
+        except OSError as exc:
+            raise ControlError(f"cannot serve the control channel on {address}: {exc.strerror or exc}") from None
+        self.address = self._listener.address
 
     def close(self) -> None:
-        self._stopping.set()
         self._listener.close()
-        self._acceptor.join(5)
 
-    def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                conn, peer = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with self._lock:
-                full = self._pending >= self._max_pending
-                if not full:
-                    self._pending += 1
-            if full:
-                logger.warning(
-                    "control channel %s: %d connections already in the handshake; closing one from %s",
-                    self.address,
-                    self._max_pending,
-                    peer,
-                )
-                conn.close()
-                continue
-            threading.Thread(target=self._admit, args=(conn, f"{peer[0]}:{peer[1]}"), name="omni-control-hello", daemon=True).start()
-
-    def _admit(self, conn: socket.socket, peer: str) -> None:
+    def _admit(self, conn: socket.socket, peer: str, admitted: Callable[[], None]) -> None:
         link: ControlLink | None = None
         try:
             set_io_timeout(conn, self._handshake_timeout)
@@ -321,8 +288,7 @@ class ControlServer:
             conn.close()
             return
         finally:
-            with self._lock:
-                self._pending -= 1
+            admitted()
         self._on_join(link, hello)
 
 

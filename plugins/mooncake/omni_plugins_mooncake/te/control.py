@@ -55,7 +55,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 
-from omni_plugins.channel import Channel, FrameError, HandshakeError, SecretHandshake, set_io_timeout
+from omni_plugins.channel import Channel, FrameError, HandshakeError, Listener, SecretHandshake, set_io_timeout
 from omni_plugins.errors import ConnectorError
 from omni_plugins_mooncake.config import parse_host_port
 
@@ -200,18 +200,12 @@ class ControlServer:
         self._auth = SecretHandshake(secret, _PROTOCOL, PROTOCOL_VERSION)
         self._idle_timeout = idle_timeout
         self._handshake_timeout = handshake_timeout
-        self._max_pending = max_pending
-        self._pending = 0
         self._name = name
-        self._listener = socket.create_server((host.strip("[]"), int(port)), backlog=64)
-        self._listener.settimeout(0.25)  # lets the accept loop notice close()
-        bound_host, bound_port = self._listener.getsockname()[:2]
-        self.address = f"{bound_host}:{bound_port}"
         self._stopping = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
-        self._acceptor.start()
+        self._listener = Listener(host, int(port), self._serve, max_pending=max_pending, name=name)
+        self.address = self._listener.address
 
     def close(self) -> None:
         self._stopping.set()
@@ -223,41 +217,20 @@ class ControlServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._acceptor.join(5)
 
-    def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                conn, peer = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # listener closed
-            with self._lock:
-                full = self._pending >= self._max_pending
-                if not full:
-                    self._pending += 1
-                    self._conns.add(conn)
-            if full:
-                logger.warning(
-                    "%s %s: %d connections already in the handshake; closing one from %s", self._name, self.address, self._max_pending, peer
-                )
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn, peer), name=f"{self._name}-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket, peer: object = None) -> None:
+    def _serve(self, conn: socket.socket, peer: str, admitted: Callable[[], None]) -> None:
         channel = _channel(conn)
+        with self._lock:
+            self._conns.add(conn)
         try:
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 set_io_timeout(conn, self._handshake_timeout)  # an unauthenticated client holds this thread at most this long
-                accepted = self._handshake(channel, peer)
+                accepted = not self._stopping.is_set() and self._handshake(channel, peer)
             except OSError:
                 accepted = False
             finally:
-                with self._lock:
-                    self._pending -= 1
+                admitted()
             if not accepted:
                 return
             set_io_timeout(conn, self._idle_timeout)  # bounds both waiting for a request and sending a reply
