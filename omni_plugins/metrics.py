@@ -156,8 +156,7 @@ class StageMetrics:
         self._lock = threading.Lock()
         self._health = _HealthCollector(self.stage)
         reg.register(self._health)
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._endpoint = Endpoint()
 
     def edge(self, edge: str, connector: str, direction: Direction) -> EdgeObserver:
         """The observer of ``edge`` (e.g. ``"0->1"``) over ``connector`` in ``direction`` (one per combination)."""
@@ -185,11 +184,37 @@ class StageMetrics:
 
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` from a daemon thread (port 0: any free one); returns the port."""
+        if self._endpoint.port is not None:
+            raise RuntimeError(f"stage {self.stage} metrics are already served on port {self.port}")
+        return self._endpoint.start(self.registry, port, host)
+
+    @property
+    def port(self) -> int | None:
+        return self._endpoint.port
+
+    def close(self) -> None:
+        """Stop serving (idempotent)."""
+        self._endpoint.close()
+
+    def __enter__(self) -> StageMetrics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Endpoint:
+    """A registry served over HTTP (prometheus_client's server, on a daemon thread) until :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, registry: Any, port: int, host: str) -> int:
+        """Serve ``registry`` on ``host:port`` (0: any free port); returns the port."""
         from prometheus_client import start_http_server
 
-        if self._server is not None:
-            raise RuntimeError(f"stage {self.stage} metrics are already served on port {self.port}")
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
         return int(self._server.server_address[1])
 
     @property
@@ -205,12 +230,6 @@ class StageMetrics:
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
-
-    def __enter__(self) -> StageMetrics:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _HealthCollector:

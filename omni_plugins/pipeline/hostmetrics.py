@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-from omni_plugins.metrics import require_prometheus
+from omni_plugins.metrics import Endpoint, require_prometheus
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +38,7 @@ class HostMetrics:
         self._lock = threading.Lock()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]  # a custom collector: collect() only
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._endpoint = Endpoint()
 
     def note(self, msg: dict[str, Any], label: str | None) -> None:
         """A stage process's report: ``ready`` names its endpoint, ``final`` carries its last numbers."""
@@ -83,16 +82,7 @@ class HostMetrics:
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` from a daemon thread; returns the port (0: any free one)."""
-        from prometheus_client import start_http_server
-
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(self._server.server_address[1])
+        return self._endpoint.start(self.registry, port, host)
 
     def close(self) -> None:
-        server, self._server = self._server, None
-        if server is not None:
-            server.shutdown()
-            server.server_close()
-        if self._thread is not None:
-            self._thread.join(5)
-            self._thread = None
+        self._endpoint.close()

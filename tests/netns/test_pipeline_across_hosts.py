@@ -16,7 +16,6 @@ import json
 import queue
 import textwrap
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -137,15 +136,6 @@ def _hybrid(tmp_path: Path, redis: Service, master: Service) -> tuple[Path, str]
     return path, prefix
 
 
-def _master_key_count(master: Service) -> int:
-    url = f"http://{master.host.address}:{master.extra['metrics_port']}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith("master_key_count "):
-                return int(float(line.split()[1]))
-    raise AssertionError("mooncake_master metrics have no master_key_count")
-
-
 def _redis_keys(redis: Service, prefix: str) -> int:
     import redis as redis_py
 
@@ -184,7 +174,7 @@ def test_a_hybrid_pipeline_on_three_hosts_over_redis_mooncake_te_and_store(
     assert sorted((s["stage"], s["host"]) for s in report["stages"]) == [(0, "a"), (1, "b"), (2, "b"), (3, "c"), (4, "a")]
     assert sorted((h["host"], h.get("lost")) for h in report["hosts"]) == [("a", None), ("b", None), ("c", None)]
     assert _redis_keys(redis_on_c, prefix) == 0
-    assert _master_key_count(master_on_c) == 0
+    assert master_on_c.master_key_count() == 0
 
 
 def _chain(tmp_path: Path, name: str, extra: dict[str, Any]) -> Path:
@@ -259,4 +249,4 @@ def test_a_10s_partition_from_the_service_host_under_a_running_pipeline(
     if name == "redis":
         assert _redis_keys(service, prefix) == 0
     else:
-        assert _master_key_count(service) == 0
+        assert service.master_key_count() == 0
