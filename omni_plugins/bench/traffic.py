@@ -91,12 +91,13 @@ def stage_config(backend: str, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def produce(
-    mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start_at: float, release: Callable[[], Any]
+    mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start: Callable[[], float], release: Callable[[], Any]
 ) -> dict[str, Any]:
     """The producing stage: ``traffic``'s chunks, paced by its interval (no pause once behind). Send-side figures.
 
-    ``release`` returns once the consumer has read everything (a producer's connector may free
-    what it published when it closes).
+    ``start`` is called once the stage is set up and returns the moment to begin (both stages are
+    set up by then); ``release`` returns once the consumer has read everything (a producer's
+    connector may free what it published when it closes).
     """
     import torch
 
@@ -113,7 +114,7 @@ def produce(
         conn = create_connector(backend, config)
     requests: list[_Request | None] = [None] * traffic.streams
     try:
-        _sleep_until(start_at)
+        _sleep_until(start())
         cpu0, wall0 = time.process_time(), time.monotonic()
         next_step = wall0
         for step in range(traffic.steps):
@@ -150,18 +151,22 @@ def produce(
     return {"sent_s": sent_s, "cpu_s": cpu}
 
 
-def consume(mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start_at: float) -> dict[str, Any]:
-    """The consuming stage: every chunk of ``traffic``; latencies (s), when the last arrived, CPU."""
+def consume(mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start: Callable[[], float]) -> dict[str, Any]:
+    """The consuming stage: every chunk of ``traffic``; latencies (s), when it started and the last arrived, CPU.
+
+    ``start`` as for :func:`produce`: the consumer is set up (connector open, first requests
+    registered) before it is called.
+    """
     if mode == "runtime":
-        return _consume_runtime(backend, config, traffic, tag, start_at)
-    return _consume_connector(backend, config, traffic, tag, start_at)
+        return _consume_runtime(backend, config, traffic, tag, start)
+    return _consume_connector(backend, config, traffic, tag, start)
 
 
 def _deadline(traffic: Traffic, start_at: float) -> float:
     return start_at + traffic.steps * traffic.interval_s + GRACE_S
 
 
-def _consume_runtime(backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start_at: float) -> dict[str, Any]:
+def _consume_runtime(backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start: Callable[[], float]) -> dict[str, Any]:
     from omni_plugins import StageConfig
     from omni_plugins.runtime import StageTransferRuntime
 
@@ -188,12 +193,12 @@ def _consume_runtime(backend: str, config: dict[str, Any], traffic: Traffic, tag
             register(stream, r + 1)
 
     finished = 0
-    last_at = start_at
-    deadline = _deadline(traffic, start_at)
-    cpu0 = time.process_time()
     try:
         for i in range(traffic.streams):
             register(i, 0)
+        start_at = last_at = start()
+        deadline = _deadline(traffic, start_at)
+        cpu0 = time.process_time()
         want = traffic.streams * requests_per_stream
         while finished < want and time.monotonic() < deadline:
             rt.wait_ready(0.05)
@@ -216,23 +221,30 @@ def _consume_runtime(backend: str, config: dict[str, Any], traffic: Traffic, tag
         leftover = rt.active_request_count()
     finally:
         rt.shutdown()
-    return {"latencies": lat, "last_at": last_at, "cpu_s": cpu, "missing": traffic.chunks - len(lat), "leftover": leftover}
+    return {
+        "latencies": lat,
+        "start_at": start_at,
+        "last_at": last_at,
+        "cpu_s": cpu,
+        "missing": traffic.chunks - len(lat),
+        "leftover": leftover,
+    }
 
 
-def _consume_connector(backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start_at: float) -> dict[str, Any]:
+def _consume_connector(backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start: Callable[[], float]) -> dict[str, Any]:
     from omni_plugins import create_connector
 
     conn = create_connector(backend, config)
     lat: list[float] = []
-    last_at = start_at
-    deadline = _deadline(traffic, start_at)
-    cpu0 = time.process_time()
 
     def key(stream: int, step: int) -> str:
         return f"{traffic.request_id(tag, stream, step)}_0_{step % traffic.per_request}"
 
     try:
         pending = {key(i, 0): (i, 0) for i in range(traffic.streams)}
+        start_at = last_at = start()
+        deadline = _deadline(traffic, start_at)
+        cpu0 = time.process_time()
         while pending and time.monotonic() < deadline:
             for k in conn.wait_any(list(pending), 0.05):
                 got = conn.get(0, 1, k, timeout=None)
@@ -247,21 +259,24 @@ def _consume_connector(backend: str, config: dict[str, Any], traffic: Traffic, t
         cpu = time.process_time() - cpu0
     finally:
         conn.close()
-    return {"latencies": lat, "last_at": last_at, "cpu_s": cpu, "missing": traffic.chunks - len(lat), "leftover": 0}
+    return {"latencies": lat, "start_at": start_at, "last_at": last_at, "cpu_s": cpu, "missing": traffic.chunks - len(lat), "leftover": 0}
 
 
-def summarize(traffic: Traffic, start_at: float, consumed: dict[str, Any], produced: dict[str, Any]) -> dict[str, float]:
-    """One job's figures: p50/p99 hand-off (ms), delivered and sent throughput (GB/s), CPU per chunk (us)."""
+def summarize(traffic: Traffic, consumed: dict[str, Any], produced: dict[str, Any]) -> dict[str, float]:
+    """One job's figures: p50/p99 hand-off (ms), delivered and sent throughput (GB/s), CPU per chunk (us) of each side."""
     lat = sorted(consumed["latencies"])
     delivered = len(lat)
-    span = max(consumed["last_at"] - start_at, 1e-9)
+    span = max(consumed["last_at"] - consumed["start_at"], 1e-9)
     return {
         "p50_ms": percentile(lat, 0.5) * 1e3 if lat else float("nan"),
         "p99_ms": percentile(lat, 0.99) * 1e3 if lat else float("nan"),
         "delivered_gbps": delivered * traffic.chunk_bytes / span / 1e9,
         "sent_gbps": traffic.chunks * traffic.chunk_bytes / max(produced["sent_s"], 1e-9) / 1e9,
         "cpu_us_per_chunk": (consumed["cpu_s"] + produced["cpu_s"]) / max(delivered, 1) * 1e6,
+        "consumer_cpu_us_per_chunk": consumed["cpu_s"] / max(delivered, 1) * 1e6,
+        "producer_cpu_us_per_chunk": produced["cpu_s"] / max(delivered, 1) * 1e6,
         "missing": float(consumed["missing"]),
+        "leftover": float(consumed["leftover"]),
     }
 
 
@@ -276,23 +291,33 @@ def median(values: list[float]) -> float:
 
 # -- two stage processes -------------------------------------------------------------------------
 def _serve(conn: Any) -> None:
-    """A spawned stage process: run ``produce`` / ``consume`` jobs until ``None``; a produce job waits for ``release``."""
+    """A spawned stage process: run ``produce`` / ``consume`` jobs until ``None``.
+
+    Per job: set up, answer ``ready``, wait for ``("go", start_at)``, run; a produce job then
+    waits for ``release`` before it closes its stage.
+    """
     import os
 
     import torch
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     torch.set_num_threads(1)
+
+    def start() -> float:
+        conn.send(("ready", None))
+        _, start_at = conn.recv()
+        return float(start_at)
+
     while True:
         job = conn.recv()
         if job is None:
             return
-        role, (mode, backend, config, traffic, tag, start_at) = job
+        role, (mode, backend, config, traffic, tag) = job
         try:
             if role == "produce":
-                out = produce(mode, backend, config, traffic, tag, start_at, release=conn.recv)
+                out = produce(mode, backend, config, traffic, tag, start, release=conn.recv)
             else:
-                out = consume(mode, backend, config, traffic, tag, start_at)
+                out = consume(mode, backend, config, traffic, tag, start)
             conn.send(("ok", out))
         except BaseException as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -317,36 +342,47 @@ class StagePair:
             self._procs.append(proc)
             self._conns.append(parent)
 
-    def run(self, mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str, lead_s: float = 0.5) -> dict[str, float]:
-        """One job: both stages start at the same moment; returns :func:`summarize`'s figures."""
+    def run(self, mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str) -> dict[str, float]:
+        """One job: both stages set up, then started at the same moment; returns :func:`summarize`'s figures."""
         producer, consumer = self._conns
-        start_at = time.monotonic() + lead_s
-        args = (mode, backend, config, traffic, tag, start_at)
+        args = (mode, backend, config, traffic, tag)
         consumer.send(("consume", args))
         producer.send(("produce", args))
         try:
+            self._answer(1, 300, "ready")
+            self._answer(0, 300, "ready")
+            start_at = time.monotonic() + 0.02
+            consumer.send(("go", start_at))
+            producer.send(("go", start_at))
             consumed = self._answer(1, _deadline(traffic, start_at) - time.monotonic() + 60)
-        finally:
-            producer.send("release")  # whatever the consumer did: the producer must not wait forever
+            producer.send("release")
             produced = self._answer(0, GRACE_S + 60)
-        return summarize(traffic, start_at, consumed, produced)
+        except BaseException:
+            self.close()  # a stage that failed or hangs: the pair is not reusable
+            raise
+        return summarize(traffic, consumed, produced)
 
-    def _answer(self, which: int, timeout: float) -> dict[str, Any]:
+    def _answer(self, which: int, timeout: float, expect: str = "ok") -> dict[str, Any]:
         conn, proc = self._conns[which], self._procs[which]
         if not conn.poll(timeout):
             raise TimeoutError(f"the {proc.name} process did not answer within {timeout:.0f}s (alive: {proc.is_alive()})")
         status, out = conn.recv()
-        if status != "ok":
+        if status == "error":
             raise RuntimeError(f"the {proc.name} process failed: {out}")
-        return dict(out)
+        if status != expect:
+            raise RuntimeError(f"the {proc.name} process answered {status!r}, expected {expect!r}")
+        return dict(out or {})
 
     def close(self) -> None:
+        """Stop both processes (idempotent): ask them to exit, kill what does not."""
         for conn, proc in zip(self._conns, self._procs, strict=True):
             try:
                 conn.send(None)
             except OSError:
                 pass
-            proc.join(30)
+            proc.join(10)
             if proc.exitcode is None:
                 proc.kill()
                 proc.join(5)
+            conn.close()
+        self._conns, self._procs = [], []
