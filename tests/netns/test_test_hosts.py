@@ -1,9 +1,11 @@
-"""The test-host kit: namespaces on a bridge, partitions, clean-up, and refusal outside the suite's namespace."""
+"""The test-host kit: namespaces on forwarded links, loss, delay, partitions, clean-up, refusal outside the suite's namespace."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -84,12 +86,12 @@ def test_close_stops_every_process_and_removes_every_link() -> None:
         pytest.skip(reason)
     net = TestNetwork(2)
     sleeper = net.hosts[0].popen(["sleep", "600"])
-    holders = [h._holder.pid for h in net.hosts]
+    pids = [h._holder.pid for h in net.hosts] + [net.forwarder_pid]
     assert net.leftovers()
     net.close()
     assert sleeper.poll() is not None
-    assert not [pid for pid in holders if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-    assert net.leftovers() == [] and net.bridge not in psutil.net_if_addrs()
+    assert not [pid for pid in pids if _alive(pid)]
+    assert net.leftovers() == [] and net.gateway_link not in psutil.net_if_addrs()
 
 
 def test_refused_outside_the_suites_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,11 +104,144 @@ def test_refused_outside_the_suites_namespace(monkeypatch: pytest.MonkeyPatch) -
         TestNetwork(1)
 
 
-def test_netem_works_or_says_why(network: TestNetwork) -> None:
-    reason = network.netem_unavailable()
-    if reason is not None:
-        assert "netem" in reason
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _udp_sink(host: netns.TestHost, port: int) -> subprocess.Popen[str]:
+    """A process on ``host`` that prints the sequence numbers of the datagrams it gets (until 1 s of silence)."""
+    proc = host.popen([sys.executable, "-c", SINK, host.address, str(port)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    return proc
+
+
+SINK = """
+import json, socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+got = [int(s.recv(100))]
+s.settimeout(1.0)
+try:
+    while True:
+        got.append(int(s.recv(100)))
+except TimeoutError:
+    pass
+print(json.dumps(got))
+"""
+SEND = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for i in range(int(sys.argv[3])):
+    s.sendto(str(i).encode(), (sys.argv[1], int(sys.argv[2])))
+    time.sleep(0.001)  # paced: the receiver's socket buffer must not be what drops them
+"""
+ECHO_RTT = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.settimeout(10)
+started = time.monotonic()
+s.sendto(b"ping", (sys.argv[1], int(sys.argv[2])))
+s.recv(100)
+print(time.monotonic() - started)
+"""
+ECHO = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind((sys.argv[1], int(sys.argv[2])))
+print("ready", flush=True)
+data, peer = s.recvfrom(100)
+s.sendto(data, peer)
+"""
+
+
+def test_loss_drops_that_share_of_packets_and_keeps_order(network: TestNetwork) -> None:
+    a, b, _ = network.hosts
+    network.impair([a], loss=0.25, seed=7)  # a's egress only; seeded: the same draws every run
+    before = network.link_stats()
+    sink = _udp_sink(b, 9000)
+    a.run([sys.executable, "-c", SEND, b.address, "9000", "400"])
+    got = json.loads(sink.communicate(timeout=30)[0])
+    after = network.link_stats()
+    sent = after[a.address]["sent"] - before[a.address]["sent"]
+    lost = after[a.address]["lost"] - before[a.address]["lost"]
+    assert sent == 400  # nothing else left host a: no IPv6, no ARP on these links
+    assert got == sorted(got) and len(set(got)) == len(got)  # in order, none twice
+    assert lost == 400 - len(got)
+    assert 60 < lost < 140  # 25 % of 400 give or take (the seeded draws give one fixed count)
+    assert after[b.address]["delivered"] - before[b.address]["delivered"] == len(got)
+
+
+def test_delay_holds_every_packet_on_each_way(network: TestNetwork) -> None:
+    a, b, _ = network.hosts
+    network.impair(delay=0.1)  # every host's egress: a round trip crosses two of them
+    echo = b.popen([sys.executable, "-c", ECHO, b.address, "9001"], stdout=subprocess.PIPE, text=True)
+    assert echo.stdout is not None and echo.stdout.readline() == "ready\n"
+    rtt = float(a.run([sys.executable, "-c", ECHO_RTT, b.address, "9001"]).stdout)
+    assert rtt >= 0.2  # a lower bound: the forwarder never delivers early, and load only adds to it
+    assert echo.wait(10) == 0
+
+
+def test_partition_drops_packets_on_their_way(network: TestNetwork) -> None:
+    """A cut also drops what the delay still holds: a partition is a partition from the moment it starts."""
+    a, b, _ = network.hosts
+    network.impair([a], delay=1.0)
+    sink = _udp_sink(b, 9003)
+    network.cut(b)
+    a.run([sys.executable, "-c", SEND, b.address, "9003", "1"])  # dropped on its way in
+    assert network.link_stats()[a.address]["partitioned"] == 1
+    network.heal(b)
+    sender = a.popen(
+        [sys.executable, "-c", SEND + "\nprint('sent', flush=True)", b.address, "9003", "1"], stdout=subprocess.PIPE, text=True
+    )
+    assert sender.stdout is not None and sender.stdout.readline() == "sent\n"  # held for 1 s ...
+    network.cut(b)
+    deadline = time.monotonic() + 30
+    while network.link_stats()[a.address]["partitioned"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # ... and dropped when due, since b is cut off by then
+    network.heal(b)
+    network.impair([a])
+    a.run([sys.executable, "-c", SEND, b.address, "9003", "3"])
+    got = json.loads(sink.communicate(timeout=30)[0])
+    assert got == [0, 1, 2]  # only the datagrams sent after the last heal
+    assert network.link_stats()[a.address]["partitioned"] == 2
+
+
+def test_nothing_leaves_the_test_links(network: TestNetwork) -> None:
+    a = network.hosts[0]
+    outside = a.run([sys.executable, "-c", SEND, "192.0.2.1", "9", "1"], check=False)  # TEST-NET-1, not ours
+    assert outside.returncode != 0 and "unreachable" in outside.stderr  # a host has a route to its /24 only
+    before = network.link_stats()[a.address]["unroutable"]
+    a.run([sys.executable, "-c", SEND, str(network.subnet[99]), "9", "1"])  # in the subnet, but no host there
+    assert network.link_stats()[a.address]["unroutable"] == before + 1
+
+
+def test_a_killed_test_process_leaves_no_forwarder_host_or_link() -> None:
+    """SIGKILL the process that made a network: its forwarder and hosts die with it, and the links go with them."""
+    reason = test_hosts_unavailable()
+    if reason:
         pytest.skip(reason)
-    network.impair(loss=0.05, delay=0.02)
-    shown = network.hosts[0].run(["tc", "qdisc", "show", "dev", "eth0"]).stdout
-    assert "netem" in shown and "delay 20" in shown and "loss 5%" in shown
+    maker = subprocess.Popen([sys.executable, "-c", MAKER], stdout=subprocess.PIPE, text=True)
+    assert maker.stdout is not None
+    made = json.loads(maker.stdout.readline())
+    assert made["links"] and all(_alive(pid) for pid in made["pids"])
+    maker.kill()
+    maker.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and ([p for p in made["pids"] if _alive(p)] or set(made["links"]) & set(psutil.net_if_addrs())):
+        time.sleep(0.05)
+    assert [p for p in made["pids"] if _alive(p)] == []
+    assert set(made["links"]) & set(psutil.net_if_addrs()) == set()
+
+
+MAKER = """
+import json, time
+from omni_plugins.testing.netns import TestNetwork
+net = TestNetwork(2)
+pids = [h._holder.pid for h in net.hosts] + [net.forwarder_pid]
+print(json.dumps({"pids": pids, "links": net.leftovers()}), flush=True)
+time.sleep(600)
+"""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from typing import Any
 
 from omni_plugins import wire
@@ -33,7 +34,7 @@ from omni_plugins_mooncake.memory import Slab, SlabPool
 
 logger = logging.getLogger(__name__)
 
-_READ_ATTEMPTS = 3
+_READ_ATTEMPTS = 3  # reads of one key that outlived the master's lease, at least, before a get gives up
 
 
 def check_master_reachable(address: str, timeout: float) -> None:
@@ -122,13 +123,14 @@ class MooncakeStoreConnector(Connector):
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
         if not timeout or timeout <= 0:  # one attempt: no closure, no poll frame (this path runs cold; the base checked open)
             return self._try_get(key)
-        return poll(lambda: self._try_get_open(key), timeout, self.config.poll_interval)
+        deadline = time.monotonic() + timeout
+        return poll(lambda: self._try_get_open(key, deadline), timeout, self.config.poll_interval)
 
-    def _try_get_open(self, key: str) -> GetResult | None:
+    def _try_get_open(self, key: str, deadline: float) -> GetResult | None:
         self._check_open()  # a polling get must notice a close from another thread
-        return self._try_get(key)
+        return self._try_get(key, deadline)
 
-    def _try_get(self, key: str) -> GetResult | None:
+    def _try_get(self, key: str, deadline: float = 0.0) -> GetResult | None:
         if self._remover.pending(key):  # consumed here; its removal is still under way
             return None
         # Read straight into a slab as large as the last payload: one RPC instead of
@@ -138,7 +140,7 @@ class MooncakeStoreConnector(Connector):
             slab.clear_head()
             got = int(self._store.get_into(key, slab.address, slab.size))
             if got == LEASE_EXPIRED:
-                got = self._read_into(key, slab)
+                got = self._read_into(key, slab, deadline)
             if got == BUFFER_TOO_SMALL:
                 size = self._store.get_size(key)
                 if size < 0:
@@ -146,7 +148,7 @@ class MooncakeStoreConnector(Connector):
                 else:
                     self._pool.release(slab)
                     slab = self._pool.acquire(size)
-                    got = self._read_into(key, slab)
+                    got = self._read_into(key, slab, deadline)
         except BaseException:
             self._pool.release(slab)
             raise
@@ -168,15 +170,21 @@ class MooncakeStoreConnector(Connector):
             stats["bytes_got"] += got
         return GetResult(data, got)
 
-    def _read_into(self, key: str, slab: Slab) -> int:
-        """``get_into`` that retries a read which outlived the master's lease (the object is still there)."""
-        for _ in range(_READ_ATTEMPTS):
+    def _read_into(self, key: str, slab: Slab, deadline: float) -> int:
+        """``get_into`` that retries a read which outlived the master's lease (the object is still there).
+
+        A slow or lossy network can make every read of a large payload outlive a short
+        lease: the read is retried :data:`_READ_ATTEMPTS` times, and on until the get's
+        ``deadline`` (``time.monotonic()``) when it has one, before the get fails.
+        """
+        attempts = 0
+        while True:
             slab.clear_head()
             got = int(self._store.get_into(key, slab.address, slab.size))
-            if got != LEASE_EXPIRED:
+            attempts += 1
+            if got != LEASE_EXPIRED or (attempts >= _READ_ATTEMPTS and time.monotonic() >= deadline):
                 return got
             logger.info("mooncake store: read of key %r outlived its lease; retrying", key)
-        return got
 
     def _cleanup(self, key: str) -> bool:
         if self._remover.settle(key):

@@ -205,3 +205,37 @@ def test_a_read_that_writes_nothing_is_an_error_not_the_slabs_last_payload(maste
             conn.get(0, 1, second)
         faulty.silent = False
         assert conn.cleanup(second) in (True, False)  # whatever the failed read left, the key goes
+
+
+class _ExpiringReads:
+    """Fault injection around the real store client: the first ``n`` reads outlive the master's lease."""
+
+    def __init__(self, store: Any, n: int) -> None:
+        self._store, self.n, self.reads = store, n, 0
+
+    def get_into(self, key: str, address: int, capacity: int) -> int:
+        from omni_plugins_mooncake.errors import LEASE_EXPIRED
+
+        self.reads += 1
+        return LEASE_EXPIRED if self.reads <= self.n else int(self._store.get_into(key, address, capacity))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_reads_that_outlive_the_lease_are_retried_until_the_gets_timeout(master: MooncakeMaster) -> None:
+    """A slow network can make every read outlive a short lease: a get with a timeout keeps reading until it ends."""
+    from omni_plugins_mooncake import store as store_module
+
+    with create_connector("mooncake-store", store_config(master)) as conn:
+        key = f"lease-{uuid.uuid4().hex}"
+        assert conn.put(0, 1, key, {"v": torch.arange(1000)}).ok  # fits the first read's slab: one read per attempt
+        real = conn._store  # type: ignore[attr-defined]
+        conn._store = expiring = _ExpiringReads(real, n=10)  # type: ignore[attr-defined]
+        with pytest.raises(ConnectorError, match="lease expired"):
+            conn.get(0, 1, key)  # no timeout: one read and its few retries, then a typed error
+        assert expiring.reads == 1 + store_module._READ_ATTEMPTS
+        got = conn.get(0, 1, key, timeout=30.0)  # the rest of the 10 expire, then the read succeeds, well within 30 s
+        assert got is not None and torch.equal(got.data["v"], torch.arange(1000))
+        assert expiring.reads == 11
+        conn._store = real  # type: ignore[attr-defined]

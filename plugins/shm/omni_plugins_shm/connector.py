@@ -35,6 +35,7 @@ from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConfigError, ConnectorError, CorruptPayloadError, WireFormatError
 from omni_plugins_shm import gc, modes, pubdir, wakeslots
 from omni_plugins_shm.config import ShmConfig
+from omni_plugins_shm.exitclose import close_at_exit
 from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
 from omni_plugins_shm.naming import HASHED, PUBLISHED, WAKE_ANY_SLOT, KeyNames, Names, parse_name
 from omni_plugins_shm.notify import Notifier
@@ -136,6 +137,7 @@ class ShmConnector(Connector):
         self._claim_numbers = itertools.count()
         ttl = self.config.ttl_seconds
         self._expiry = Expiry(ttl, self._reclaim_expired) if ttl > 0 else None
+        close_at_exit(self)  # a close from __del__ during interpreter teardown would find this plugin's modules gone
 
     def _check_mode(self, with_table: bool, wake: wakeslots.WakeFile) -> None:
         """Declare this instance's hand-off mode in its marker; ConfigError if a live instance of the namespace uses the other."""
