@@ -4,7 +4,7 @@ Each lane has two ends, built separately in the two processes from a picklable :
 each with its own connections. ``raw`` and ``floor`` are the backend plugin's baselines
 (``raw_baseline`` / ``floor_baseline`` services); ``connector`` is the connector itself with
 ``put`` and a blocking ``get`` of ``{"t": tensor}`` (wire-encoded, an owned result unless the
-config says views). A lane's ``put`` may return a token (JSON-able or picklable) the harness
+config says views); ``peer`` is vLLM-Omni's own connector of the backend's kind (:mod:`.peer`). A lane's ``put`` may return a token (JSON-able or picklable) the harness
 hands to the consumer's ``get`` with the key, as a pipeline passes put's metadata along.
 """
 
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 #: a get that waits longer than this is a failed run, not a slow sample
 TIMEOUT_S = 60.0
 
-LaneKind = Literal["raw", "floor", "connector"]
+LaneKind = Literal["raw", "floor", "connector", "peer"]
 
 
 class Lane(Protocol):
@@ -108,6 +108,10 @@ def make_lane(spec: LaneSpec, producer: bool) -> Lane:
     """This process's end of ``spec``'s lane."""
     if spec.kind == "connector":
         return ConnectorLane(spec.backend, spec.config)
+    if spec.kind == "peer":  # vLLM-Omni's own connector of the backend's kind (its integration venv)
+        from omni_plugins.bench.peer import PeerLane, peer_name
+
+        return PeerLane(peer_name(spec.backend), producer)
     from omni_plugins.factory import validate_connector_config
     from omni_plugins.services import require
 

@@ -146,10 +146,10 @@ def run_load(opts: BenchOptions, doc: BenchDocument, bar: Any) -> None:
     doc.targets += load_targets(section.rows)
 
 
-def warm_up(pair: StagePair, backend: str, config: dict[str, Any], like: Traffic) -> None:
+def warm_up(pair: StagePair, backend: str, config: dict[str, Any], like: Traffic, modes: tuple[Mode, ...] = MODES) -> None:
     """One short unrecorded job per mode: each stage process imports and maps what it needs once."""
     short = Traffic(like.streams, like.chunk_bytes, 0.004, like.per_request, like.per_request)
-    for mode in MODES:
+    for mode in modes:
         pair.run(mode, backend, config, short, f"wu{uuid.uuid4().hex[:8]}")
 
 

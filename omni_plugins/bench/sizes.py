@@ -215,6 +215,26 @@ def measure(
     ``lanes`` holds the raw baseline (label ``raw``), optionally the floor (``floor``), the connector
     (``connector``) and its variants (``connector:<variant>``).
     """
+    rows: list[dict[str, Value]] = []
+    for size, medians, trips in measure_lanes(lanes, sizes, quick, tick):
+        for label in medians:
+            if label.startswith("connector"):
+                rows.append(_row(backend, label, size, iterations(size, quick)[1], medians, trips))
+    return rows
+
+
+def measure_lanes(
+    lanes: list[LaneSpec],
+    sizes: list[int],
+    quick: bool,
+    tick: Callable[[int], None] = lambda n: None,
+    round_trips: bool = True,
+) -> list[tuple[int, dict[str, dict[str, float]], dict[str, float]]]:
+    """Per size: the median put, get, transfer, one-way and notice (us) of every lane, and round trips (s).
+
+    Round trips (at sizes up to :data:`ROUND_TRIP_MAX`, when ``round_trips``) go through the
+    lanes labelled ``connector...`` and over the pipe.
+    """
     import torch
 
     # Two processes on two cores: OpenMP threads spinning after a parallel copy steal the other
@@ -223,9 +243,9 @@ def measure(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     labels = [spec.label for spec in lanes]
-    connectors = [label for label in labels if label.startswith("connector")]
+    connectors = [label for label in labels if label.startswith("connector")] if round_trips else []
     pair = _Pair(lanes)
-    rows: list[dict[str, Value]] = []
+    out = []
     try:
         seq = 0
         for size in sizes:
@@ -240,10 +260,9 @@ def measure(
                         if rnd:
                             samples[label].add(*t)
                             tick(1)
-            trips = _round_trips(pair, connectors, payload, quick, tick) if size <= ROUND_TRIP_MAX else {}
-            for label in connectors:
-                rows.append(_row(backend, label, size, timed, samples, trips))
-        return rows
+            trips = _round_trips(pair, connectors, payload, quick, tick) if connectors and size <= ROUND_TRIP_MAX else {}
+            out.append((size, {label: s.medians_us() for label, s in samples.items()}, trips))
+        return out
     finally:
         torch.set_num_threads(threads)
         pair.close()
@@ -263,8 +282,10 @@ def _round_trips(pair: _Pair, connectors: list[str], payload: Any, quick: bool, 
     return {label: statistics.median(v) for label, v in got.items()}
 
 
-def _row(backend: str, label: str, size: int, ops: int, samples: Mapping[str, _Samples], trips: Mapping[str, float]) -> dict[str, Value]:
-    raw, conn = samples["raw"].medians_us(), samples[label].medians_us()
+def _row(
+    backend: str, label: str, size: int, ops: int, medians: Mapping[str, dict[str, float]], trips: Mapping[str, float]
+) -> dict[str, Value]:
+    raw, conn = medians["raw"], medians[label]
     variant = label.partition(":")[2]
     row: dict[str, Value] = {"backend": backend, "variant": variant, "size": size, "ops": ops}
     row |= {f"raw_{k}_us": v for k, v in raw.items()}
@@ -275,8 +296,8 @@ def _row(backend: str, label: str, size: int, ops: int, samples: Mapping[str, _S
     row["put_ratio"] = raw["put"] / conn["put"]
     row["get_ratio"] = raw["get"] / conn["get"]
     row["cost"] = conn["transfer"] / raw["transfer"]
-    if "floor" in samples:
-        floor = samples["floor"].medians_us()
+    if "floor" in medians:
+        floor = medians["floor"]
         row |= {f"floor_{k}_us": v for k, v in floor.items()}
         row["floor_ratio"] = raw["transfer"] / floor["transfer"]
         row["floor_put_ratio"] = raw["put"] / floor["put"]

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Mode = Literal["runtime", "connector"]
+#: ``peer``: vLLM-Omni's runtime over its own connector (:mod:`.peer`, in its integration venv)
+Mode = Literal["runtime", "connector", "peer"]
 #: the payload builder of the producing stage (a dotted path, as in a pipeline file)
 BUILDER = "omni_plugins.bench.traffic.passthrough"
 #: a consumer gives up this long after the traffic should have ended
@@ -104,6 +105,10 @@ def produce(
     from omni_plugins import StageConfig, create_connector
     from omni_plugins.runtime import StageTransferRuntime
 
+    if mode == "peer":
+        from omni_plugins.bench.peer import produce_peer
+
+        return produce_peer(backend, traffic, tag, start, release)
     chunk = torch.ones(traffic.chunk_bytes // 4, dtype=torch.float32)
     rt = conn = None
     if mode == "runtime":
@@ -159,6 +164,10 @@ def consume(mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, 
     """
     if mode == "runtime":
         return _consume_runtime(backend, config, traffic, tag, start)
+    if mode == "peer":
+        from omni_plugins.bench.peer import consume_peer
+
+        return consume_peer(backend, traffic, tag, start)
     return _consume_connector(backend, config, traffic, tag, start)
 
 
