@@ -61,7 +61,9 @@ class ConnectorSpec:
         except ImportError as exc:
             raise PluginLoadError(f"connector {self.name!r} ({self.origin}) cannot be imported from {self.connector!r}: {exc}") from exc
         if not (isinstance(cls, type) and issubclass(cls, Connector)):
-            raise PluginLoadError(f"{self.connector!r} (connector {self.name!r}, {self.origin}) is not a subclass of omni_plugins.Connector")
+            raise PluginLoadError(
+                f"{self.connector!r} (connector {self.name!r}, {self.origin}) is not a subclass of omni_plugins.Connector"
+            )
         missing = sorted(getattr(cls, "__abstractmethods__", ()))
         if missing:
             raise PluginLoadError(

@@ -123,7 +123,9 @@ class _Doc:
         for m in merges:
             items = m.value if isinstance(m, yaml.SequenceNode) else [m]
             if not all(isinstance(i, yaml.MappingNode) for i in items):
-                raise ConfigError(f"{self.filename}:{m.start_mark.line + 1}: {format_loc(loc, None)}: '<<' (merge key) takes a mapping or a list of mappings")
+                raise ConfigError(
+                    f"{self.filename}:{m.start_mark.line + 1}: {format_loc(loc, None)}: '<<' (merge key) takes a mapping or a list of mappings"
+                )
             sources += items
         outer, self.lines = self.lines, {}
         merged: dict[Any, Any] = {}
@@ -277,7 +279,9 @@ def load_pipeline_config(
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
-        raise ConfigError(f"{p}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); save the file as UTF-8") from None
+        raise ConfigError(
+            f"{p}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); save the file as UTF-8"
+        ) from None
     return parse_pipeline_config(text, filename=str(p), env=env, check_plugins=check_plugins, check_builders=check_builders)
 
 
@@ -405,7 +409,9 @@ def _check_builders(config: PipelineConfig, doc: _Doc) -> list[str]:
 
     errors = []
     for i, s in enumerate(config.stages):
-        paths: list[tuple[Loc, str | None]] = [(("stages", i, "custom_process_next_stage_input_func"), s.custom_process_next_stage_input_func)]
+        paths: list[tuple[Loc, str | None]] = [
+            (("stages", i, "custom_process_next_stage_input_func"), s.custom_process_next_stage_input_func)
+        ]
         paths += [(("stages", i, "output_connectors", key, "payload_builder"), e.payload_builder) for key, e in s.output_connectors.items()]
         for loc, path in paths:
             if not path:

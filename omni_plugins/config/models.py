@@ -274,7 +274,9 @@ class PipelineConfig(_Strict):
         first: dict[int, int] = {}
         for i, s in enumerate(self.stages):
             if s.stage_id in first:
-                problems.append(GraphProblem(("stages", i, "stage_id"), "", f"duplicate stage_id [{s.stage_id}] (also stages[{first[s.stage_id]}])"))
+                problems.append(
+                    GraphProblem(("stages", i, "stage_id"), "", f"duplicate stage_id [{s.stage_id}] (also stages[{first[s.stage_id]}])")
+                )
             first.setdefault(s.stage_id, i)
         if self.default_connector is not None and self.default_connector not in self.connectors:
             problems.append(
@@ -316,7 +318,9 @@ class PipelineConfig(_Strict):
                 if edge.connector not in self.connectors:
                     problems.append(GraphProblem(loc, where, f"connector instance {edge.connector!r} {defined}"))
                 if edge.kv_connector is not None and edge.kv_connector not in self.connectors:
-                    problems.append(GraphProblem((*loc, "kv_connector"), f"{where}.kv_connector", f"connector instance {edge.kv_connector!r} {defined}"))
+                    problems.append(
+                        GraphProblem((*loc, "kv_connector"), f"{where}.kv_connector", f"connector instance {edge.kv_connector!r} {defined}")
+                    )
                 if kind == "input_connectors" and edge.payload_builder is not None:
                     problems.append(
                         GraphProblem(
@@ -339,7 +343,9 @@ class PipelineConfig(_Strict):
             theirs = f"stage {other}: input_connectors.from_stage_{s.stage_id}"
             if peer.connector != edge.connector:
                 problems.append(
-                    GraphProblem(loc, where, f"uses {edge.connector!r} but {theirs} uses {peer.connector!r}; both ends of an edge must agree")
+                    GraphProblem(
+                        loc, where, f"uses {edge.connector!r} but {theirs} uses {peer.connector!r}; both ends of an edge must agree"
+                    )
                 )
             elif peer.kv != edge.kv:
                 problems.append(

@@ -468,7 +468,12 @@ class Orchestrator:
         self.report.reclaimed = reclaim(self.plan.config, used, self.run_tag)
         self.report.edges = [edge_summary(edges[name]) for name in order]
         self.report.replicas = [
-            {"stage": sid, "replica": r, "alive": (sid, r) not in self.retired, **self.per_replica.get((sid, r), {"routed": 0, "completed": 0, "failed": 0})}
+            {
+                "stage": sid,
+                "replica": r,
+                "alive": (sid, r) not in self.retired,
+                **self.per_replica.get((sid, r), {"routed": 0, "completed": 0, "failed": 0}),
+            }
             for sid, r in sorted(self.inboxes)
             if self.plan.plan(sid).replicas > 1
         ]

@@ -268,7 +268,11 @@ class StageTransferRuntime:
                 return [], []
             instance = next(iter(self._connectors))
             outputs = [OutputRoute(0, self.stage_id, self.next_stage_id, str(self.stage_id), self._connector, instance, self.builder)]
-            inputs = [] if self.stage_id == 0 else [InputRoute(0, self.from_stage, self.stage_id, str(self.from_stage), self._connector, instance)]
+            inputs = (
+                []
+                if self.stage_id == 0
+                else [InputRoute(0, self.from_stage, self.stage_id, str(self.from_stage), self._connector, instance)]
+            )
             return outputs, inputs
         outputs = []
         for i, e in enumerate(topo.outputs):
@@ -279,7 +283,8 @@ class StageTransferRuntime:
                 builder = load_builder(e.payload_builder)
             outputs.append(OutputRoute(i, self.stage_id, e.to_stage, e.key_stage, self._connectors[e.connector], e.connector, builder))
         inputs = [
-            InputRoute(i, e.from_stage, self.stage_id, e.key_stage, self._connectors[e.connector], e.connector) for i, e in enumerate(topo.inputs)
+            InputRoute(i, e.from_stage, self.stage_id, e.key_stage, self._connectors[e.connector], e.connector)
+            for i, e in enumerate(topo.inputs)
         ]
         return outputs, inputs
 
@@ -300,7 +305,11 @@ class StageTransferRuntime:
         receiving = None
         if (edge := topo.kv_input) is not None:
             receiving = KVTransferManager(
-                self._connectors[edge.kv_connector], from_stage=edge.from_stage, to_stage=self.stage_id, recv_key_stage=edge.key_stage, **common
+                self._connectors[edge.kv_connector],
+                from_stage=edge.from_stage,
+                to_stage=self.stage_id,
+                recv_key_stage=edge.key_stage,
+                **common,
             )
         sending = [
             KVTransferManager(
