@@ -135,7 +135,7 @@ def run_load(opts: BenchOptions, doc: BenchDocument, bar: Any) -> None:
                     for p, traffic in enumerate(points):
                         bar.set_postfix_str(f"load: {traffic.label()}")
                         for mode in MODES if rnd % 2 == 0 else MODES[::-1]:
-                            got[(p, mode)].append(pair.run(mode, backend, prepared.config, traffic, f"ld{uuid.uuid4().hex[:8]}"))
+                            got[(p, mode)].append(pair.run_traffic(mode, backend, prepared.config, traffic, f"ld{uuid.uuid4().hex[:8]}"))
                             bar.update(1)
             finally:
                 pair.close()
@@ -150,7 +150,7 @@ def warm_up(pair: StagePair, backend: str, config: dict[str, Any], like: Traffic
     """One short unrecorded job per mode: each stage process imports and maps what it needs once."""
     short = Traffic(like.streams, like.chunk_bytes, 0.004, like.per_request, like.per_request)
     for mode in modes:
-        pair.run(mode, backend, config, short, f"wu{uuid.uuid4().hex[:8]}")
+        pair.run_traffic(mode, backend, config, short, f"wu{uuid.uuid4().hex[:8]}")
 
 
 def in_flight_bytes(streams: int, chunk_bytes: int) -> int:

@@ -3,8 +3,8 @@
 Sections: ``sizes`` (every backend against its raw baseline at every size, :mod:`.sizes`),
 ``load`` (the runtime under rising load against the connector alone, :mod:`.load`),
 ``scaling`` (the runtime's cost per chunk and memory per request as streams grow,
-:mod:`.scaling`) and ``peer`` (vLLM-Omni's own connector and runtime in the same run,
-:mod:`.peer`). A backend is any registered connector whose plugin offers a raw baseline
+:mod:`.scaling`), ``topology`` (fan-out and fan-in against a chain, :mod:`.topology`) and
+``peer`` (vLLM-Omni's own connector and runtime in the same run, :mod:`.peer`). A backend is any registered connector whose plugin offers a raw baseline
 (services ``bench_config`` and ``raw_baseline``); its private server, if its plugin has one, is
 started for the run (loopback, a free port) unless the user gave the backend's config. A
 backend whose plugin, binary or server is missing is skipped with the reason.
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_SIZES = [4 * KIB, 64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
 #: sizes of a ``--quick`` run
 QUICK_SIZES = [4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB]
-SECTIONS = ("sizes", "load", "scaling", "peer")
+SECTIONS = ("sizes", "load", "scaling", "topology", "peer")
 
 
 def backends() -> list[str]:
@@ -232,6 +232,10 @@ def _section_runner(name: str) -> Callable[[BenchOptions, BenchDocument, Any], N
         from omni_plugins.bench.scaling import run_scaling
 
         return run_scaling
+    if name == "topology":
+        from omni_plugins.bench.topology import run_topology
+
+        return run_topology
     if name == "peer":
         from omni_plugins.bench.peer import run_peer
 

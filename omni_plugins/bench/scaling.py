@@ -84,7 +84,9 @@ def run_scaling(opts: BenchOptions, doc: BenchDocument, bar: Any) -> None:
                         bar.set_postfix_str(f"scaling: {n} streams")
                         for mode in MODES if rnd % 2 == 0 else MODES[::-1]:
                             got[(n, mode)].append(
-                                pair.run(mode, backend, prepared.config, traffic_for(n, seconds, per_request), f"sc{uuid.uuid4().hex[:8]}")
+                                pair.run_traffic(
+                                    mode, backend, prepared.config, traffic_for(n, seconds, per_request), f"sc{uuid.uuid4().hex[:8]}"
+                                )
                             )
                             bar.update(1)
             finally:

@@ -298,16 +298,20 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-# -- two stage processes -------------------------------------------------------------------------
+# -- stage processes ----------------------------------------------------------------------------
 def _serve(conn: Any) -> None:
-    """A spawned stage process: run ``produce`` / ``consume`` jobs until ``None``.
+    """A spawned stage process: run jobs until ``None``.
 
-    Per job: set up, answer ``ready``, wait for ``("go", start_at)``, run; a produce job then
-    waits for ``release`` before it closes its stage.
+    A job is ``(role, "module:function", args)``: the function is called with ``args`` and
+    ``start`` (and, for a ``produce`` job, ``release``). ``start`` answers ``ready`` (the stage is
+    set up) and returns the moment the parent sends once every stage is ready; ``release``
+    returns when the parent says the consumers have read everything.
     """
     import os
 
     import torch
+
+    from omni_plugins.importing import import_string
 
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     torch.set_num_threads(1)
@@ -321,21 +325,22 @@ def _serve(conn: Any) -> None:
         job = conn.recv()
         if job is None:
             return
-        role, (mode, backend, config, traffic, tag) = job
+        role, target, args = job
         try:
-            if role == "produce":
-                out = produce(mode, backend, config, traffic, tag, start, release=conn.recv)
-            else:
-                out = consume(mode, backend, config, traffic, tag, start)
+            fn = import_string(target)
+            out = fn(*args, start=start, release=conn.recv) if role == "produce" else fn(*args, start=start)
             conn.send(("ok", out))
         except BaseException as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
 
 
-class StagePair:
-    """A producer process and a consumer process, reused for every job of a section."""
+Job = tuple[str, str, tuple[Any, ...]]
 
-    def __init__(self) -> None:
+
+class StageProcesses:
+    """Spawned stage processes, reused for every job of a section (one job per process at a time)."""
+
+    def __init__(self, count: int) -> None:
         import multiprocessing as mp
         import os
 
@@ -343,33 +348,40 @@ class StagePair:
         ctx = mp.get_context("spawn")
         self._procs = []
         self._conns = []
-        for role in ("producer", "consumer"):
+        for i in range(count):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child,), daemon=True, name=f"omni-bench-{role}")
+            proc = ctx.Process(target=_serve, args=(child,), daemon=True, name=f"omni-bench-stage{i}")
             proc.start()
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
 
-    def run(self, mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str) -> dict[str, float]:
-        """One job: both stages set up, then started at the same moment; returns :func:`summarize`'s figures."""
-        producer, consumer = self._conns
-        args = (mode, backend, config, traffic, tag)
-        consumer.send(("consume", args))
-        producer.send(("produce", args))
+    def run(self, jobs: list[Job], timeout: float) -> list[dict[str, Any]]:
+        """Job ``i`` in process ``i``; every stage set up, then all started at the same moment.
+
+        Consumers' results are awaited first (up to ``timeout`` s), then the producers are released.
+        Returns each job's result, in order. A failure closes the processes (they are not reusable).
+        """
         try:
-            self._answer(1, 300, "ready")
-            self._answer(0, 300, "ready")
+            for conn, job in zip(self._conns, jobs, strict=False):
+                conn.send(job)
+            for i in range(len(jobs)):
+                self._answer(i, 300, "ready")
             start_at = time.monotonic() + 0.02
-            consumer.send(("go", start_at))
-            producer.send(("go", start_at))
-            consumed = self._answer(1, _deadline(traffic, start_at) - time.monotonic() + 60)
-            producer.send("release")
-            produced = self._answer(0, GRACE_S + 60)
+            for conn in self._conns[: len(jobs)]:
+                conn.send(("go", start_at))
+            out: list[dict[str, Any]] = [{} for _ in jobs]
+            for i, (role, _, _) in enumerate(jobs):
+                if role != "produce":
+                    out[i] = self._answer(i, timeout)
+            for i, (role, _, _) in enumerate(jobs):
+                if role == "produce":
+                    self._conns[i].send("release")
+                    out[i] = self._answer(i, GRACE_S + 60)
+            return out
         except BaseException:
-            self.close()  # a stage that failed or hangs: the pair is not reusable
+            self.close()
             raise
-        return summarize(traffic, consumed, produced)
 
     def _answer(self, which: int, timeout: float, expect: str = "ok") -> dict[str, Any]:
         conn, proc = self._conns[which], self._procs[which]
@@ -383,7 +395,7 @@ class StagePair:
         return dict(out or {})
 
     def close(self) -> None:
-        """Stop both processes (idempotent): ask them to exit, kill what does not."""
+        """Stop every process (idempotent): ask them to exit, kill what does not."""
         for conn, proc in zip(self._conns, self._procs, strict=True):
             try:
                 conn.send(None)
@@ -395,3 +407,19 @@ class StagePair:
                 proc.join(5)
             conn.close()
         self._conns, self._procs = [], []
+
+
+class StagePair(StageProcesses):
+    """A producer process and a consumer process moving :class:`Traffic` (the load, scaling and peer sections)."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+
+    def run_traffic(self, mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str) -> dict[str, float]:
+        """One job of ``traffic`` in ``mode``; returns :func:`summarize`'s figures."""
+        args = (mode, backend, config, traffic, tag)
+        produced, consumed = self.run(
+            [("produce", f"{__name__}:produce", args), ("consume", f"{__name__}:consume", args)],
+            traffic.steps * traffic.interval_s + GRACE_S + 60,
+        )
+        return summarize(traffic, consumed, produced)

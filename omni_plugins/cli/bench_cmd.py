@@ -16,11 +16,14 @@ def add_parser(sub: Any) -> None:
         description="Producer and consumer in separate processes, each with its own connections. Sections: 'sizes' (every "
         "backend against its plugin's raw baseline, 4KiB to 256MiB), 'load' (the runtime's hand-off latency and delivered "
         "throughput under rising load, against the connector alone under the same traffic), 'scaling' (the runtime's CPU "
-        "per chunk and memory per in-flight request, 16 to 1024 streams), 'peer' (vLLM-Omni's own connector and runtime, "
+        "per chunk and memory per in-flight request, 16 to 1024 streams), 'topology' (fan-out and fan-in against a chain), "
+        "'peer' (vLLM-Omni's own connector and runtime, "
         "in its integration venv). Every target is checked and written to the JSON. A backend's private server (e.g. "
         "redis-server) is started on a free loopback port unless its config is given with --config.",
     )
-    p.add_argument("--sections", default="sizes", help="comma-separated: sizes, load, scaling, peer, or all (default: sizes)")
+    p.add_argument(
+        "--sections", default="sizes", help="comma-separated: sizes, load, scaling, topology, peer, or all but peer: all (default: sizes)"
+    )
     p.add_argument("--backends", default=None, help="comma-separated connector names (default: every installed one with a raw baseline)")
     p.add_argument("--sizes", default=None, help="comma-separated payload sizes (default 4KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,256MiB)")
     p.add_argument(
@@ -88,12 +91,17 @@ def options(args: argparse.Namespace) -> Any:
     from omni_plugins.bench.runner import DEFAULT_SIZES, QUICK_SIZES
     from omni_plugins.errors import ConfigError
 
-    sections = list(SECTIONS) if args.sections.strip() == "all" else _names(args.sections, list(SECTIONS), "--sections", "sections")
+    # 'all' leaves the peer out: it runs in vLLM-Omni's venv (--sections peer)
+    sections = (
+        [s for s in SECTIONS if s != "peer"]
+        if args.sections.strip() == "all"
+        else _names(args.sections, list(SECTIONS), "--sections", "sections")
+    )
     assert sections is not None
     available = backends()
     chosen = _names(args.backends, available, "--backends", "installed connectors whose plugin offers a raw baseline")
     runtime = None
-    if {"load", "scaling", "peer"} & set(sections):
+    if {"load", "scaling", "topology", "peer"} & set(sections):
         runtime_choice = _names(args.runtime_backend, available, "--runtime-backend", "installed bench backends")
         local = local_backends()
         runtime = runtime_choice[0] if runtime_choice else (local[0] if local else None)
@@ -118,7 +126,7 @@ def options(args: argparse.Namespace) -> Any:
         progress=not args.no_progress,
         runtime_backend=runtime,
     )
-    if "load" in sections or "scaling" in sections or "peer" in sections:
+    if runtime is not None:
         from omni_plugins.bench.load import load_options
 
         try:
