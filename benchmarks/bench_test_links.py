@@ -211,9 +211,12 @@ def main() -> None:
     doc.sections["links"] = Section(title="Test-host links", about=ABOUT, columns=COLUMNS, rows=rows)
     doc.machine.load_avg_end = [round(x, 2) for x in os.getloadavg()]
     for row in rows:
-        print(f"{format_size(row['size'])} {row['path']}: {row['p50_ms']:.2f} ms ({row['mib_per_s']:.0f} MiB/s, {row['vs_veth']:.2f}x veth)")
+        print(
+            f"{format_size(row['size'])} {row['path']}: {row['p50_ms']:.2f} ms ({row['mib_per_s']:.0f} MiB/s, {row['vs_veth']:.2f}x veth)"
+        )
     if args.json_path:
         doc.write(args.json_path)
+
 
 if __name__ == "__main__":
     main()

@@ -32,6 +32,11 @@ SATURATED = 0.85
 MODES: tuple[Mode, ...] = ("runtime", "connector")
 
 
+def modes_of(lo: LoadOptions) -> tuple[Mode, ...]:
+    """``runtime``, one ``runtime:<name>`` per tuning overlay of ``--tuning``, ``connector``."""
+    return ("runtime", *(f"runtime:{name}" for name in lo.tunings), "connector")
+
+
 @dataclass
 class LoadOptions:
     """The traffic of the load, scaling and peer sections."""
@@ -45,6 +50,8 @@ class LoadOptions:
     rounds: int = 3
     per_request: int = 32
     scaling_streams: list[int] = field(default_factory=lambda: [16, 64, 256, 1024])
+    #: named :class:`~omni_plugins.runtime.RuntimeTuning` overlays measured as further runtime modes (A/B in the same run)
+    tunings: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def traffic(self, interval_s: float, streams: int | None = None) -> Traffic:
         n = streams or self.streams
@@ -53,9 +60,26 @@ class LoadOptions:
         return Traffic(n, self.chunk_bytes, interval_s, steps, self.per_request)
 
 
-def load_options(streams: int | None, chunk: str | None, intervals_ms: str | None, scaling: str | None, quick: bool) -> LoadOptions:
+def load_options(
+    streams: int | None,
+    chunk: str | None,
+    intervals_ms: str | None,
+    scaling: str | None,
+    quick: bool,
+    tunings: dict[str, dict[str, Any]] | None = None,
+) -> LoadOptions:
     """The options from the command line (``ValueError`` naming the option that is wrong)."""
+    from omni_plugins.runtime import RuntimeTuning
+
     opts = LoadOptions()
+    for name, overlay in (tunings or {}).items():
+        if not name.isidentifier():
+            raise ValueError(f"--tuning {name!r}: a name is letters, digits and underscores")
+        try:
+            RuntimeTuning(**overlay)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--tuning {name}: not RuntimeTuning fields: {exc}") from None
+        opts.tunings[name] = dict(overlay)
     if quick:
         opts.intervals_s, opts.seconds, opts.rounds, opts.per_request = [0.016, 0.004, 0.001], 0.3, 1, 8
         opts.scaling_streams = [16, 64, 256]
@@ -124,8 +148,9 @@ def run_load(opts: BenchOptions, doc: BenchDocument, bar: Any) -> None:
     section.setup.update(
         {"backend": backend, "streams": lo.streams, "chunk_bytes": lo.chunk_bytes, "per_request": lo.per_request, "rounds": lo.rounds}
     )
-    got: dict[tuple[int, Mode], list[dict[str, float]]] = {(p, m): [] for p in range(len(points)) for m in MODES}
-    bar.total += len(points) * len(MODES) * lo.rounds
+    modes = modes_of(lo)
+    got: dict[tuple[int, Mode], list[dict[str, float]]] = {(p, m): [] for p in range(len(points)) for m in modes}
+    bar.total += len(points) * len(modes) * lo.rounds
     try:
         with prepared_backend(backend, opts.configs, in_flight_bytes(lo.streams, lo.chunk_bytes)) as prepared:
             pair = StagePair()
@@ -134,15 +159,18 @@ def run_load(opts: BenchOptions, doc: BenchDocument, bar: Any) -> None:
                 for rnd in range(lo.rounds):
                     for p, traffic in enumerate(points):
                         bar.set_postfix_str(f"load: {traffic.label()}")
-                        for mode in MODES if rnd % 2 == 0 else MODES[::-1]:
-                            got[(p, mode)].append(pair.run_traffic(mode, backend, prepared.config, traffic, f"ld{uuid.uuid4().hex[:8]}"))
+                        for mode in modes if rnd % 2 == 0 else modes[::-1]:
+                            tuning = lo.tunings.get(mode.partition(":")[2])
+                            got[(p, mode)].append(
+                                pair.run_traffic(mode, backend, prepared.config, traffic, f"ld{uuid.uuid4().hex[:8]}", tuning)
+                            )
                             bar.update(1)
             finally:
                 pair.close()
     except Skip as exc:
         doc.skipped[f"load: {backend}"] = str(exc)
         return
-    section.rows += load_rows(points, got)
+    section.rows += load_rows(points, got, modes)
     doc.targets += load_targets(section.rows)
 
 
@@ -158,11 +186,14 @@ def in_flight_bytes(streams: int, chunk_bytes: int) -> int:
     return max(streams * chunk_bytes * 16, 1 << 20)
 
 
-def load_rows(points: list[Traffic], got: dict[tuple[int, Mode], list[dict[str, float]]]) -> list[dict[str, Value]]:
+def load_rows(
+    points: list[Traffic], got: dict[tuple[int, Mode], list[dict[str, float]]], modes: tuple[Mode, ...] = MODES
+) -> list[dict[str, Value]]:
     rows: list[dict[str, Value]] = []
     for p, traffic in enumerate(points):
         per_mode = {}
-        for mode in MODES:
+        mode_rows = {}
+        for mode in modes:
             runs = got[(p, mode)]
             figures = {k: median([r[k] for r in runs]) for k in ("p50_ms", "p99_ms", "delivered_gbps", "sent_gbps", "cpu_us_per_chunk")}
             per_mode[mode] = figures
@@ -179,15 +210,17 @@ def load_rows(points: list[Traffic], got: dict[tuple[int, Mode], list[dict[str, 
                 "rounds": len(runs),
             }
             rows.append(row)
-        runtime, connector = rows[-2], rows[-1]
-        for key, ratio_key in (
-            ("p50_ms", "p50_vs_connector"),
-            ("p99_ms", "p99_vs_connector"),
-            ("delivered_gbps", "delivered_vs_connector"),
-        ):
-            a, b = per_mode["runtime"][key], per_mode["connector"][key]
-            runtime[ratio_key] = a / b if b else None
-        del connector
+            mode_rows[mode] = row
+        for mode, row in mode_rows.items():
+            if mode == "connector":
+                continue
+            for key, ratio_key in (
+                ("p50_ms", "p50_vs_connector"),
+                ("p99_ms", "p99_vs_connector"),
+                ("delivered_gbps", "delivered_vs_connector"),
+            ):
+                a, b = per_mode[mode][key], per_mode["connector"][key]
+                row[ratio_key] = a / b if b else None
     return rows
 
 

@@ -243,6 +243,15 @@ def _section_runner(name: str) -> Callable[[BenchOptions, BenchDocument, Any], N
     raise ValueError(f"unknown section {name!r}; one of {', '.join(SECTIONS)}")
 
 
+def script_document(quick: bool) -> BenchDocument:
+    """The document of a benchmark script of ``benchmarks/``: its command line, this machine; final unless ``quick``."""
+    import shlex
+    import sys
+
+    argv = [os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "?", *sys.argv[1:]]
+    return BenchDocument(command="python " + " ".join(shlex.quote(a) for a in argv), final=not quick, machine=machine())
+
+
 def run_bench(opts: BenchOptions, command: str = "") -> BenchDocument:
     """Run every section of ``opts`` into one document."""
     from tqdm import tqdm

@@ -24,10 +24,11 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-#: ``peer``: vLLM-Omni's runtime over its own connector (:mod:`.peer`, in its integration venv)
-Mode = Literal["runtime", "connector", "peer"]
+#: ``runtime`` (``runtime:<name>``: with a tuning overlay), ``connector`` (alone), ``peer``: vLLM-Omni's
+#: runtime over its own connector (:mod:`.peer`, in its integration venv)
+Mode = str
 #: the payload builder of the producing stage (a dotted path, as in a pipeline file)
 BUILDER = "omni_plugins.bench.traffic.passthrough"
 #: a consumer gives up this long after the traffic should have ended
@@ -92,18 +93,27 @@ def stage_config(backend: str, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def produce(
-    mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start: Callable[[], float], release: Callable[[], Any]
+    mode: Mode,
+    backend: str,
+    config: dict[str, Any],
+    traffic: Traffic,
+    tag: str,
+    tuning: dict[str, Any] | None = None,
+    *,
+    start: Callable[[], float],
+    release: Callable[[], Any],
 ) -> dict[str, Any]:
     """The producing stage: ``traffic``'s chunks, paced by its interval (no pause once behind). Send-side figures.
 
-    ``start`` is called once the stage is set up and returns the moment to begin (both stages are
-    set up by then); ``release`` returns once the consumer has read everything (a producer's
-    connector may free what it published when it closes).
+    ``tuning``: :class:`~omni_plugins.runtime.RuntimeTuning` fields of a ``runtime`` mode. ``start``
+    is called once the stage is set up and returns the moment to begin (both stages are set up by
+    then); ``release`` returns once the consumer has read everything (a producer's connector may
+    free what it published when it closes).
     """
     import torch
 
     from omni_plugins import StageConfig, create_connector
-    from omni_plugins.runtime import StageTransferRuntime
+    from omni_plugins.runtime import RuntimeTuning, StageTransferRuntime
 
     if mode == "peer":
         from omni_plugins.bench.peer import produce_peer
@@ -111,9 +121,11 @@ def produce(
         return produce_peer(backend, traffic, tag, start, release)
     chunk = torch.ones(traffic.chunk_bytes // 4, dtype=torch.float32)
     rt = conn = None
-    if mode == "runtime":
+    if mode.startswith("runtime"):
         rt = StageTransferRuntime(
-            StageConfig(stage_id=0, async_chunk=True, custom_process_next_stage_input_func=BUILDER), stage_config(backend, config)
+            StageConfig(stage_id=0, async_chunk=True, custom_process_next_stage_input_func=BUILDER),
+            stage_config(backend, config),
+            tuning=RuntimeTuning(**(tuning or {})),
         )
     else:
         conn = create_connector(backend, config)
@@ -156,14 +168,23 @@ def produce(
     return {"sent_s": sent_s, "cpu_s": cpu}
 
 
-def consume(mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start: Callable[[], float]) -> dict[str, Any]:
+def consume(
+    mode: Mode,
+    backend: str,
+    config: dict[str, Any],
+    traffic: Traffic,
+    tag: str,
+    tuning: dict[str, Any] | None = None,
+    *,
+    start: Callable[[], float],
+) -> dict[str, Any]:
     """The consuming stage: every chunk of ``traffic``; latencies (s), when it started and the last arrived, CPU.
 
     ``start`` as for :func:`produce`: the consumer is set up (connector open, first requests
     registered) before it is called.
     """
-    if mode == "runtime":
-        return _consume_runtime(backend, config, traffic, tag, start)
+    if mode.startswith("runtime"):
+        return _consume_runtime(backend, config, traffic, tag, start, tuning)
     if mode == "peer":
         from omni_plugins.bench.peer import consume_peer
 
@@ -175,11 +196,17 @@ def _deadline(traffic: Traffic, start_at: float) -> float:
     return start_at + traffic.steps * traffic.interval_s + GRACE_S
 
 
-def _consume_runtime(backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start: Callable[[], float]) -> dict[str, Any]:
+def _consume_runtime(
+    backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start: Callable[[], float], tuning: dict[str, Any] | None
+) -> dict[str, Any]:
     from omni_plugins import StageConfig
-    from omni_plugins.runtime import StageTransferRuntime
+    from omni_plugins.runtime import RuntimeTuning, StageTransferRuntime
 
-    rt = StageTransferRuntime(StageConfig(stage_id=1, async_chunk=True, recv_timeout_s=GRACE_S), stage_config(backend, config))
+    rt = StageTransferRuntime(
+        StageConfig(stage_id=1, async_chunk=True, recv_timeout_s=GRACE_S),
+        stage_config(backend, config),
+        tuning=RuntimeTuning(**(tuning or {})),
+    )
     requests_per_stream = traffic.steps // traffic.per_request
     lat: list[float] = []
     seen: dict[str, int] = {}
@@ -415,9 +442,11 @@ class StagePair(StageProcesses):
     def __init__(self) -> None:
         super().__init__(2)
 
-    def run_traffic(self, mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str) -> dict[str, float]:
-        """One job of ``traffic`` in ``mode``; returns :func:`summarize`'s figures."""
-        args = (mode, backend, config, traffic, tag)
+    def run_traffic(
+        self, mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str, tuning: dict[str, Any] | None = None
+    ) -> dict[str, float]:
+        """One job of ``traffic`` in ``mode`` (a ``runtime`` mode with ``tuning``); returns :func:`summarize`'s figures."""
+        args = (mode, backend, config, traffic, tag, tuning)
         produced, consumed = self.run(
             [("produce", f"{__name__}:produce", args), ("consume", f"{__name__}:consume", args)],
             traffic.steps * traffic.interval_s + GRACE_S + 60,

@@ -35,6 +35,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--chunk", default=None, help="load: chunk size (default 64KiB)")
     p.add_argument("--intervals-ms", default=None, help="load: a chunk per stream every ... ms, light to heavy (default 32,16,8,4,2,1,0.5)")
     p.add_argument("--scaling-streams", default=None, help="scaling: stream counts (default 16,64,256,1024)")
+    p.add_argument(
+        "--tuning",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="load: also measure the runtime with these RuntimeTuning fields, as mode runtime:NAME in the same run (A/B; "
+        "repeatable), e.g. noanticipate='{\"anticipate_s\": 0}'",
+    )
     p.add_argument("--json", metavar="FILE", help="write the results document (one JSON format for every section)")
     p.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib: pip install 'omni-plugins[plot]')")
     p.add_argument("--quick", action="store_true", help="a short run that checks the harness (its document says so)")
@@ -50,7 +58,7 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(handler=run)
 
 
-def _configs(items: list[str]) -> dict[str, dict[str, Any]]:
+def _configs(items: list[str], option: str = "--config") -> dict[str, dict[str, Any]]:
     from omni_plugins.errors import ConfigError
 
     out: dict[str, dict[str, Any]] = {}
@@ -59,9 +67,12 @@ def _configs(items: list[str]) -> dict[str, dict[str, Any]]:
         try:
             value = json.loads(text) if sep else None
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"--config {item!r}: not JSON: {exc}") from None
+            raise ConfigError(f"{option} {item!r}: not JSON: {exc}") from None
         if not name.strip() or not isinstance(value, dict):
-            raise ConfigError(f'--config {item!r}: expected BACKEND=JSON-OBJECT, e.g. redis=\'{{"url": "redis://127.0.0.1:6379/0"}}\'')
+            raise ConfigError(
+                f"{option} {item!r}: expected NAME=JSON-OBJECT, e.g. "
+                + ('redis=\'{"url": "redis://127.0.0.1:6379/0"}\'' if option == "--config" else "noanticipate='{\"anticipate_s\": 0}'")
+            )
         out[name.strip()] = value
     return out
 
@@ -130,7 +141,9 @@ def options(args: argparse.Namespace) -> Any:
         from omni_plugins.bench.load import load_options
 
         try:
-            opts.load = load_options(args.streams, args.chunk, args.intervals_ms, args.scaling_streams, args.quick)
+            opts.load = load_options(
+                args.streams, args.chunk, args.intervals_ms, args.scaling_streams, args.quick, _configs(args.tuning, "--tuning")
+            )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     return opts
