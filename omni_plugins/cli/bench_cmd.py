@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(why)
     check_writable(args.json, "--json")
     check_writable(args.plot, "--plot")
-    command = "omni-plugins " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "omni-plugins " + " ".join(shlex.quote(a) for a in getattr(args, "argv", sys.argv[1:]))
     doc = run_bench(opts, command)
     print(report(doc))
     for option, path, write in (("--json", args.json, doc.write), ("--plot", args.plot, lambda p: plot(doc, p))):
