@@ -101,6 +101,7 @@ def _targets(doc: BenchDocument) -> str:
         floor = "-"
         if t.floor is not None:
             floor = f"{t.floor:.3g}" + (" (out of reach)" if t.reachable is False else "")
-        cells.append([t.description + (f" ({t.note})" if t.note else ""), t.subject, measured, f"{t.op} {t.bound:g}", t.at or "-", met, floor])
+        cells.append(
+            [t.description + (f" ({t.note})" if t.note else ""), t.subject, measured, f"{t.op} {t.bound:g}", t.at or "-", met, floor]
+        )
     return _table(cells)
-

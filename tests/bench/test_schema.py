@@ -90,5 +90,5 @@ def test_the_performance_page_shows_every_section_and_target(hooks: object, tmp_
 
 def test_a_results_file_in_another_format_fails_the_docs_build(hooks: object, tmp_path: Path) -> None:
     (tmp_path / "old.json").write_text(json.dumps({"results": {"shm": []}}))
-    with pytest.raises(ValueError, match="old.json is not an omni-plugins bench document"):
+    with pytest.raises(ValueError, match=r"old\.json is not an omni-plugins bench document"):
         hooks.load()  # type: ignore[attr-defined]
