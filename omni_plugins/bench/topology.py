@@ -170,12 +170,14 @@ def consume_stage(
                 for src, part in payload.items() if fan_in else [(sources[0], payload)]:
                     took(rid, src, part, now)
             signals = rt.collect_signals()
-            # landed between recv_chunk and collect_signals: read from the cache (per source on a fan-in stage)
-            if fan_in:
-                late = {rid: srcs - ready.get(rid, {}).keys() for rid, srcs in signals.chunk_ready_sources.items()}
-            else:
-                late = {rid: {sources[0]} for rid in signals.chunk_ready - ready.keys()}
-            if any(late.values()):
+            # a chunk that landed between recv_chunk and collect_signals (also of a request or source
+            # recv_chunk returned) is in the signals and the cache, and will not be returned again
+            late = (
+                {rid: set(srcs) for rid, srcs in signals.chunk_ready_sources.items()}
+                if fan_in
+                else {rid: {sources[0]} for rid in signals.chunk_ready}
+            )
+            if late:
                 now = time.monotonic()
                 for rid, srcs in late.items():
                     cached = rt.get_local_stage_payload(rid)

@@ -243,7 +243,13 @@ def _consume_runtime(
             for rid, payload in ready.items():
                 took(rid, payload, now)
             signals = rt.collect_signals()
-            late = signals.chunk_ready - ready.keys()  # landed between the two calls: read from the cache
+            # a chunk that landed between the two calls (also of a request recv_chunk returned) is in
+            # the signals and the cache, and will not be returned again: read it there
+            late = [
+                rid
+                for rid in signals.chunk_ready
+                if (cached := rt.get_local_stage_payload(rid)) is not None and len(cached["ts"]["send"]) > seen.get(rid, 0)
+            ]
             if late:
                 now = time.monotonic()
                 for rid in late:
