@@ -142,6 +142,7 @@ def produce_peer(backend: str, traffic: Traffic, tag: str, start: Callable[[], f
         cpu0, wall0 = time.process_time(), time.monotonic()
         next_step = wall0
         for step in range(traffic.steps):
+            due = next_step
             index = step % traffic.per_request
             last = index == traffic.per_request - 1
             for i in range(traffic.streams):
@@ -150,7 +151,7 @@ def produce_peer(backend: str, traffic: Traffic, tag: str, start: Callable[[], f
                     req = requests[i] = _Request(traffic.request_id(tag, i, step))
                 req.done = last
                 x = chunk.clone()
-                t0 = time.monotonic()
+                t0 = due  # the step's outputs exist at its scheduled moment: lag behind it is part of the hand-off
                 runner.send_chunk(req, {"chunk": {"data": x}, "ts": {"send": [t0]}})
             next_step += traffic.interval_s
             _sleep_until(next_step)

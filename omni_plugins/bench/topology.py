@@ -82,11 +82,12 @@ def produce_stage(
         cpu0 = time.process_time()
         next_step = time.monotonic()
         for step in range(traffic.steps):
+            due = next_step
             last = step == traffic.steps - 1
             for req in requests:
                 req.done = last
                 x = chunk.clone()
-                t0 = time.monotonic()
+                t0 = due  # the step's outputs exist at its scheduled moment: lag behind it is part of the hand-off
                 out: dict[str, Any] = {"chunk": {"data": x}, "ts": {"send": [t0]}}
                 if rt is not None:
                     rt.send_chunk(req, out)

@@ -3,8 +3,11 @@
 The traffic is ``streams`` concurrent requests; each emits a chunk of ``chunk_bytes`` every
 ``interval_s`` (every stream in the same model step: a burst per step, the hard case for one
 receive thread), and after ``per_request`` chunks it finishes and the next request takes its
-place. A chunk's clock starts when it has been made (the model's output exists before the
-hand-off) and stops when the consumer's model thread holds it.
+place. A chunk's clock starts at its step's scheduled moment (the model's outputs for every
+stream exist then) and stops when the consumer's model thread holds it: a producer that falls
+behind its schedule -- its earlier ``send_chunk`` or ``put`` calls took long, or the runtime made it
+wait -- delays its chunks, and that delay is part of their hand-off. (Timing from the call
+instead would hide an overload wherever the producer is held back rather than queued.)
 
 - ``runtime``: :class:`~omni_plugins.runtime.StageTransferRuntime` on both sides; the producer's
   model thread calls ``send_chunk``, the consumer's ``wait_ready`` / ``recv_chunk`` /
@@ -135,6 +138,7 @@ def produce(
         cpu0, wall0 = time.process_time(), time.monotonic()
         next_step = wall0
         for step in range(traffic.steps):
+            due = next_step
             index = step % traffic.per_request
             last = index == traffic.per_request - 1
             for i in range(traffic.streams):
@@ -142,8 +146,8 @@ def produce(
                 if req is None or index == 0:
                     req = requests[i] = _Request(traffic.request_id(tag, i, step))
                 req.done = last
-                x = chunk.clone()  # the model's output: made before the hand-off starts
-                t0 = time.monotonic()
+                x = chunk.clone()
+                t0 = due  # the step's outputs exist at its scheduled moment: lag behind it is part of the hand-off
                 out = {"chunk": {"data": x}, "ts": {"send": [t0]}}
                 if rt is not None:
                     rt.send_chunk(req, out)
