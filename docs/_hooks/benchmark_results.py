@@ -63,6 +63,13 @@ def markdown(results: list[tuple[str, BenchDocument]], plots: dict[str, str]) ->
     return "\n".join(parts)
 
 
+def plottable(doc: BenchDocument) -> bool:
+    """Whether the document has a section the bench's plot draws."""
+    from omni_plugins.bench.plot import plottable as has_panels
+
+    return has_panels(doc)
+
+
 def plot_png(doc: BenchDocument) -> bytes:
     """The document's plot (``omni-plugins bench --plot``), as PNG bytes."""
     from omni_plugins.bench.plot import plot

@@ -51,6 +51,8 @@ def on_files(files: Files, config: Any) -> Files:
         raise PluginError(str(exc)) from exc
     _bench["plots"] = {}
     for name, doc in _bench["results"]:
+        if not benchmark_results.plottable(doc):
+            continue
         path = benchmark_results.plot_name(name)
         files.append(File.generated(config, path, content=benchmark_results.plot_png(doc)))
         _bench["plots"][name] = path

@@ -37,6 +37,15 @@ def _series(section: Section, x: str, y: str, *group: str) -> dict[str, tuple[li
     return out
 
 
+#: the sections a plot has a panel for
+PLOTTED = ("sizes", "load", "scaling", "peer")
+
+
+def plottable(doc: BenchDocument) -> bool:
+    """Whether ``doc`` has a section the plot draws."""
+    return any(name in doc.sections for name in PLOTTED)
+
+
 def plot(doc: BenchDocument, path: str | Path) -> None:
     import matplotlib
 
