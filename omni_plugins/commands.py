@@ -87,9 +87,7 @@ class CommandSink:
         if not isinstance(name, str) or not name or not all(c.isalnum() or c == "-" for c in name) or name.startswith("-"):
             raise ValueError(f"plugin {self._plugin!r}: command name {name!r} must be letters, digits and '-'")
         if name in CORE_COMMANDS:
-            raise ValueError(
-                f"plugin {self._plugin!r}: command name {name!r} is one of omni-plugins' own ({', '.join(sorted(CORE_COMMANDS))})"
-            )
+            raise ValueError(f"plugin {self._plugin!r}: command name {name!r} is one of omni-plugins' own ({', '.join(sorted(CORE_COMMANDS))})")
         if not isinstance(main, str) or ":" not in main:
             raise ValueError(f"plugin {self._plugin!r}: main of command {name!r} must be an import string 'pkg.mod:function', got {main!r}")
         spec = CommandSpec(name, main, help, self._plugin, self._distribution)

@@ -64,11 +64,7 @@ def validate_connector_config(name: str, config: Mapping[str, Any] | BaseModel |
         origin = spec.origin
         fields = format_validation_error(exc, prefix=where)
         raise ConnectorConfigError(
-            f"invalid config for connector {spec.name!r} from {origin}: {fields}",
-            connector=spec.name,
-            origin=origin,
-            model=model,
-            errors=exc.errors(),
+            f"invalid config for connector {spec.name!r} from {origin}: {fields}", connector=spec.name, origin=origin, model=model, errors=exc.errors()
         ) from None
 
 

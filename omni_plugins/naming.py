@@ -35,6 +35,7 @@ KNOWN_BACKENDS: dict[str, str] = {
     "mooncakeconnector": "omni-plugins-mooncake[cpu]",
     "mooncake_te": "omni-plugins-mooncake[cpu]",
     "mooncaketransferengineconnector": "omni-plugins-mooncake[cpu]",
+    "vllm_omni": "omni-plugins-vllm-omni",
 }
 
 # Connectors the core registers itself (omni_plugins.builtin), canonical names and aliases.

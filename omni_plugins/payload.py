@@ -5,6 +5,8 @@ stage::
 
     def build(transfer_manager, pooling_output, request, is_finished=False) -> dict | None
 
+The model output may be named ``multimodal_output`` instead, as vLLM-Omni's streaming
+(async-chunk) builders name it; a builder taking ``**kwargs`` gets ``pooling_output``.
 A builder whose signature names ``to_stage`` is told the destination and is
 called once per output edge it serves (a fan-out stage can send each
 destination what it needs); any other builder is called once and its payload
@@ -25,6 +27,8 @@ from omni_plugins.errors import BuilderError
 from omni_plugins.importing import import_string
 
 REQUIRED_KWARGS: tuple[str, ...] = ("transfer_manager", "pooling_output", "request")
+#: the names the model output goes by: omni-plugins' and vLLM-Omni's full-payload builders', vLLM-Omni's streaming builders'
+OUTPUT_KWARGS: tuple[str, ...] = ("pooling_output", "multimodal_output")
 REPLACE_KEYS_ATTR = "_FULL_PAYLOAD_REPLACE_KEYS"
 
 
@@ -42,11 +46,13 @@ class ResolvedBuilder:
     replace_keys: frozenset[str]
     #: the signature names ``to_stage``: called once per destination, told which
     per_destination: bool = False
+    #: what the signature calls the model output (``pooling_output`` or vLLM-Omni's ``multimodal_output``)
+    output_kwarg: str = "pooling_output"
 
     def __call__(
         self, *, transfer_manager: Any, pooling_output: Any, request: Any, is_finished: bool = False, to_stage: int | None = None
     ) -> Any:
-        kwargs: dict[str, Any] = {"transfer_manager": transfer_manager, "pooling_output": pooling_output, "request": request}
+        kwargs: dict[str, Any] = {"transfer_manager": transfer_manager, self.output_kwarg: pooling_output, "request": request}
         if self.accepts_is_finished:
             kwargs["is_finished"] = is_finished
         if self.per_destination:
@@ -65,12 +71,21 @@ def _params(func: Callable[..., Any]) -> tuple[set[str], bool] | None:
 
 
 def accepts_builder_kwargs(func: Callable[..., Any]) -> bool:
-    """True when ``func`` can be called with transfer_manager, pooling_output and request by keyword."""
+    """True when ``func`` can be called with transfer_manager, the model output and request by keyword."""
+    return output_kwarg(func) is not None
+
+
+def output_kwarg(func: Callable[..., Any]) -> str | None:
+    """The name ``func`` takes the model output by (None: it is not a builder), as vLLM-Omni resolves it."""
     params = _params(func)
     if params is None:
-        return False
+        return None
     names, var_kw = params
-    return var_kw or all(k in names for k in REQUIRED_KWARGS)
+    if var_kw:
+        return "pooling_output"
+    if not {"transfer_manager", "request"} <= names:
+        return None
+    return next((k for k in OUTPUT_KWARGS if k in names), None)
 
 
 def accepts_is_finished(func: Callable[..., Any]) -> bool:
@@ -89,7 +104,9 @@ def _resolve(path: str, func: Any) -> ResolvedBuilder:
     raw = getattr(module, REPLACE_KEYS_ATTR, ()) if module is not None else ()
     if isinstance(raw, str):
         raw = (raw,)
-    return ResolvedBuilder(path, func, accepts_is_finished(func), frozenset(str(k) for k in raw), names_to_stage(func))
+    return ResolvedBuilder(
+        path, func, accepts_is_finished(func), frozenset(str(k) for k in raw), names_to_stage(func), output_kwarg(func) or "pooling_output"
+    )
 
 
 def load_builder(path: str) -> ResolvedBuilder:
@@ -105,7 +122,7 @@ def load_builder(path: str) -> ResolvedBuilder:
     if not accepts_builder_kwargs(func):
         raise BuilderError(
             f"payload builder {path!r} has signature {_signature(func)}; it must accept "
-            f"{', '.join(REQUIRED_KWARGS)} as keyword arguments (or **kwargs)"
+            f"{', '.join(REQUIRED_KWARGS)} as keyword arguments (or **kwargs; pooling_output may be named multimodal_output)"
         )
     return _resolve(path, func)
 

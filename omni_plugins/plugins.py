@@ -170,10 +170,7 @@ class PluginManager:
             plugin_name = name or getattr(plugin, "__name__", None) or repr(plugin)
             try:
                 self.pm.register(plugin, name=plugin_name)
-            except (
-                ValueError,
-                pluggy.PluginValidationError,
-            ) as exc:  # already registered under this name; a hookimpl not matching the spec
+            except (ValueError, pluggy.PluginValidationError) as exc:  # already registered under this name; a hookimpl not matching the spec
                 return self._failed(plugin_name, distribution, version, exc)
             try:
                 self.pm.check_pending()

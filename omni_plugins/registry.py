@@ -61,9 +61,7 @@ class ConnectorSpec:
         except ImportError as exc:
             raise PluginLoadError(f"connector {self.name!r} ({self.origin}) cannot be imported from {self.connector!r}: {exc}") from exc
         if not (isinstance(cls, type) and issubclass(cls, Connector)):
-            raise PluginLoadError(
-                f"{self.connector!r} (connector {self.name!r}, {self.origin}) is not a subclass of omni_plugins.Connector"
-            )
+            raise PluginLoadError(f"{self.connector!r} (connector {self.name!r}, {self.origin}) is not a subclass of omni_plugins.Connector")
         missing = sorted(getattr(cls, "__abstractmethods__", ()))
         if missing:
             raise PluginLoadError(
@@ -134,6 +132,40 @@ class ConnectorSpec:
         }
 
 
+#: a :class:`VllmOmniName` with this name serves every vLLM-Omni connector name no plugin declares
+ANY_VLLM_OMNI_NAME = "*"
+
+
+@dataclass(frozen=True)
+class VllmOmniName:
+    """How a connector of a vLLM-Omni YAML file (``name: SharedMemoryConnector``, ``extra: {...}``) reads in omni-plugins.
+
+    Declared by the plugin that serves it (:meth:`RegistrationSink.register_vllm_omni`); the core
+    names no backend. ``keys`` renames vLLM-Omni's ``extra`` keys to the connector's settings;
+    ``unused`` lists vLLM-Omni keys the connector has no use for, each with the reason (they are
+    kept, listed in the loader's warning); keys the connector's settings model knows pass as they
+    are; any other key is left to the payload builders. ``translate`` (an import string of
+    ``f(name, extra) -> (connector, settings)``) replaces that for a connector whose ``extra`` is
+    shaped differently; it raises ``ValueError`` saying what is wrong or missing.
+    """
+
+    name: str
+    #: the omni-plugins connector (a registered name) it becomes; None when ``translate`` decides
+    connector: str | None = None
+    keys: Mapping[str, str] = field(default_factory=dict)
+    unused: Mapping[str, str] = field(default_factory=dict)
+    translate: str | None = None
+    description: str = ""
+    plugin: str = ""
+    distribution: str | None = None
+    version: str | None = None
+
+    @property
+    def origin(self) -> str:
+        who = " ".join(p for p in (self.distribution, self.version) if p)
+        return f"plugin {self.plugin!r}" + (f" ({who})" if who else "")
+
+
 @dataclass
 class ConnectorRegistry:
     """All registered connectors, keyed by canonical name and alias.
@@ -150,6 +182,8 @@ class ConnectorRegistry:
     _failed_hint: dict[str, str] = field(default_factory=dict)
     #: canonical plugin / distribution / distribution-suffix name -> (plugin, distribution, why), for installed plugins not loaded
     _skipped: dict[str, tuple[str, str | None, str]] = field(default_factory=dict)
+    #: vLLM-Omni connector name (exact, as its YAML spells it) -> declarations of how it reads here
+    _vllm_omni: dict[str, list[VllmOmniName]] = field(default_factory=dict)
 
     def add(self, spec: ConnectorSpec) -> None:
         for key in {spec.canonical_name, *(canonical(a) for a in spec.aliases)}:
@@ -163,6 +197,30 @@ class ConnectorRegistry:
             self._by_name[key] = [s for s in self._by_name[key] if s.plugin != plugin]
             if not self._by_name[key]:
                 del self._by_name[key]
+        for key in list(self._vllm_omni):
+            self._vllm_omni[key] = [d for d in self._vllm_omni[key] if d.plugin != plugin]
+            if not self._vllm_omni[key]:
+                del self._vllm_omni[key]
+
+    def add_vllm_omni(self, decl: VllmOmniName) -> None:
+        bucket = self._vllm_omni.setdefault(decl.name, [])
+        if not any(d.plugin == decl.plugin and d.distribution == decl.distribution for d in bucket):
+            bucket.append(decl)
+
+    def vllm_omni_names(self) -> list[VllmOmniName]:
+        """Every declared vLLM-Omni connector name, sorted (the catch-all ``*`` last)."""
+        return sorted((d for bucket in self._vllm_omni.values() for d in bucket), key=lambda d: (d.name == ANY_VLLM_OMNI_NAME, d.name))
+
+    def vllm_omni_name(self, name: str, *, catch_all: bool = True) -> VllmOmniName | None:
+        """How vLLM-Omni connector ``name`` reads here: its declaration, else (``catch_all``) the ``*`` one, else None.
+
+        Two distributions declaring the same name is an error naming both.
+        """
+        bucket = self._vllm_omni.get(name) or (self._vllm_omni.get(ANY_VLLM_OMNI_NAME) if catch_all else None) or []
+        if len(bucket) > 1:
+            who = ", ".join(d.origin for d in bucket)
+            raise DuplicateConnectorError(f"vLLM-Omni connector name {name!r} is declared by more than one plugin: {who}; uninstall one")
+        return bucket[0] if bucket else None
 
     def specs(self) -> list[ConnectorSpec]:
         """Every registered connector once (aliases folded), sorted by name."""
@@ -318,3 +376,43 @@ class RegistrationSink:
         )
         self._registry.add(spec)
         self.registered.append(spec)
+
+    def register_vllm_omni(
+        self,
+        name: str,
+        *,
+        connector: str | None = None,
+        keys: Mapping[str, str] | None = None,
+        unused: Mapping[str, str] | None = None,
+        translate: str | None = None,
+        description: str = "",
+    ) -> None:
+        """Declare how vLLM-Omni's connector ``name`` reads in omni-plugins (see :class:`VllmOmniName`).
+
+        ``connector``: the omni-plugins connector it becomes, with ``keys`` renaming vLLM-Omni's
+        ``extra`` keys to its settings and ``unused`` the vLLM-Omni keys it has no use for (key ->
+        why); or ``translate``, an import string of ``f(name, extra) -> (connector, settings)``.
+        ``name`` ``"*"``: every vLLM-Omni connector name no plugin declares.
+        """
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"plugin {self._plugin!r}: vLLM-Omni connector name {name!r} must be a non-empty string")
+        if (connector is None) == (translate is None):
+            raise ValueError(f"plugin {self._plugin!r}: vLLM-Omni name {name!r} needs exactly one of connector= and translate=")
+        if translate is not None and (not isinstance(translate, str) or ":" not in translate):
+            raise ValueError(f"plugin {self._plugin!r}: translate of {name!r} must be an import string 'pkg.mod:func', got {translate!r}")
+        for what, table in (("keys", keys or {}), ("unused", unused or {})):
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
+                raise ValueError(f"plugin {self._plugin!r}: {what} of vLLM-Omni name {name!r} must map strings to strings")
+        self._registry.add_vllm_omni(
+            VllmOmniName(
+                name=name.strip(),
+                connector=connector,
+                keys=dict(keys or {}),
+                unused=dict(unused or {}),
+                translate=translate,
+                description=description,
+                plugin=self._plugin,
+                distribution=self._distribution,
+                version=self._version,
+            )
+        )

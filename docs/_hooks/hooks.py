@@ -5,6 +5,7 @@ A page asks for generated text with a line of its own::
     <!-- generated: connector-settings shm -->     the settings table of connector 'shm'
     <!-- generated: cli-help run -->               what 'omni-plugins run --help' prints
     <!-- generated: benchmark-results -->          tables of benchmarks/results/*.json
+    <!-- generated: vllm-omni-names -->            the vLLM-Omni connector names the plugins declare
 
 An unknown kind, or a generator that fails (e.g. a connector that is not installed), fails the
 build. Each results file's plot is added to the site as ``benchmark-<file>.png``.
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchmark_results
 import cli_help
 import connector_settings
+import vllm_omni_names
 
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+)((?: [^ >]+)*) -->$", re.MULTILINE)
 
@@ -41,6 +43,7 @@ GENERATORS: dict[str, Callable[..., str]] = {
     "connector-settings": connector_settings.settings_table,
     "cli-help": lambda *command: cli_help.help_block(" ".join(command)),
     "benchmark-results": _benchmark_results,
+    "vllm-omni-names": vllm_omni_names.names_table,
 }
 
 

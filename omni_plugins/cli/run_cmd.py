@@ -39,6 +39,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--timeout", type=positive_seconds, default=600.0, metavar="S", help="give up after S seconds (default 600)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--platform", metavar="NAME", help="vLLM-Omni files: apply their platforms section for this platform (npu, rocm, xpu ...); without it, platform sections are not applied")
     p.set_defaults(handler=run)
 
 
@@ -57,10 +58,11 @@ def run(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         progress=not args.no_progress,
         log_level=logging.getLogger().getEffectiveLevel(),
+        platform=args.platform,
     )
     with PrivateServers() as servers:
         if args.start_servers:
-            servers.start_for(connector_names(args.pipeline))
+            servers.start_for(connector_names(args.pipeline, platform=args.platform))
             for line in servers.descriptions:
                 print(f"started {line}", file=sys.stderr)
         report = run_pipeline(args.pipeline, options)

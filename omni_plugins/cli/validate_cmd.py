@@ -19,6 +19,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("--no-builders", action="store_true", help="do not import payload builders")
+    p.add_argument("--platform", metavar="NAME", help="vLLM-Omni files: apply their platforms section for this platform (npu, rocm, xpu ...); without it, platform sections are not applied")
     p.set_defaults(handler=run)
 
 
@@ -29,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     failed = 0
     for path in args.files:
         try:
-            cfg = load_pipeline_config(path, check_builders=not args.no_builders)
+            cfg = load_pipeline_config(path, check_builders=not args.no_builders, platform=args.platform)
             if any(s.synthetic is not None for s in cfg.stages):
                 from omni_plugins.pipeline.checks import plan_for_run  # imports torch: only for run files
 

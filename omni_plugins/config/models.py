@@ -86,6 +86,11 @@ class ConnectorConfig(_Strict):
 
     name: str = Field(description="registered connector name, alias, 'dist:name' or 'pkg.mod:Class'")
     extra: dict[str, Any] = Field(default_factory=dict, description="settings validated by the plugin's config model")
+    builder_settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="settings the payload builders read from their connector's config (transfer_manager.connector.config), "
+        "not the backend: a vLLM-Omni file's extra as written",
+    )
 
     @field_validator("name")
     @classmethod
@@ -135,6 +140,7 @@ class StageConnectorConfig(_Strict):
     extra: dict[str, Any] = Field(default_factory=dict)
     to_stage: Int | None = None
     rank_mapping: RankMapping = Field(default_factory=RankMapping)
+    builder_settings: dict[str, Any] = Field(default_factory=dict, description="what the payload builders read as their connector's config")
 
     @field_validator("name")
     @classmethod
@@ -207,6 +213,12 @@ class StageConfig(_Strict):
     model_stage: str | None = None
     custom_process_input_func: str | None = None
     custom_process_next_stage_input_func: str | None = None
+    cfg_kv_collect_func: str | None = Field(
+        default=None,
+        description="dotted path of the function that turns the KV of a request's CFG companions into its sampling-param "
+        "fields: vLLM-Omni's f(request_id, cfg_request_ids, kv_transfer_manager, target_device) (BAGEL's collect_cfg_kv_caches) "
+        "or f(request_id, {role: (payload, size)}); receive_multi_kv_cache uses it when the caller passes none",
+    )
     input_connectors: dict[str, EdgeRef] = Field(default_factory=dict, description="{from_stage_N: connector instance or edge mapping}")
     output_connectors: dict[str, EdgeRef] = Field(default_factory=dict, description="{to_stage_N: connector instance or edge mapping}")
     rank_mapping: RankMapping | None = None
@@ -221,6 +233,9 @@ class StageConfig(_Strict):
         default=None, description=f"how a request picks one replica (replicated stages only; default {DEFAULT_ROUTING})"
     )
     synthetic: dict[str, Any] | None = Field(default=None, description="synthetic model description used by 'omni-plugins run'")
+    vllm_omni: dict[str, Any] = Field(
+        default_factory=dict, description="the stage's vLLM-Omni settings omni-plugins does not use (engine, placement, sampling), kept"
+    )
 
     @field_validator("input_connectors", "output_connectors")
     @classmethod
@@ -261,6 +276,7 @@ class PipelineConfig(_Strict):
     connectors: dict[str, ConnectorConfig] = Field(default_factory=dict)
     stages: list[StageConfig] = Field(min_length=1)
     default_connector: str | None = None
+    vllm_omni: dict[str, Any] = Field(default_factory=dict, description="pipeline-wide vLLM-Omni settings omni-plugins does not use, kept")
 
     @model_validator(mode="after")
     def _check_graph(self) -> PipelineConfig:
@@ -274,9 +290,7 @@ class PipelineConfig(_Strict):
         first: dict[int, int] = {}
         for i, s in enumerate(self.stages):
             if s.stage_id in first:
-                problems.append(
-                    GraphProblem(("stages", i, "stage_id"), "", f"duplicate stage_id [{s.stage_id}] (also stages[{first[s.stage_id]}])")
-                )
+                problems.append(GraphProblem(("stages", i, "stage_id"), "", f"duplicate stage_id [{s.stage_id}] (also stages[{first[s.stage_id]}])"))
             first.setdefault(s.stage_id, i)
         if self.default_connector is not None and self.default_connector not in self.connectors:
             problems.append(
@@ -318,9 +332,7 @@ class PipelineConfig(_Strict):
                 if edge.connector not in self.connectors:
                     problems.append(GraphProblem(loc, where, f"connector instance {edge.connector!r} {defined}"))
                 if edge.kv_connector is not None and edge.kv_connector not in self.connectors:
-                    problems.append(
-                        GraphProblem((*loc, "kv_connector"), f"{where}.kv_connector", f"connector instance {edge.kv_connector!r} {defined}")
-                    )
+                    problems.append(GraphProblem((*loc, "kv_connector"), f"{where}.kv_connector", f"connector instance {edge.kv_connector!r} {defined}"))
                 if kind == "input_connectors" and edge.payload_builder is not None:
                     problems.append(
                         GraphProblem(
@@ -343,9 +355,7 @@ class PipelineConfig(_Strict):
             theirs = f"stage {other}: input_connectors.from_stage_{s.stage_id}"
             if peer.connector != edge.connector:
                 problems.append(
-                    GraphProblem(
-                        loc, where, f"uses {edge.connector!r} but {theirs} uses {peer.connector!r}; both ends of an edge must agree"
-                    )
+                    GraphProblem(loc, where, f"uses {edge.connector!r} but {theirs} uses {peer.connector!r}; both ends of an edge must agree")
                 )
             elif peer.kv != edge.kv:
                 problems.append(
@@ -460,4 +470,10 @@ class PipelineConfig(_Strict):
         else:
             return None
         conn = self.connectors[instance]
-        return StageConnectorConfig(name=conn.name, extra=dict(conn.extra), to_stage=to_stage, rank_mapping=s.rank_mapping or RankMapping())
+        return StageConnectorConfig(
+            name=conn.name,
+            extra=dict(conn.extra),
+            to_stage=to_stage,
+            rank_mapping=s.rank_mapping or RankMapping(),
+            builder_settings=dict(conn.builder_settings),
+        )

@@ -35,9 +35,7 @@ def synthetic_payload(transfer_manager: Any, pooling_output: Any, request: Any, 
     return _payload(pooling_output, is_finished)
 
 
-def routed_payload(
-    transfer_manager: Any, pooling_output: Any, request: Any, to_stage: int, is_finished: bool = False
-) -> dict[str, Any] | None:
+def routed_payload(transfer_manager: Any, pooling_output: Any, request: Any, to_stage: int, is_finished: bool = False) -> dict[str, Any] | None:
     """What ``to_stage`` gets: the outputs the request's ``routes[to_stage]`` names (and the trace)."""
     if not isinstance(pooling_output, dict) or not pooling_output:
         return None

@@ -49,6 +49,8 @@ class RunOptions:
     stop_timeout_s: float = 60.0  # every stage reported its final state
     progress: bool = True
     log_level: int = logging.WARNING
+    #: a vLLM-Omni file's platforms section to apply (npu, rocm, xpu ...)
+    platform: str | None = None
 
 
 def exit_reason(code: int | None) -> str:
@@ -468,12 +470,7 @@ class Orchestrator:
         self.report.reclaimed = reclaim(self.plan.config, used, self.run_tag)
         self.report.edges = [edge_summary(edges[name]) for name in order]
         self.report.replicas = [
-            {
-                "stage": sid,
-                "replica": r,
-                "alive": (sid, r) not in self.retired,
-                **self.per_replica.get((sid, r), {"routed": 0, "completed": 0, "failed": 0}),
-            }
+            {"stage": sid, "replica": r, "alive": (sid, r) not in self.retired, **self.per_replica.get((sid, r), {"routed": 0, "completed": 0, "failed": 0})}
             for sid, r in sorted(self.inboxes)
             if self.plan.plan(sid).replicas > 1
         ]
@@ -484,6 +481,6 @@ def run_pipeline(path: str | Path, options: RunOptions) -> RunReport:
     from omni_plugins.config import load_pipeline_config
     from omni_plugins.pipeline.checks import plan_for_run
 
-    config = load_pipeline_config(path)
+    config = load_pipeline_config(path, platform=options.platform)
     plan = plan_for_run(config, filename=str(path))
     return Orchestrator(plan, options).run()

@@ -28,7 +28,7 @@ def placeholders() -> dict[str, str]:
     return out
 
 
-def connector_names(path: str | Path) -> set[str]:
+def connector_names(path: str | Path, *, platform: str | None = None) -> set[str]:
     """Registered names of the connectors a pipeline file uses (nothing is started or contacted).
 
     The plugins' server variables need no value yet: the servers that will provide them are
@@ -38,7 +38,7 @@ def connector_names(path: str | Path) -> set[str]:
     from omni_plugins.factory import resolve_connector
 
     env = {**placeholders(), **os.environ}
-    config = load_pipeline_config(path, env=env, check_plugins=False, check_builders=False)
+    config = load_pipeline_config(path, env=env, check_plugins=False, check_builders=False, platform=platform)
     names = set()
     for conn in config.connectors.values():
         try:

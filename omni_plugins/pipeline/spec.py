@@ -298,9 +298,7 @@ def build_plan(config: PipelineConfig, *, filename: str = "<pipeline>") -> Pipel
             + ", ".join(str(g) for g in groups)
         )
     plans = {
-        sid: StagePlan(
-            config.stage(sid), specs[sid], tuple(e for e in edges if e.to_stage == sid), tuple(e for e in edges if e.from_stage == sid)
-        )
+        sid: StagePlan(config.stage(sid), specs[sid], tuple(e for e in edges if e.to_stage == sid), tuple(e for e in edges if e.from_stage == sid))
         for sid in ids
     }
     for p in plans.values():
@@ -317,9 +315,7 @@ def _stage_errors(p: StagePlan, plans: dict[int, StagePlan], where: Any) -> list
     for i, o in enumerate(spec.outputs):
         for to in o.to or ():
             if to not in p.downstreams:
-                errors.append(
-                    f"{where(s, f'synthetic.outputs.{i}.to')}: stage {sid} has no output edge to stage {to} (edges to: {list(p.downstreams)})"
-                )
+                errors.append(f"{where(s, f'synthetic.outputs.{i}.to')}: stage {sid} has no output edge to stage {to} (edges to: {list(p.downstreams)})")
     if not p.outputs and spec.kv is not None:
         errors.append(f"{where(s, 'synthetic.kv')}: the last stage has no next stage to send KV to")
     for e in p.outputs:

@@ -31,6 +31,7 @@ from omni_plugins.factory import create_connector, format_validation_error
 from omni_plugins.payload import ResolvedBuilder, resolve_stage_builder
 from omni_plugins.runtime.accumulate import FullPayloadAccumulator
 from omni_plugins.runtime.backlog import CleanupBacklog
+from omni_plugins.runtime.builderview import BuilderManager
 from omni_plugins.runtime.compat import CodePromptView, PutChunkView, RequestPayloadView
 from omni_plugins.runtime.delivery import Delivery
 from omni_plugins.runtime.kvbridge import KVBridge
@@ -67,6 +68,21 @@ def _request_finished(request: Any, default: bool) -> bool:
         except Exception:
             logger.debug("request.is_finished() raised", exc_info=True)
     return default
+
+
+def _configured_callable(path: str | None, what: str) -> Callable[..., Any] | None:
+    """The function a stage config names by dotted path (None when it names none); a ConfigError when it is not one."""
+    if not path:
+        return None
+    from omni_plugins.importing import import_string
+
+    try:
+        func = import_string(path)
+    except Exception as exc:
+        raise ConfigError(f"{what}: {path!r} cannot be imported: {type(exc).__name__}: {exc}") from exc
+    if not callable(func):
+        raise ConfigError(f"{what}: {path!r} is not callable")
+    return func  # type: ignore[no-any-return]
 
 
 def _send_groups(routes: list[OutputRoute]) -> list[tuple[ResolvedBuilder | None, list[OutputRoute]]]:
@@ -136,6 +152,14 @@ class StageTransferRuntime:
                 self._created = set(self._connectors)
         self._connector: Connector | None = next(iter(self._connectors.values()), None)
         connector = self._connector
+        #: builder settings by connector instance (what the payload builders read as their connector's config)
+        self._builder_settings: dict[str, Mapping[str, Any]] = (
+            {name: conf.builder_settings for name, conf in topology.connectors.items()}
+            if topology is not None
+            else {name: cfg.builder_settings for name in self._connectors}
+            if cfg is not None
+            else {}
+        )
         self.async_chunk = stage_config.async_chunk
         self.worker_type = stage_config.worker_type
         inputs = stage_config.input_stages()
@@ -164,6 +188,9 @@ class StageTransferRuntime:
         #: output routes grouped by the builder that makes their payload: one build per group and step
         self._send_groups = _send_groups(self._outputs)
         self._has_builder = any(builder is not None for builder, _ in self._send_groups)
+        #: what each send group's builder gets as ``transfer_manager``: the runtime, or a view of it whose
+        #: ``connector.config`` holds the builder settings of the group's connector (vLLM-Omni's builders read them)
+        self._builder_managers = [self._builder_manager(routes[0]) for _, routes in self._send_groups]
         # the accumulation gate is structural: decide once
         self._accumulate = bool(
             stage_config.custom_process_next_stage_input_func
@@ -186,6 +213,8 @@ class StageTransferRuntime:
             multi_rank=multi,
             fan_in=len(self._inputs) > 1,
         )
+        #: the stage's cfg_kv_collect_func (CFG companion KV -> sampling-param fields), used when a caller gives none
+        self._cfg_kv_collect = _configured_callable(stage_config.cfg_kv_collect_func, f"stage {self.stage_id}: cfg_kv_collect_func")
         self._owned_kv: list[Any] = []
         send_managers: list[Any] | None = None
         if kv_manager is None and stage_config.kv_transfer and connector is not None:
@@ -268,11 +297,7 @@ class StageTransferRuntime:
                 return [], []
             instance = next(iter(self._connectors))
             outputs = [OutputRoute(0, self.stage_id, self.next_stage_id, str(self.stage_id), self._connector, instance, self.builder)]
-            inputs = (
-                []
-                if self.stage_id == 0
-                else [InputRoute(0, self.from_stage, self.stage_id, str(self.from_stage), self._connector, instance)]
-            )
+            inputs = [] if self.stage_id == 0 else [InputRoute(0, self.from_stage, self.stage_id, str(self.from_stage), self._connector, instance)]
             return outputs, inputs
         outputs = []
         for i, e in enumerate(topo.outputs):
@@ -283,8 +308,7 @@ class StageTransferRuntime:
                 builder = load_builder(e.payload_builder)
             outputs.append(OutputRoute(i, self.stage_id, e.to_stage, e.key_stage, self._connectors[e.connector], e.connector, builder))
         inputs = [
-            InputRoute(i, e.from_stage, self.stage_id, e.key_stage, self._connectors[e.connector], e.connector)
-            for i, e in enumerate(topo.inputs)
+            InputRoute(i, e.from_stage, self.stage_id, e.key_stage, self._connectors[e.connector], e.connector) for i, e in enumerate(topo.inputs)
         ]
         return outputs, inputs
 
@@ -305,11 +329,7 @@ class StageTransferRuntime:
         receiving = None
         if (edge := topo.kv_input) is not None:
             receiving = KVTransferManager(
-                self._connectors[edge.kv_connector],
-                from_stage=edge.from_stage,
-                to_stage=self.stage_id,
-                recv_key_stage=edge.key_stage,
-                **common,
+                self._connectors[edge.kv_connector], from_stage=edge.from_stage, to_stage=self.stage_id, recv_key_stage=edge.key_stage, **common
             )
         sending = [
             KVTransferManager(
@@ -437,12 +457,16 @@ class StageTransferRuntime:
         return CodePromptView(self._registry)
 
     # ------------------------------------------------------------------ sending
+    def _builder_manager(self, route: OutputRoute) -> Any:
+        settings = self._builder_settings.get(route.instance or "")
+        return BuilderManager(self, route.connector, settings) if settings else self
+
     def _build(
-        self, builder: ResolvedBuilder, request_id: str, request: Any, output: Any, is_finished: bool, to_stage: int | None
+        self, builder: ResolvedBuilder, request_id: str, request: Any, output: Any, is_finished: bool, to_stage: int | None, manager: Any
     ) -> tuple[bool, Any]:
         """Run a builder on the caller's thread: ``(ok, payload)``; a crash reports the request failed."""
         try:
-            return True, builder(transfer_manager=self, pooling_output=output, request=request, is_finished=is_finished, to_stage=to_stage)
+            return True, builder(transfer_manager=manager, pooling_output=output, request=request, is_finished=is_finished, to_stage=to_stage)
         except Exception:
             logger.exception("payload builder %s failed for request %s; reporting it failed", builder.path, request_id)
             with self._lock:
@@ -472,14 +496,14 @@ class StageTransferRuntime:
         output route. ``raw``: a route group without a builder sends ``output`` as it is. Returns payloads
         enqueued; -1 when a builder raised (the request is reported failed, nothing more is sent)."""
         enqueued = 0
-        for builder, routes in self._send_groups:
+        for (builder, routes), manager in zip(self._send_groups, self._builder_managers, strict=True):
             if builder is None:
                 if not raw:
                     continue
                 payload = output
             else:
                 to_stage = routes[0].to_stage if builder.per_destination else None
-                ok, payload = self._build(builder, rid, request, output, is_finished, to_stage)
+                ok, payload = self._build(builder, rid, request, output, is_finished, to_stage, manager)
                 if not ok:
                     return -1
             if payload is None:
@@ -854,12 +878,13 @@ class StageTransferRuntime:
     def receive_multi_kv_cache(
         self,
         req: Any,
-        cfg_kv_collect_func: Callable[[str, dict[str, Any]], Mapping[str, Any] | None] | None = None,
+        cfg_kv_collect_func: Callable[..., Mapping[str, Any] | None] | None = None,
         target_device: Any = None,
         active_request_ids: Iterable[str] | None = None,
     ) -> bool:
-        """Primary KV (applied to ``req``) plus CFG companions (via ``cfg_kv_collect_func``)."""
-        return self._kv.recv_multi(req, cfg_kv_collect_func, target_device, active_request_ids)
+        """Primary KV (applied to ``req``) plus CFG companions (via ``cfg_kv_collect_func``, default: the stage's)."""
+        collect = cfg_kv_collect_func if cfg_kv_collect_func is not None else self._cfg_kv_collect
+        return self._kv.recv_multi(req, collect, target_device, active_request_ids)
 
     def mark_kv_transfer(self, req_id: str, seq_len: int, block_ids: list[int], custom_metadata: dict[str, Any] | None = None) -> bool:
         """Mark a request's KV for transfer (pending). A request already pending or active is not marked again."""

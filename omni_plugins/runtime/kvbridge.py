@@ -9,6 +9,8 @@ rank-routing helpers of the reference API, which delegate to
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -113,7 +115,7 @@ class KVBridge:
     def recv_multi(
         self,
         req: Any,
-        cfg_kv_collect_func: Callable[[str, dict[str, Any]], Mapping[str, Any] | None] | None = None,
+        cfg_kv_collect_func: Callable[..., Mapping[str, Any] | None] | None = None,
         target_device: Any = None,
         active_request_ids: Iterable[str] | None = None,
     ) -> bool:
@@ -136,7 +138,10 @@ class KVBridge:
         cfg_ids = getattr(params, "cfg_kv_request_ids", None)
         if cfg_ids and cfg_kv_collect_func is not None:
             try:
-                collected = cfg_kv_collect_func(request_id, self.recv_companions(cfg_ids, target_device))
+                if _fetches_itself(cfg_kv_collect_func):  # vLLM-Omni's form: it receives the companions through the manager
+                    collected = cfg_kv_collect_func(request_id, dict(cfg_ids), self.manager, target_device)
+                else:
+                    collected = cfg_kv_collect_func(request_id, self.recv_companions(cfg_ids, target_device))
                 if collected and params is not None:
                     for key, value in collected.items():
                         setattr(params, key, value)
@@ -218,3 +223,15 @@ class KVBridge:
         if payload is None:
             return None
         return slice_for_rank(payload, self.from_tp, self.to_tp, self.local_rank)
+
+
+@functools.lru_cache(maxsize=64)
+def _fetches_itself(func: Callable[..., Any]) -> bool:
+    """Whether a CFG collect function has vLLM-Omni's signature ``(request_id, cfg_request_ids, kv_transfer_manager,
+    target_device)`` (it fetches each companion's KV with ``kv_transfer_manager.receive_kv_cache_for_request``) rather
+    than ``(request_id, {role: (payload, size)})`` (it is given the companions' KV)."""
+    try:
+        params = [p for p in inspect.signature(func).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) >= 3

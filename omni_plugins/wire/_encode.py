@@ -259,7 +259,5 @@ def encode_py(obj: Any, *, limits: Limits = DEFAULT_LIMITS) -> Encoded:
         raise WireFormatError(f"encoded header is {hlen} bytes > max_header_bytes={limits.max_header_bytes}")
     data_start = (PREFIX_SIZE + hlen + ALIGNMENT - 1) & -ALIGNMENT
     total = data_start + enc.cursor
-    head = b"".join(
-        (PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, hlen, zlib.crc32(header), total), header, _ZERO_PAD[: data_start - PREFIX_SIZE - hlen])
-    )
+    head = b"".join((PREFIX.pack(MAGIC, FORMAT_VERSION, 0, 0, hlen, zlib.crc32(header), total), header, _ZERO_PAD[: data_start - PREFIX_SIZE - hlen]))
     return Encoded(head, data_start, enc.segments, total)

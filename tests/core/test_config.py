@@ -11,6 +11,7 @@ import pytest
 
 from omni_plugins import ConfigError, PipelineConfig, RankMapping, load_pipeline_config
 from omni_plugins.config import StageConnectorConfig, parse_pipeline_config
+from omni_plugins.config.interpolate import interpolate
 
 BAD_DIR = Path(__file__).resolve().parents[1] / "data" / "bad_configs"
 BAD_FILES = sorted(BAD_DIR.glob("*.yaml"))
@@ -280,6 +281,29 @@ def test_strict_types(field: str, expect: str) -> None:
         parse_pipeline_config(f"stages:\n  - {{{field}}}\n")
 
 
+@pytest.mark.parametrize(
+    ("value", "env", "expect"),
+    [
+        ("${oc.env:R,redis://127.0.0.1:6379/0}", {}, "redis://127.0.0.1:6379/0"),
+        ("${oc.env:R,redis://h:1/0}", {"R": "redis://x:2/1"}, "redis://x:2/1"),
+        ("${oc.env:R,dflt}", {"R": ""}, ""),  # OmegaConf's rule: the default only when unset
+        ("${oc.env:R,'a,b'}", {}, "a,b"),
+        ("pre-${oc.env:R, x }-post", {}, "pre-x-post"),
+        ("${oc.env:R}", {"R": "set"}, "set"),
+    ],
+)
+def test_omegaconf_env_references_resolve_as_omegaconf_does(value: str, env: dict[str, str], expect: str) -> None:
+    """vLLM-Omni's deploy files are OmegaConf files: ${oc.env:VAR,default} is how they read a variable."""
+    assert interpolate(value, env) == expect
+
+
+def test_omegaconf_env_reference_without_default_needs_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"p.yaml:3: stages\[0\].model_stage: environment variable \$\{R\} is not set"):
+        parse_pipeline_config("stages:\n  - stage_id: 0\n    model_stage: ${oc.env:R}\n", filename="p.yaml", env={})
+    with pytest.raises(ConfigError, match="malformed reference"):
+        parse_pipeline_config("stages:\n  - stage_id: 0\n    model_stage: ${oc.env:R,${S}}\n", filename="p.yaml", env={})
+
+
 def test_interpolated_text_fills_typed_fields() -> None:
     """Interpolation gives strings; int, bool and float fields take their text forms (not bools / yes)."""
     text = "stages:\n  - stage_id: ${ID}\n    tp_size: ${TP:-2}\n    kv_transfer: ${KV}\n    recv_timeout_s: ${T}\n"
@@ -358,23 +382,26 @@ runtime:
 """
 
 
-def test_peer_only_keys_are_ignored_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="omni_plugins.config.loader"):
+def test_peer_settings_not_used_are_kept_and_listed_in_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="omni_plugins.config.vllm_omni"):
         cfg = parse_pipeline_config(PEER2, filename="peer2.yaml")
     assert [(s.stage_id, s.model_stage, s.final_output) for s in cfg.stages] == [(0, "thinker", True), (1, "talker", False)]
     assert sorted(cfg.connectors) == ["connector_of_mooncake", "connector_of_shared_memory"] and cfg.edges() == {(0, 1)}
     [record] = caplog.records
-    for ignored in ("runtime.enabled", "runtime.defaults", "runtime.edges", "runtime (stage 0, 1)", "is_comprehension (stage 0)",
-                    "final_output_type (stage 0)", "default_sampling_params (stage 0)", "engine_input_source (stage 1)"):  # fmt: skip
+    for ignored in ("runtime.enabled", "runtime.defaults", "runtime.process (stage 0, 1)", "devices (stage 0, 1)", "is_comprehension (stage 0)",
+                    "final_output_type (stage 0)", "default_sampling_params (stage 0)", "gpu_memory_utilization (stage 0)"):  # fmt: skip
         assert ignored in record.getMessage(), record.getMessage()
+    assert "engine_input_source" not in record.getMessage() and "runtime.edges," not in record.getMessage()  # both are read (edges)
+    assert cfg.stages[0].vllm_omni["gpu_memory_utilization"] == 0.8 and cfg.stages[1].vllm_omni["devices"] == "1"
+    assert cfg.vllm_omni["runtime.defaults"] == {"window_size": -1, "max_inflight": 1}
 
 
-def test_peer_only_keys_are_errors_elsewhere() -> None:
-    """Outside the peer layout they are unknown fields; inside it, unknown runtime keys stay errors."""
-    with pytest.raises(ConfigError, match=r"p.yaml:2: stages\[0\] \(stage 0\).is_comprehension: unknown field"):
-        parse_pipeline_config("stages:\n  - {stage_id: 0, is_comprehension: true}\n", filename="p.yaml")
-    with pytest.raises(ConfigError, match=r"p.yaml:30: runtime.max_inflight: unknown field 'max_inflight' \(used: connectors; ignored:"):
-        parse_pipeline_config(PEER2.replace("  edges:", "  max_inflight: 1\n  edges:"), filename="p.yaml", check_plugins=False)
+def test_a_native_file_keeps_its_strict_checks() -> None:
+    """Without a key of vLLM-Omni's layouts a file is native: an unknown key is an error with a hint."""
+    with pytest.raises(ConfigError, match=r"p.yaml:2: stages\[0\] \(stage 0\).model_stag: unknown field 'model_stag' \(did you mean 'model_stage'\?\)"):
+        parse_pipeline_config("stages:\n  - {stage_id: 0, model_stag: thinker}\n", filename="p.yaml")
+    with pytest.raises(ConfigError, match=r"p.yaml:1: conectors: unknown field 'conectors' \(did you mean 'connectors'\?\)"):
+        parse_pipeline_config("conectors: {}\nstages:\n  - {stage_id: 0}\n", filename="p.yaml")
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,21 @@ def test_kwargs_builder_accepted() -> None:
     assert load_builder(f"{B}.via_kwargs").accepts_is_finished
 
 
+def test_a_builder_may_name_the_output_multimodal_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM-Omni's streaming builders take the model output as multimodal_output: called by that name."""
+    (tmp_path / "vo_builders.py").write_text(
+        "def stream(transfer_manager, multimodal_output, request, is_finished=False):\n"
+        "    return {'out': multimodal_output, 'done': is_finished}\n"
+        "def neither(transfer_manager, output, request):\n    return output\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    builder = load_builder("vo_builders.stream")
+    assert builder.output_kwarg == "multimodal_output"
+    assert builder(transfer_manager=None, pooling_output=7, request=None, is_finished=True) == {"out": 7, "done": True}
+    with pytest.raises(BuilderError, match="pooling_output may be named multimodal_output"):
+        load_builder("vo_builders.neither")
+
+
 def test_wrong_signature_rejected_with_signature_in_message() -> None:
     with pytest.raises(BuilderError, match=r"\(output: 'Any'\)|\(output"):
         load_builder(f"{B}.wrong_signature")

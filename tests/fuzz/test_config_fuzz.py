@@ -27,6 +27,10 @@ KEYS = [
     "model_stage", "input_connectors", "output_connectors", "from_stage_0", "to_stage_1", "to_stage_0", "rank_mapping",
     "from_tp", "to_tp", "tp_size", "kv_transfer", "recv_timeout_s", "namespace", "stage_args", "engine_args", "runtime",
     "custom_process_next_stage_input_func", "<<",
+    # vLLM-Omni's layouts
+    "platforms", "npu", "edges", "from", "to", "engine_input_source", "num_replicas", "tensor_parallel_size", "omni_kv_config",
+    "need_send_cache", "need_recv_cache", "is_prefill_only", "is_decode_only", "pd_prefill_pick_strategy", "devices",
+    "cfg_kv_collect_func", "backend", "backend_config",
 ]  # fmt: skip
 
 
@@ -53,9 +57,13 @@ def test_mutated_good_config(insert: str, at: int, cut: int) -> None:
     load(GOOD[:at] + insert + GOOD[at + cut :])
 
 
+TEXTS = [
+    "${NS}", "${MISSING}", "${PORT}", "${WEIRD}", "$", "${", "memory", "shm", "redis", "ar", "generation",
+    "${oc.env:NS,x}", "SharedMemoryConnector", "OmniPlugins", "NixlConnector", "round_robin",
+]  # fmt: skip
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=12), st.sampled_from(BUILDERS),
-    st.sampled_from(["${NS}", "${MISSING}", "${PORT}", "${WEIRD}", "$", "${", "memory", "shm", "redis", "ar", "generation"]),
+    st.sampled_from(TEXTS),
 )  # fmt: skip
 trees = st.recursive(
     scalars,

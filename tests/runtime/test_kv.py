@@ -88,6 +88,30 @@ def test_receive_multi_with_cfg_companions() -> None:
     rt.shutdown()
 
 
+def collect_like_vllm_omni(request_id: str, cfg_request_ids: dict[str, str], kv_transfer_manager: Any, target_device: Any = None) -> dict[str, Any]:
+    """vLLM-Omni's form of a CFG collect function (BAGEL's collect_cfg_kv_caches): it fetches each companion itself."""
+    out: dict[str, Any] = {}
+    for role, rid in cfg_request_ids.items():
+        data, _ = kv_transfer_manager.receive_kv_cache_for_request(rid, target_device)
+        if data:
+            out[f"{role}_past_key_values"] = data
+    return out
+
+
+def test_the_stage_cfg_kv_collect_func_is_used_in_vllm_omni_form() -> None:
+    """A stage's cfg_kv_collect_func (as a vLLM-Omni file names BAGEL's) collects the companions when the caller gives none."""
+    kv = FakeKV()
+    kv.store = {"main": {"k": 1}, "main__cfg_text": {"k": 2}}
+    rt = _rt(kv, cfg_kv_collect_func=f"{__name__}.collect_like_vllm_omni")
+    req = Req("main", sampling_params=SimpleNamespace(cfg_kv_request_ids={"cfg_text": "main__cfg_text", "cfg_img": "gone"}))
+    assert rt.receive_multi_kv_cache(req) is True
+    assert req.sampling_params.cfg_text_past_key_values == {"k": 2} and not hasattr(req.sampling_params, "cfg_img_past_key_values")
+    assert ("recv", "main__cfg_text") in kv.calls and ("recv", "gone") in kv.calls
+    rt.shutdown()
+    with pytest.raises(ConfigError, match=r"stage 1: cfg_kv_collect_func: 'os\.nothing_here' cannot be imported"):
+        _rt(FakeKV(), cfg_kv_collect_func="os.nothing_here")
+
+
 def test_kv_lifecycle_pending_active_completed_with_dedup() -> None:
     rt = _rt(FakeKV())
     assert not rt.has_pending_kv_work()

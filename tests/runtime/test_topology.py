@@ -97,6 +97,51 @@ def test_fan_out_sends_every_chunk_to_every_destination_each_over_its_connector(
     assert all(c.closed for c in conns)  # one connector per instance, all closed
 
 
+def chunk_frames(transfer_manager: Any, pooling_output: Any, request: Any, to_stage: int, is_finished: bool = False) -> dict[str, Any]:
+    """Reads its knob as vLLM-Omni's builders do (``transfer_manager.connector.config``) and keeps state on the manager."""
+    raw = getattr(transfer_manager.connector, "config", {}) or {}
+    cfg = raw.get("extra", raw) if isinstance(raw, dict) else {}
+    transfer_manager.builder_calls = getattr(transfer_manager, "builder_calls", 0) + 1
+    frames = int(cfg.get("codec_chunk_frames", -1))
+    return {"frames": {"n": torch.tensor([frames])}, "meta": {"finished": is_finished}}
+
+
+BUILDER_SETTINGS = """
+connectors:
+  net: {name: memory, extra: {namespace: net-NS}, builder_settings: {codec_chunk_frames: 25, codec_left_context_frames: 25}}
+  local: {name: memory, extra: {namespace: local-NS}, builder_settings: {codec_chunk_frames: 4}}
+  plain: {name: memory, extra: {namespace: plain-NS}}
+stages:
+  - stage_id: 0
+    async_chunk: true
+    custom_process_next_stage_input_func: test_topology.chunk_frames
+    output_connectors: {to_stage_1: net, to_stage_2: local, to_stage_3: plain}
+  - {stage_id: 1, async_chunk: true, input_connectors: {from_stage_0: net}}
+  - {stage_id: 2, async_chunk: true, input_connectors: {from_stage_0: local}}
+  - {stage_id: 3, async_chunk: true, input_connectors: {from_stage_0: plain}}
+"""
+
+
+def test_builders_read_their_connector_builder_settings(runtimes: list, ns: str) -> None:
+    """Each edge's builder sees its connector's builder_settings as ``connector.config``; its state lands on the runtime."""
+    cfg = _pipeline(BUILDER_SETTINGS, ns)
+    sender, *receivers = (_rt(cfg, s, runtimes) for s in (0, 1, 2, 3))
+    for rt in receivers:
+        assert rt.register_chunk_recv(Req("r"))
+    req = Req("r")
+    req.done = True
+    assert sender.send_chunk(req, {"x": {"y": torch.zeros(1)}})
+    frames = []
+    for rt in receivers:
+        collect_until(rt, lambda sig: "r" in sig.chunk_finished)
+        frames.append(int(rt.get_local_stage_payload("r")["frames"]["n"][0]))
+        rt.cleanup_finished_request("r")
+    assert frames == [25, 4, -1]  # a connector without builder settings: the builder's default
+    assert sender.builder_calls == 3  # set through the view, kept on the runtime
+    assert sender.connectors["net"].name == "memory"  # the runtime's own connectors are untouched
+    sender.cleanup_finished_request("r")
+
+
 def test_fan_out_keys_carry_the_destination(runtimes: list, ns: str) -> None:
     cfg = _pipeline(FAN_OUT, ns)
     thinker = _rt(cfg, 0, runtimes)

@@ -36,9 +36,7 @@ class _Engine(ConnectorSettings):
         description="address this process advertises to peers (also exported as MC_TCP_BIND_ADDRESS unless set)",
     )
     protocol: Literal["tcp", "rdma"] = Field(
-        default="tcp",
-        validation_alias=AliasChoices("protocol", "proto"),
-        description="transport of the bulk data: tcp, or rdma (with device_name)",
+        default="tcp", validation_alias=AliasChoices("protocol", "proto"), description="transport of the bulk data: tcp, or rdma (with device_name)"
     )
     device_name: str = Field(
         default="",

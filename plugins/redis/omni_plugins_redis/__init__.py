@@ -1,4 +1,4 @@
-"""Redis and Redis Cluster connector for omni-plugins.
+"""Redis, Redis Cluster and Redis Sentinel connector for omni-plugins, on redis-py.
 
 Install with ``pip install omni-plugins-redis``; then
 ``create_connector("redis", {"url": "redis://127.0.0.1:6379/0"})``.

@@ -5,7 +5,7 @@ Not the connector's data path: one connection at a time, for scans, deletes and 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
@@ -17,23 +17,20 @@ TIMEOUT_S = 30.0
 
 
 def plain_client(config: RedisConfig, *, timeout: float = TIMEOUT_S) -> redis.Redis | RedisCluster:
-    """A redis-py client reaching what ``config`` reaches: one server, a cluster (every primary), TLS, ACL, unix socket."""
-    params: dict[str, Any] = {
-        "username": config.username,
-        "password": config.password.get_secret_value() if config.password is not None else None,
-        "socket_timeout": timeout,
-        "socket_connect_timeout": config.connect_timeout,
-    }
+    """A redis-py client reaching what ``config`` reaches: one server, a cluster (every primary), Sentinel's primary,
+    TLS, ACL or a credential provider, unix socket."""
+    from omni_plugins_redis.topology import auth_and_timeouts, sentinel_for, tls_options
+
+    params = auth_and_timeouts(config)
+    params.update(socket_timeout=timeout)
+    params.pop("retry")  # redis-py's own retries for these one-off commands
     if config.tls:
-        params.update(
-            ssl=True,
-            ssl_ca_certs=str(config.tls_ca_file) if config.tls_ca_file else None,
-            ssl_certfile=str(config.tls_cert_file) if config.tls_cert_file else None,
-            ssl_keyfile=str(config.tls_key_file) if config.tls_key_file else None,
-            ssl_check_hostname=config.tls_check_hostname,
-        )
+        params.update(ssl=True, **tls_options(config))
     if config.cluster:
         return RedisCluster(startup_nodes=[ClusterNode(host, port) for host, port in config.nodes()], **params)
+    if config.sentinels:
+        params.pop("ssl", None)
+        return sentinel_for(config).master_for(config.service_name or "", db=config.db, ssl=config.tls, **params)
     if config.unix_socket:
         return redis.Redis(unix_socket_path=config.unix_socket, db=config.db, **params)
     return redis.Redis(host=config.host, port=config.port, db=config.db, **params)

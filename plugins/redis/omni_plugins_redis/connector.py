@@ -1,19 +1,20 @@
-"""``RedisConnector``: payloads through Redis or Redis Cluster.
+"""``RedisConnector``: payloads through Redis, Redis Cluster or a Sentinel-managed primary.
 
 Write path (:meth:`_put`): encode with ``omni_plugins.wire`` (zero copy),
-frame by hand and write with vectored ``sendmsg`` straight from tensor memory
-(no Python copy). A large payload's ``chunk_bytes`` parts are written first
-(one pipeline, each acknowledged); then one ``MULTI`` ... ``EXEC`` pushes the
-manifest, its TTL and a commit marker. Only the manifest makes a payload
-visible and the transaction is atomic, so a reader never sees half a payload;
-one round trip per small put, two per large one.
+frame with :mod:`.packing` and send through redis-py's connection straight
+from tensor memory (no Python copy). A large payload's ``chunk_bytes`` parts
+are written first (one pipeline, each acknowledged); then one ``MULTI`` ...
+``EXEC`` pushes the manifest, its TTL and a commit marker. Only the manifest
+makes a payload visible and the transaction is atomic, so a reader never sees
+half a payload; one round trip per small put, two per large one. With
+``min_replica_acks`` a ``WAIT`` follows the commit in the same write.
 
 Read path (:meth:`_get`): claim the manifest atomically (``LMOVE``/``BLMOVE``
 into a private claim list, see :mod:`.waiting`), stream the parts straight
-into one preallocated buffer, delete claim and parts (the parts with the
-next parted put on the connection, see :meth:`Connection.retire`), and decode with
-``omni_plugins.wire`` over that buffer (``copy=False``): tensors own that
-memory, one copy in total.
+into one preallocated buffer (:mod:`.replies`), delete claim and parts (the
+parts with the next parted put to that server, see :class:`.client.NodeQueue`),
+and decode with ``omni_plugins.wire`` over that buffer (``copy=False``):
+tensors own that memory, one copy in total.
 
 All keys of one payload share a hash tag (:mod:`.keys`), so in a cluster they
 live on one node and each step talks to one connection.
@@ -28,35 +29,38 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
+from redis.exceptions import ExecAbortError, RedisError, ResponseError
 
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
 from omni_plugins.errors import ConnectorClosedError, ConnectorError, CorruptPayloadError
 from omni_plugins.wire import empty_bytes
 from omni_plugins_redis import manifest as mf
-from omni_plugins_redis.client import Connection, RedisClient
+from omni_plugins_redis.client import Link, RedisClient
 from omni_plugins_redis.config import RedisConfig
-from omni_plugins_redis.framing import Buffer, Pieces, ProtocolError, Reply, ReplyError, frame_key_command
 from omni_plugins_redis.keys import PayloadKeys
+from omni_plugins_redis.packing import Buffer, Pieces, frame_key_command, pack_many
+from omni_plugins_redis.replies import ProtocolError
 from omni_plugins_redis.waiting import Claimer, peek_claim
 
 log = logging.getLogger(__name__)
 
-#: Every command the connector sends; an ACL user needs these (plus ``cluster|slots`` in
-#: cluster mode) and the key pattern ``~<key_prefix>*``. Without ``blmove``,
-#: ``get(timeout=)`` falls back to polling.
+#: Every command the connector sends; an ACL user needs these (plus ``cluster|slots`` and
+#: ``command``, which redis-py's ``RedisCluster`` asks at start, in cluster mode) and the key
+#: pattern ``~<key_prefix>*``. Without ``blmove``, ``get(timeout=)`` falls back to polling;
+#: ``wait``, ``watch`` and ``unwatch`` serve ``min_replica_acks``.
 ACL_COMMANDS = (
     "get", "set", "rpush", "lpush", "lrem", "lmove", "blmove", "pexpire", "exists",
-    "del", "unlink", "multi", "exec", "lrange", "lindex", "ping",
+    "del", "unlink", "multi", "exec", "lrange", "lindex", "ping", "wait", "watch", "unwatch",
 )  # fmt: skip
 
 
 def acl_rule(key_prefix: str, *, cluster: bool = False, commands: tuple[str, ...] = ACL_COMMANDS) -> str:
     """The ACL rule (keys and commands) a least-privilege user of this connector needs."""
-    extra = " +cluster|slots" if cluster else ""
+    extra = " +cluster|slots +command" if cluster else ""
     return f"~{key_prefix}* resetchannels -@all " + " ".join(f"+{c}" for c in commands) + extra
 
 
@@ -65,6 +69,8 @@ def acl_rule(key_prefix: str, *, cluster: bool = False, commands: tuple[str, ...
 PART_TTL_GRACE_MS = 60_000
 # A commit marker only has to outlive the writer's retries.
 MARKER_TTL_MS = 600_000
+# What a commit marker says once its put gave up waiting for replicas (min_replica_acks): discard, do not give back.
+WITHDRAWN = b"withdrawn"
 # Deleting the parts of a discarded payload (whose manifest may announce many): keys per UNLINK, UNLINKs per round trip.
 UNLINK_BATCH = 512
 UNLINK_PIPELINE = 16
@@ -91,7 +97,7 @@ class _PutState:
     attempts: int = 0
     # parts of payloads consumed earlier on the connection, deleted one before each of ours
     retired: list[bytes] = field(default_factory=list)
-    # its withdrawal was queued behind it on the connection close() aborted (see RedisConnector._put)
+    # withdrawn already: queued behind it on the connection close() aborted, or after replicas fell short
     withdrawn: bool = False
 
 
@@ -108,8 +114,12 @@ class _ReadState:
     restored: bool = False
 
 
+class ReplicaAckError(ConnectorError):
+    """Fewer replicas than ``min_replica_acks`` confirmed a put within ``replica_ack_timeout``; the put was withdrawn."""
+
+
 class RedisConnector(Connector):
-    """Redis / Redis Cluster connector (see module docstring for the protocol)."""
+    """Redis / Redis Cluster / Sentinel connector (see module docstring for the protocol)."""
 
     capabilities = Capabilities(blocking_get=True, cross_process=True, cross_host=True, zero_copy_get=False, consume_on_get=True)
 
@@ -117,7 +127,7 @@ class RedisConnector(Connector):
         super().__init__()
         self.config = config
         self._client = RedisClient(config)
-        self._claimer = Claimer(self._client, config)
+        self._claimer = Claimer(self._client, config, self._settle_unconfirmed)
         # Claim lists are named by this instance and a per-get counter: a deferred delete of
         # one get's claim list can never hit a later get's. A get that lost its reply (or the
         # server, while reading parts) records its claim list, and the next get of the key
@@ -130,13 +140,21 @@ class RedisConnector(Connector):
         self._ttl_ms = ttl_ms
         self._inline_max = min(config.inline_bytes, config.chunk_bytes)
         self._ttl_frame = b"$%d\r\n%d\r\n" % (len(str(ttl_ms)), ttl_ms)
-        # the replies of an inline put's transaction when all went well (MULTI, queued commands, EXEC)
-        queued = 3 if ttl_ms else 2
-        self._inline_committed = re.compile(
-            rb"\+OK\r\n" + rb"\+QUEUED\r\n" * queued + b"\\*%d\r\n:\\d+\r\n" % queued + (rb":1\r\n" if ttl_ms else b"") + rb"\+OK\r\n"
-        )
+        self._commit_replies = 5 if ttl_ms else 4  # MULTI, the queued commands, EXEC
         self._part_ttl_ms = ttl_ms + PART_TTL_GRACE_MS if ttl_ms else 0
         self._reuse_parts = config.reuse_part_memory and config.lazy_cleanup
+        self._acks = config.min_replica_acks
+        self._wait: tuple[str, int, int] | None = None
+        self._wait_frame = b""
+        if self._acks:
+            self._wait = ("WAIT", self._acks, round(config.replica_ack_timeout * 1000))
+            self._wait_frame = b"".join(pack_many([self._wait]))
+        # the replies of a commit transaction when all went well (MULTI, queued commands, EXEC[, WAIT]): one match
+        queued = 3 if ttl_ms else 2
+        self._committed = re.compile(
+            rb"\+OK\r\n" + rb"\+QUEUED\r\n" * queued + b"\\*%d\r\n:\\d+\r\n" % queued + (rb":1\r\n" if ttl_ms else b"") + rb"\+OK\r\n"
+            + (rb":(\d{1,19})\r\n" if self._acks else b"")
+        )  # fmt: skip
 
     # -- helpers -------------------------------------------------------------
     def _keys(self, key: str) -> PayloadKeys:
@@ -168,14 +186,14 @@ class RedisConnector(Connector):
             parts = [Pieces(p) for p in _split(encoded.buffers(), self.config.chunk_bytes)]
         state = _PutState(keys=keys, manifest=manifest, element=element, parts=parts)
 
-        def step(conn: Connection) -> None:
+        def step(link: Link) -> None:
             try:
-                self._put_step(conn, state)
+                self._put_step(link, state)
             except BaseException:
-                if conn.aborted and not state.withdrawn:
+                if link.aborted and not state.withdrawn:
                     # close() cut the put short, maybe with its commit already sent to a stalled server: the
                     # withdrawal goes behind it on the same connection, so the server runs it after the commit
-                    state.withdrawn = conn.send_last(self._abandon_commands(state))
+                    state.withdrawn = link.send_last(self._abandon_commands(state))
                 raise
 
         try:
@@ -185,32 +203,123 @@ class RedisConnector(Connector):
             raise
         return PutResult(True, total, {"parts": manifest.nparts})
 
-    def _put_step(self, conn: Connection, state: _PutState) -> None:
+    def _put_step(self, link: Link, state: _PutState) -> None:
         keys, manifest = state.keys, state.manifest
         marker = keys.marker(manifest.put_id)
         state.attempts += 1
-        if state.attempts > 1 and conn.call("EXISTS", marker) == 1:
-            conn.defer("DEL", marker)  # the lost reply was a successful commit
+        if state.attempts > 1 and (decided := link.call("GET", marker)) is not None:  # the lost reply was a successful commit
+            if decided == WITHDRAWN:
+                state.withdrawn = True
+                raise ReplicaAckError(f"put {keys.key!r} on Redis {link.route.name}: withdrawn (min_replica_acks not reached)")
+            if self._wait is not None:  # durable on the replicas of the primary that has it now?
+                link.send([("PEXPIRE", marker, MARKER_TTL_MS), self._wait])
+                self._check_acks(link, state, link.read_many(2)[1])
+            link.defer(keys.slot, "DEL", marker, frame=frame_key_command("DEL", marker))
             return
         # One transaction: manifest, TTL and commit marker become visible together or not
         # at all; parts (large payloads) are written and acknowledged before it.
-        if isinstance(state.element, bytes):  # small inline payload: one template, one match
-            conn.send_frame(self._inline_commit(keys.manifest, marker, state.element))
-            if not conn.skip(self._inline_committed):  # not every reply as expected: parse them one by one
-                self._check_commit([conn.read() for _ in range(5 if self._ttl_ms else 4)])
-            conn.defer("DEL", marker, frame=frame_key_command("DEL", marker))
-            return
-        if state.parts:
-            self._write_parts(conn, state)
-        commit: list[tuple[Any, ...]] = [("MULTI",), ("RPUSH", keys.manifest, state.element)]
-        if self._ttl_ms:
-            commit.append(("PEXPIRE", keys.manifest, self._ttl_ms))
-        commit += [("SET", marker, b"1", "PX", MARKER_TTL_MS), ("EXEC",)]
-        conn.send_many(commit)
-        self._check_commit([conn.read() for _ in commit])
-        conn.defer("DEL", marker)
+        if isinstance(state.element, bytes):  # small inline payload: one template, one write
+            link.send_frame(self._inline_commit(keys.manifest, marker, state.element) + self._wait_frame)
+        else:
+            if state.parts:
+                self._write_parts(link, state)
+            commit: list[tuple[Any, ...]] = [("MULTI",), ("RPUSH", keys.manifest, state.element)]
+            if self._ttl_ms:
+                commit.append(("PEXPIRE", keys.manifest, self._ttl_ms))
+            commit += [("SET", marker, b"1", "PX", MARKER_TTL_MS), ("EXEC",)]
+            link.send([*commit, self._wait] if self._wait is not None else commit)
+        found = link.expect(self._committed)
+        if found is None:  # not every reply as expected: read them one by one
+            self._check_commit(link.read_many(self._commit_replies))
+            acked = link.read() if self._wait is not None else None
+        else:
+            acked = int(found.group(1)) if self._wait is not None else None
+        if self._wait is not None:
+            self._check_acks(link, state, acked)
+        link.defer(keys.slot, "DEL", marker, frame=frame_key_command("DEL", marker))
 
-    def _write_parts(self, conn: Connection, state: _PutState) -> None:
+    def _check_acks(self, link: Link, state: _PutState, acked: Any) -> None:
+        """The ``WAIT`` reply after a commit: fewer than ``min_replica_acks`` replicas withdraw the put.
+
+        The commit is visible before ``WAIT`` answers, so a reader may hold the
+        payload (claimed, not yet delivered: a reader delivers only what the
+        replicas confirmed, see :meth:`_settle_unconfirmed`). In order:
+        withdraw it if it is still in its list; else wait once more, as the
+        reader does (replicas confirming its claim confirm this commit too);
+        else withdraw for good, with the marker set to ``withdrawn`` so the
+        reader holding it discards it instead of giving it back. One decision
+        either way: a put that fails leaves nothing behind and is never delivered.
+        """
+        if isinstance(acked, RedisError):
+            raise acked
+        if not isinstance(acked, int) or acked >= self._acks or self._wait is None:
+            return
+        keys, manifest = state.keys, state.manifest
+        marker = keys.marker(manifest.put_id)
+        element = self._element_bytes(state)
+        if _reply(link, ("LREM", keys.manifest, 0, element)):  # no reader took it
+            self._withdrawn(link, state, acked)
+        if _int_reply(_reply(link, self._wait)) >= self._acks:
+            return
+        link.send([("MULTI",), ("LREM", keys.manifest, 0, element), ("SET", marker, WITHDRAWN, "PX", MARKER_TTL_MS), ("EXEC",)])
+        replies = link.read_many(4)
+        self._check_commit(replies)
+        results = replies[-1]
+        removed = results[0] if isinstance(results, list) else 0
+        if removed:  # given back meanwhile: withdrawn here; else the reader holding it discards it
+            self._withdrawn(link, state, acked)
+        state.withdrawn = True
+        raise self._ack_error(link, state, acked)
+
+    def _withdrawn(self, link: Link, state: _PutState, acked: int) -> NoReturn:
+        """The put's element is out of its list: delete marker and parts, fail the put."""
+        keys, manifest = state.keys, state.manifest
+        _run_pipelined(link, iter([("UNLINK", keys.marker(manifest.put_id), *keys.parts(manifest.put_id, manifest.nparts))]))
+        state.withdrawn = True
+        raise self._ack_error(link, state, acked)
+
+    def _ack_error(self, link: Link, state: _PutState, acked: int) -> ReplicaAckError:
+        return ReplicaAckError(
+            f"put {state.keys.key!r} on Redis {link.route.name}: {acked} of {self._acks} replica(s) confirmed it within "
+            f"{self.config.replica_ack_timeout}s (min_replica_acks); the put was withdrawn"
+        )
+
+    def _settle_unconfirmed(self, link: Link, keys: PayloadKeys, claim_key: bytes, element: bytes | bytearray) -> bool:
+        """A claim whose ``WAIT`` fell short: True to deliver the payload, False when it was given back or discarded.
+
+        The payload's commit marker tells what its writer decided: gone means
+        the put was confirmed (and cleaned up), so deliver; ``withdrawn`` means
+        it failed, so discard it; ``1`` means undecided, so put it back at the
+        head of its list for a later get (``WATCH`` on the marker makes that
+        atomic with the writer's decision).
+        """
+        try:
+            manifest = mf.parse(element, self.config.max_payload_bytes)
+        except mf.ManifestError:
+            return True  # reported as corrupt by the get
+        marker = keys.marker(manifest.put_id)
+        for _ in range(16):  # WATCH fails only when the writer decided meanwhile: then look again
+            link.send([("WATCH", marker), ("GET", marker)])
+            decided = link.read_many(2)[1]
+            if isinstance(decided, RedisError):
+                raise decided
+            if decided is None:
+                _reply(link, ("UNWATCH",))
+                return True
+            if decided == WITHDRAWN:
+                _reply(link, ("UNWATCH",))
+                doomed = [claim_key, marker, *keys.parts(manifest.put_id, manifest.nparts)]
+                _run_pipelined(link, iter([("UNLINK", *doomed)]))
+                return False
+            commands = self._restore_commands(keys, element, claim_key)
+            link.send(commands)
+            replies = link.read_many(len(commands))
+            if replies[-1] is not None:  # not aborted by the WATCH
+                self._check_commit(replies)
+                return False
+        return False
+
+    def _write_parts(self, link: Link, state: _PutState) -> None:
         """Write the parts (one pipeline, one round trip) and check that every one was stored.
 
         Parts go first and outside the commit transaction: nothing refers to them
@@ -223,7 +332,7 @@ class RedisConnector(Connector):
         roughly halves the server's CPU and page faults; see docs/backends/redis.md).
         """
         manifest = state.manifest
-        state.retired += [key for group in conn.take_retired() for key in group]
+        state.retired += link.take_retired()
         old = state.retired  # one key per delete: parts of different payloads may have different hash tags
         expiry = self._expiry(self._part_ttl_ms)
         commands: list[tuple[Any, ...]] = [("UNLINK", key) for key in old[len(state.parts) :]]
@@ -231,11 +340,11 @@ class RedisConnector(Connector):
             if i < len(old):
                 commands.append(("UNLINK", old[i]))
             commands.append(("SET", key, part, *expiry))
-        conn.send_many(commands)
-        replies = [conn.read() for _ in commands]
+        link.send(commands)
+        replies = link.read_many(len(commands))
         refused = None
         for command, reply in zip(commands, replies, strict=True):
-            if isinstance(reply, ReplyError):
+            if isinstance(reply, RedisError):
                 if command[0] != "UNLINK":
                     refused = refused or reply
                 else:  # a consumed payload's parts: they expire by TTL
@@ -261,18 +370,18 @@ class RedisConnector(Connector):
         return _INLINE_COMMIT % (len(manifest_key), manifest_key, len(element), element, len(marker), marker)
 
     @staticmethod
-    def _check_commit(replies: list[Reply]) -> None:
+    def _check_commit(replies: list[Any]) -> None:
         """Raise the first error of a commit transaction's replies (queuing errors abort EXEC)."""
         for reply in replies[:-1]:
-            if isinstance(reply, ReplyError):
+            if isinstance(reply, RedisError):
                 raise reply
         results = replies[-1]
-        if isinstance(results, ReplyError):
+        if isinstance(results, RedisError):
             raise results
         if not isinstance(results, list):
-            raise ReplyError("EXECABORT transaction discarded")
+            raise ExecAbortError("Transaction discarded")
         for reply in results:
-            if isinstance(reply, ReplyError):
+            if isinstance(reply, RedisError):
                 raise reply
 
     def _abandon(self, state: _PutState) -> None:
@@ -285,10 +394,9 @@ class RedisConnector(Connector):
             return
         commands = self._abandon_commands(state)
 
-        def step(conn: Connection) -> None:
-            conn.send_many(commands)
-            for _ in commands:
-                conn.read()
+        def step(link: Link) -> None:
+            link.send(commands)
+            link.read_many(len(commands))
 
         try:
             self._client.run(state.keys.slot, step, what="put cleanup", key=state.keys.key, retries=1)
@@ -296,10 +404,13 @@ class RedisConnector(Connector):
             log.debug("could not withdraw a failed put: %s", exc)
 
     @staticmethod
-    def _abandon_commands(state: _PutState) -> list[tuple[Any, ...]]:
+    def _element_bytes(state: _PutState) -> bytes:
+        return state.element if isinstance(state.element, bytes) else state.element.joined()
+
+    def _abandon_commands(self, state: _PutState) -> list[tuple[Any, ...]]:
         """What withdraws a put: its manifest element (if a commit went in), commit marker and parts."""
         keys, manifest = state.keys, state.manifest
-        element = state.element if isinstance(state.element, bytes) else b"".join(state.element.buffers)
+        element = self._element_bytes(state)
         doomed = [keys.marker(manifest.put_id), *keys.parts(manifest.put_id, manifest.nparts)]
         # and the consumed parts it had taken over for deletion (other hash tags: one key per delete)
         commands: list[tuple[Any, ...]] = [("LREM", keys.manifest, 0, element), ("UNLINK", *doomed)]
@@ -318,7 +429,9 @@ class RedisConnector(Connector):
         else:
             claim_key = keys.claim(f"{self._claim_tag}.{next(self._claim_ids):x}")
             try:
-                raw = self._claimer.claim(keys, claim_key, timeout, lambda conn, element: _drop_inline_claim(conn, claim_key, element))
+                raw = self._claimer.claim(
+                    keys, claim_key, timeout, lambda link, element: _drop_inline_claim(link, keys, claim_key, element)
+                )
             except ConnectorError:
                 self._set_suspect(key, claim_key)  # the move may have run with its reply lost
                 raise
@@ -354,7 +467,7 @@ class RedisConnector(Connector):
     def _recover_claim(self, keys: PayloadKeys, claim_key: bytes) -> bytes | bytearray | None:
         """A payload an earlier get of this key claimed but never finished reading (None if none)."""
         try:
-            found = self._client.run(keys.slot, lambda conn: peek_claim(conn, claim_key), what="get recover", key=keys.key)
+            found = self._client.run(keys.slot, lambda link: peek_claim(link, claim_key), what="get recover", key=keys.key)
         except ConnectorError:
             self._set_suspect(keys.key, claim_key)
             raise
@@ -371,13 +484,20 @@ class RedisConnector(Connector):
         """
         state = _ReadState(keys=keys, manifest=manifest)
 
-        def step(conn: Connection) -> None:
+        def step(link: Link) -> None:
             try:
-                self._read_step(conn, state)
+                self._read_step(link, state)
             except BaseException:
-                if conn.aborted and not state.restored:  # close() cut the reads short: give the payload back
-                    state.restored = conn.send_last(self._restore_commands(keys, raw, claim_key))
+                if link.aborted and not state.restored:  # close() cut the reads short: give the payload back
+                    state.restored = link.send_last(self._restore_commands(keys, raw, claim_key))
                 raise
+            # every part read: the claim list and the parts go with later writes (see _discard)
+            part_keys = keys.parts(manifest.put_id, manifest.nparts)  # as many as parts read: bounded by the bytes received
+            if self._reuse_parts:  # the next parted put to this server deletes them one by one (see _write_parts)
+                link.defer(keys.slot, "UNLINK", claim_key, frame=frame_key_command("UNLINK", claim_key))
+                link.retire(keys.slot, part_keys)
+            else:
+                link.defer(keys.slot, "UNLINK", claim_key, *part_keys, flush=True)  # frees server memory now
 
         try:
             self._client.run(keys.slot, step, what="get", key=keys.key)
@@ -394,14 +514,9 @@ class RedisConnector(Connector):
                 self._set_suspect(keys.key, claim_key)  # e.g. a closed connector: the claim list keeps it (TTL)
             raise
         assert state.buffer is not None  # every part was read, so part 0 was
-        part_keys = keys.parts(manifest.put_id, manifest.nparts)  # as many as parts read: bounded by the bytes received
-        if self._reuse_parts:  # the next put on this connection deletes them one by one (see _write_parts)
-            self._discard(keys, [claim_key], flush=False, retired=part_keys)
-        else:
-            self._discard(keys, [claim_key, *part_keys], flush=True)  # frees server memory now
         return state.buffer
 
-    def _read_step(self, conn: Connection, state: _ReadState) -> None:
+    def _read_step(self, link: Link, state: _ReadState) -> None:
         """Read the remaining parts, keeping ``read_window`` GETs in flight."""
         window = self.config.read_window
         manifest, keys = state.manifest, state.keys
@@ -410,23 +525,22 @@ class RedisConnector(Connector):
         while state.next_part < total:
             if sent < total and sent - state.next_part < window:
                 stop = min(total, state.next_part + window)
-                conn.send_many([("GET", keys.part(manifest.put_id, i)) for i in range(sent, stop)])
+                link.send([("GET", keys.part(manifest.put_id, i)) for i in range(sent, stop)])
                 sent = stop
             start, stop = manifest.part_span(state.next_part)
             try:
                 if state.whole is None:
-                    self._read_first_part(conn, state, stop - start)
-                elif not conn.read_bulk_into(state.whole[start:stop]):
+                    self._read_first_part(link, state, stop - start)
+                elif not link.bulk_into(state.whole[start:stop]):
                     raise _PartUnusable(f"part {state.next_part} is missing (expired or deleted)")
-            except ProtocolError as exc:
-                conn.close()
+            except ProtocolError as exc:  # the link is dropped with the exception: never reused out of step
                 raise _PartUnusable(f"part {state.next_part} is corrupt: {exc}") from None
             state.next_part += 1
 
     @staticmethod
-    def _read_first_part(conn: Connection, state: _ReadState, size: int) -> None:
+    def _read_first_part(link: Link, state: _ReadState, size: int) -> None:
         """Check part 0's stored size, then allocate the payload buffer and read part 0 into it."""
-        found = conn.read_bulk_size()
+        found = link.bulk_size()
         if found < 0:
             raise _PartUnusable("part 0 is missing (expired or deleted)")
         if found != size:
@@ -435,11 +549,10 @@ class RedisConnector(Connector):
         try:
             # uninitialised (no zero fill), huge pages when large: page faults are most of a fresh buffer's cost
             buffer = empty_bytes(total)
-        except MemoryError:
-            conn.close()  # part 0's body is still unread
+        except MemoryError:  # part 0's body is still unread: the link is dropped with the exception
             raise _PartUnusable(f"the {total} bytes the manifest announces cannot be allocated") from None
         state.buffer, state.whole = buffer, memoryview(buffer.data)
-        conn.read_bulk_body(state.whole[:size])
+        link.body_into(state.whole[:size])
 
     def _purge(self, keys: PayloadKeys, manifest: mf.Manifest, claim_key: bytes) -> None:
         """Delete a discarded payload's claim list and every part its manifest names, now.
@@ -455,26 +568,22 @@ class RedisConnector(Connector):
             for batch in keys.part_batches(manifest.put_id, manifest.nparts, UNLINK_BATCH):
                 yield ("UNLINK", *batch)
 
-        def step(conn: Connection) -> None:
-            _run_pipelined(conn, itertools.islice(commands(), done[0], None), done)
+        def step(link: Link) -> None:
+            _run_pipelined(link, itertools.islice(commands(), done[0], None), done)
 
         try:
             self._client.run(keys.slot, step, what="get cleanup", key=keys.key)
         except (ConnectorError, ConnectorClosedError) as exc:
             log.warning("%s (keys expire by TTL)", exc)
 
-    def _discard(self, keys: PayloadKeys, doomed: list[bytes], *, flush: bool, retired: Sequence[bytes] = ()) -> None:
-        """Delete a consumed payload's claim list (and parts); the reply is read lazily: no round trip.
+    def _discard(self, keys: PayloadKeys, doomed: list[bytes], *, flush: bool) -> None:
+        """Delete a payload's claim list (and parts); with ``lazy_cleanup`` and no ``flush``, with the next write.
 
-        ``flush`` sends the delete now (parts: free server memory at once); otherwise it
-        rides on the next write on this pooled connection (``lazy_cleanup``). ``retired``
-        keys (parts) are left to that connection's next parted put, or else its next write.
+        ``flush`` sends the delete now (a discarded payload: free server memory at once).
         """
 
-        def step(conn: Connection) -> None:
-            conn.defer("UNLINK", *doomed, flush=flush)
-            if retired:
-                conn.retire(retired)
+        def step(link: Link) -> None:
+            link.defer(keys.slot, "UNLINK", *doomed, flush=flush)
 
         try:
             self._client.run(keys.slot, step, what="get cleanup", key=keys.key)
@@ -492,14 +601,9 @@ class RedisConnector(Connector):
         """
         commands = self._restore_commands(keys, raw, claim_key)
 
-        def step(conn: Connection) -> None:
-            conn.send_many(commands)
-            replies = [conn.read() for _ in commands]
-            for reply in replies:
-                if isinstance(reply, ReplyError):
-                    raise reply
-            if not isinstance(replies[-1], list):
-                raise ReplyError("EXECABORT restore transaction discarded")
+        def step(link: Link) -> None:
+            link.send(commands)
+            self._check_commit(link.read_many(len(commands)))
 
         try:
             self._client.run(keys.slot, step, what="get restore", key=keys.key)
@@ -531,9 +635,9 @@ class RedisConnector(Connector):
         found: list[str] = []
         for slot, group in by_slot.items():
 
-            def step(conn: Connection, group: list[PayloadKeys] = group) -> list[str]:
-                conn.send_many([("EXISTS", pk.manifest) for pk in group])
-                replies = [conn.read() for _ in group]
+            def step(link: Link, group: list[PayloadKeys] = group) -> list[str]:
+                link.send([("EXISTS", pk.manifest) for pk in group])
+                replies = link.read_many(len(group))
                 return [pk.key for pk, n in zip(group, replies, strict=True) if n == 1]
 
             found += self._client.run(slot, step, what="wait_any", key=group[0].key)
@@ -549,16 +653,18 @@ class RedisConnector(Connector):
             lists.append(claim_key)
         commands: list[tuple[Any, ...]] = [("MULTI",), *(("LRANGE", k, 0, -1) for k in lists), ("DEL", *lists), ("EXEC",)]
 
-        def step(conn: Connection) -> list[bytes | bytearray]:
-            conn.send_many(commands)
-            replies = [conn.read() for _ in commands]
+        def step(link: Link) -> list[bytes | bytearray]:
+            link.send(commands)
+            replies = link.read_many(len(commands))
+            self._check_commit(replies)
             results = replies[-1]
-            if isinstance(results, ReplyError):
-                raise results
-            found_lists = results[: len(lists)] if isinstance(results, list) else []
-            if not isinstance(results, list) or not all(isinstance(r, list) for r in found_lists):
-                raise ReplyError("EXECABORT cleanup transaction discarded")
-            elements = [e for found in found_lists if isinstance(found, list) for e in found if isinstance(e, (bytes, bytearray))]
+            assert isinstance(results, list)  # checked by _check_commit
+            found_lists = results[: len(lists)]
+            if not all(isinstance(r, list) for r in found_lists):
+                raise ExecAbortError("cleanup transaction discarded")
+            elements: list[bytes | bytearray] = [
+                e for found in found_lists if isinstance(found, list) for e in found if isinstance(e, bytes | bytearray)
+            ]
             manifests: list[mf.Manifest] = []
             for element in elements:
                 try:
@@ -569,7 +675,7 @@ class RedisConnector(Connector):
             unlinks: Iterator[tuple[Any, ...]] = (
                 ("UNLINK", *batch) for m in manifests for batch in keys.part_batches(m.put_id, m.nparts, UNLINK_BATCH)
             )
-            _run_pipelined(conn, unlinks)
+            _run_pipelined(link, unlinks)
             return elements
 
         try:
@@ -580,12 +686,17 @@ class RedisConnector(Connector):
             raise
 
     def _health(self) -> dict[str, Any]:
-        status: dict[str, Any] = {"server": self._client.label, "cluster": self.config.cluster, "blocking_get": self._claimer.blocking}
+        status: dict[str, Any] = {
+            "server": self._client.label,
+            "cluster": self.config.cluster,
+            "sentinel": bool(self.config.sentinels),
+            "blocking_get": self._claimer.blocking,
+        }
         try:
-            nodes = self._client.nodes()
+            nodes = self._client.primaries()
             started = time.perf_counter()
             for slot_owner in nodes:
-                self._client.run_on(slot_owner, lambda conn: conn.call("PING"), what="health check")
+                self._client.run_on(slot_owner, lambda link: link.call("PING"), what="health check")
             status["nodes"] = len(nodes)
             status["ping_ms"] = round((time.perf_counter() - started) * 1000 / max(len(nodes), 1), 3)
         except (ConnectorError, OSError) as exc:
@@ -593,28 +704,39 @@ class RedisConnector(Connector):
         return status
 
     def _close(self) -> None:
-        self._client.close()
+        self._client.close(wait_replicas=self._wait[1:] if self._wait is not None else None)
 
 
 class _PartUnusable(Exception):
     """A part is missing or has the wrong size: the payload cannot be read (not retried; a :class:`CorruptPayloadError`)."""
 
 
-def _drop_inline_claim(conn: Connection, claim_key: bytes, element: bytes | bytearray) -> None:
+def _drop_inline_claim(link: Link, keys: PayloadKeys, claim_key: bytes, element: bytes | bytearray) -> None:
     """Right after a claim: an inline payload is in hand, so its claim list's delete rides on the next write."""
     if mf.looks_inline(element):
-        conn.defer("UNLINK", claim_key, frame=frame_key_command("UNLINK", claim_key))
+        link.defer(keys.slot, "UNLINK", claim_key, frame=frame_key_command("UNLINK", claim_key))
 
 
-def _run_pipelined(conn: Connection, commands: Iterator[tuple[Any, ...]], done: list[int] | None = None) -> None:
+def _reply(link: Link, command: tuple[Any, ...]) -> Any:
+    """One command on ``link``, its reply (an error reply raised)."""
+    return link.call(*command)
+
+
+def _int_reply(reply: Any) -> int:
+    if not isinstance(reply, int):
+        raise ResponseError(f"expected an integer reply, got {type(reply).__name__}")
+    return reply
+
+
+def _run_pipelined(link: Link, commands: Iterator[tuple[Any, ...]], done: list[int] | None = None) -> None:
     """Send ``commands`` ``UNLINK_PIPELINE`` per round trip, made group by group; an error reply is raised.
 
     ``done[0]`` counts the commands confirmed (where a retry resumes).
     """
     while group := list(itertools.islice(commands, UNLINK_PIPELINE)):
-        conn.send_many(group)
-        for reply in [conn.read() for _ in group]:
-            if isinstance(reply, ReplyError):
+        link.send(group)
+        for reply in link.read_many(len(group)):
+            if isinstance(reply, RedisError):
                 raise reply
         if done is not None:
             done[0] += len(group)

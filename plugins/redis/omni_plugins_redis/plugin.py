@@ -16,6 +16,6 @@ def omni_register_connectors(registry: RegistrationSink) -> None:
         connector="omni_plugins_redis.connector:RedisConnector",
         config="omni_plugins_redis.config:RedisConfig",
         aliases=["RedisConnector", "RedisClusterConnector"],
-        description="Redis / Redis Cluster: cross-host payloads, chunked pipelined writes, blocking get via BLMOVE",
+        description="Redis / Redis Cluster / Sentinel: cross-host payloads, chunked pipelined writes, blocking get via BLMOVE, replica-acknowledged puts",
         services="omni_plugins_redis.services:RedisServices",
     )

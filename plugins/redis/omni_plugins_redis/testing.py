@@ -9,14 +9,23 @@ whatever a crashed test left running. Example::
     with RedisServer(password="s3cret") as server:
         conn = create_connector("redis", server.connector_config(key_prefix="t:"))
 
-    with RedisCluster(masters=3) as cluster:
+    with RedisCluster(masters=3, replicas=1, node_timeout_ms=1500) as cluster:  # a replica per primary
         conn = create_connector("redis", cluster.connector_config())
+        killed = cluster.kill(cluster.primary_of(slot))     # SIGKILL
+        cluster.wait_promoted(slot, killed)                 # its replica took over
+        cluster.revive(killed)                              # back, as a replica of the new primary
 
-Options: ``password`` (for the ``default`` user), ``acl_users`` (extra
-``user`` directives, e.g. ``["app on >pw ~t:* +get +set"]``), ``tls`` (TLS-only
-server; CA, server and client certificates are made with ``openssl``),
-``unix_socket`` (unix socket only; ``RedisCluster`` takes ``tls`` too), ``persistent`` (AOF with
-``appendfsync always``: survives :meth:`RedisServer.restart`).
+    with RedisSentinelGroup(replicas=2, sentinels=3) as group:  # one primary behind Sentinel
+        conn = create_connector("redis", group.connector_config())
+        old = group.kill_primary()
+        group.wait_failover(old)
+
+Options: ``password`` (for the ``default`` user, also what replicas and
+Sentinels authenticate with), ``acl_users`` (extra ``user`` directives, e.g.
+``["app on >pw ~t:* +get +set"]``), ``tls`` (TLS-only servers; CA, server and
+client certificates are made with ``openssl``), ``unix_socket`` (unix socket
+only), ``persistent`` (AOF with ``appendfsync always``: survives
+:meth:`RedisServer.restart`).
 """
 
 from __future__ import annotations
@@ -99,8 +108,15 @@ class RedisServer:
         extra_args: Sequence[str] = (),
         tls_files: TlsFiles | None = None,
         start_timeout: float = 20.0,
+        cluster_node_timeout_ms: int = 5000,
+        replica_of: RedisServer | None = None,
+        sentinel_monitor: str | None = None,
     ) -> None:
+        """``replica_of``: replicate that server; ``sentinel_monitor``: run as a Sentinel with these config lines."""
         self.password = password
+        self.cluster_node_timeout_ms = cluster_node_timeout_ms
+        self.replica_of = replica_of
+        self.sentinel_monitor = sentinel_monitor
         self.acl_users = list(acl_users)
         self.tls = tls or tls_files is not None
         self.unix_socket = unix_socket
@@ -185,34 +201,45 @@ class RedisServer:
             client.close()
 
     # -- lifecycle --------------------------------------------------------------
-    def _args(self) -> list[str]:
-        args = [REDIS_SERVER, "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "", "--logfile", "redis.log"]
-        args += ["--protected-mode", "yes", "--daemonize", "no"]
+    def _listen_args(self) -> list[str]:
         if self.socket_path is not None:
-            args += ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
-        elif self.tls_files is not None:
-            t = self.tls_files
-            args += [
-                "--port",
-                "0",
-                "--tls-port",
-                str(self.port),
-                "--tls-cert-file",
-                str(t.server_cert),
-                "--tls-key-file",
-                str(t.server_key),
-            ]
-            args += ["--tls-ca-cert-file", str(t.ca), "--tls-auth-clients", "optional"]
-            if self.cluster:
-                args += ["--tls-cluster", "yes", "--tls-replication", "yes"]
-        else:
-            args += ["--port", str(self.port)]
+            return ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+        if self.tls_files is None:
+            return ["--port", str(self.port)]
+        t = self.tls_files
+        args = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(t.server_cert), "--tls-key-file", str(t.server_key)]
+        return [*args, "--tls-ca-cert-file", str(t.ca), "--tls-auth-clients", "optional", "--tls-replication", "yes"]
+
+    def _sentinel_args(self) -> list[str]:
+        conf = self.dir / "sentinel.conf"  # Sentinel rewrites its config file: it must be its own
+        if not conf.exists():
+            conf.write_text(f"{self.sentinel_monitor}\n")
+        args = [REDIS_SERVER, str(conf), "--sentinel", "--bind", "127.0.0.1", "--dir", str(self.dir), "--logfile", "redis.log"]
+        return [*args, "--daemonize", "no", "--protected-mode", "no", *self._listen_args(), *self.extra_args]
+
+    def _args(self) -> list[str]:
+        if self.sentinel_monitor is not None:
+            return self._sentinel_args()
+        args = [REDIS_SERVER, "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "", "--logfile", "redis.log"]
+        args += ["--protected-mode", "yes", "--daemonize", "no", *self._listen_args()]
+        args += ["--repl-diskless-sync-delay", "0"]  # a replica syncs at once (default: 5 s to gather more replicas)
+        if self.tls_files is not None and self.cluster:
+            args += ["--tls-cluster", "yes"]
+        if self.replica_of is not None:
+            args += ["--replicaof", "127.0.0.1", str(self.replica_of.port)]
+        if self.password is not None and (self.cluster or self.replica_of is not None):
+            args += ["--masterauth", self.password]  # replication as the default user (also after a failover)
+        return self._data_args(args)
+
+    def _data_args(self, args: list[str]) -> list[str]:
         if self.persistent:
             args += ["--appendonly", "yes", "--appendfsync", "always"]
         else:
             args += ["--appendonly", "no"]
         if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "5000"]
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            args += ["--cluster-node-timeout", str(self.cluster_node_timeout_ms), "--cluster-allow-replica-migration", "no"]
+            args += ["--cluster-replica-validity-factor", "0"]  # a replica may always take over (no data-age veto)
         if self.password is not None:
             args += ["--requirepass", self.password]
         for user in self.acl_users:
@@ -250,7 +277,8 @@ class RedisServer:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
                 return f"redis-server exited with {self.process.returncode}: {err.strip()} {self._log_tail(offset)}"
-            if log_file.exists() and "ready to accept connections" in log_file.read_text(errors="replace")[offset:].lower():
+            ready = "+monitor master" if self.sentinel_monitor is not None else "ready to accept connections"
+            if log_file.exists() and ready in log_file.read_text(errors="replace")[offset:].lower():
                 self._started_once = True
                 return None
             time.sleep(0.02)
@@ -301,14 +329,27 @@ class RedisServer:
 
 
 class RedisCluster:
-    """A Redis Cluster of ``masters`` primaries (no replicas) built with ``redis-cli --cluster create``."""
+    """A Redis Cluster of ``masters`` primaries, each with ``replicas`` replicas, built with ``redis-cli --cluster create``.
+
+    ``node_timeout_ms`` (``cluster-node-timeout``) bounds how long a dead
+    primary goes unnoticed: its replica takes over a few seconds after.
+    """
 
     def __init__(
-        self, *, masters: int = 3, password: str | None = None, acl_users: Sequence[str] = (), persistent: bool = False, tls: bool = False
+        self,
+        *,
+        masters: int = 3,
+        replicas: int = 0,
+        password: str | None = None,
+        acl_users: Sequence[str] = (),
+        persistent: bool = False,
+        tls: bool = False,
+        node_timeout_ms: int = 5000,
     ) -> None:
         if masters < 3:
             raise ValueError("redis-cli --cluster create needs at least 3 masters")
         self.password = password
+        self.replicas = replicas
         self._tls_dir = Path(tempfile.mkdtemp(prefix="omni-redis-tls-")) if tls else None
         self.tls_files = TlsFiles(self._tls_dir) if self._tls_dir is not None else None
         self.nodes = [
@@ -318,9 +359,9 @@ class RedisCluster:
                 persistent=persistent,
                 cluster=True,
                 tls_files=self.tls_files,
-                extra_args=["--masterauth", password] if password else [],
+                cluster_node_timeout_ms=node_timeout_ms,
             )
-            for _ in range(masters)
+            for _ in range(masters * (1 + replicas))
         ]
 
     @property
@@ -345,18 +386,72 @@ class RedisCluster:
         return [n.client() for n in self.nodes]
 
     def keys(self, pattern: str = "*") -> list[bytes]:
-        """Keys matching ``pattern`` on every master (for leak assertions)."""
-        return [k for node in self.nodes for k in node.keys(pattern)]
+        """Keys matching ``pattern`` on every running node (for leak assertions)."""
+        return [k for node in self.live_nodes for k in node.keys(pattern)]
+
+    @property
+    def live_nodes(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
 
     @property
     def pids(self) -> list[int]:
         return [n.pid for n in self.nodes if n.pid is not None]
 
+    # -- failover ---------------------------------------------------------------
+    def primary_of(self, slot: int) -> RedisServer:
+        """The node serving ``slot`` now, as the running nodes see it."""
+        for node in self.live_nodes:
+            client = node.client()
+            try:
+                for start, end, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                    if start <= slot <= end:
+                        return self._node(int(primary[1]))
+            except redis.RedisError:
+                continue
+            finally:
+                client.close()
+        raise RuntimeError(f"no running node knows who serves slot {slot}")
+
+    def _node(self, port: int) -> RedisServer:
+        return next(n for n in self.nodes if n.port == port)
+
+    def kill(self, node: RedisServer) -> RedisServer:
+        """SIGKILL ``node`` (its data directory stays, for :meth:`revive`)."""
+        node._terminate(signal.SIGKILL)
+        return node
+
+    def wait_promoted(self, slot: int, dead: RedisServer, timeout: float = 60.0) -> RedisServer:
+        """Wait until a replica of ``dead`` serves ``slot`` and the cluster is whole again; returns it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(RuntimeError, StopIteration):
+                primary = self.primary_of(slot)
+                if primary is not dead and self._cluster_ok(self.live_nodes):
+                    return primary
+            time.sleep(0.05)
+        raise RuntimeError(f"no replica took over slot {slot} within {timeout}s")
+
+    def revive(self, node: RedisServer, timeout: float = 60.0) -> None:
+        """Restart a killed node: it rejoins (a former primary as a replica) and catches up with its primary."""
+        node.start()
+        deadline = time.monotonic() + timeout
+        client = node.client()
+        try:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(redis.RedisError):
+                    info = client.info("replication")
+                    if info.get("role") == "slave" and info.get("master_link_status") == "up" and self._cluster_ok(self.live_nodes):
+                        return
+                time.sleep(0.05)
+        finally:
+            client.close()
+        raise RuntimeError(f"node {node.port} did not rejoin as a replica within {timeout}s")
+
     def start(self) -> RedisCluster:
         try:
             for node in self.nodes:
                 node.start()
-            cmd = [REDIS_CLI, "--cluster", "create", *self.startup_nodes, "--cluster-replicas", "0", "--cluster-yes"]
+            cmd = [REDIS_CLI, "--cluster", "create", *self.startup_nodes, "--cluster-replicas", str(self.replicas), "--cluster-yes"]
             if self.tls_files is not None:
                 t = self.tls_files
                 cmd += ["--tls", "--cacert", str(t.ca), "--cert", str(t.client_cert), "--key", str(t.client_key)]
@@ -374,20 +469,40 @@ class RedisCluster:
 
     def _wait_ok(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
-        clients = self.clients()
-        try:
-            while time.monotonic() < deadline:
-                infos = []
-                for client in clients:
-                    with contextlib.suppress(redis.RedisError):
-                        infos.append(client.execute_command("CLUSTER", "INFO"))
-                if len(infos) == len(clients) and all(b"cluster_state:ok" in _as_bytes(i) for i in infos):
-                    return
-                time.sleep(0.1)
-        finally:
-            for client in clients:
-                client.close()
+        while time.monotonic() < deadline:
+            if self._cluster_ok(self.nodes) and self._replicas_synced():
+                return
+            time.sleep(0.1)
         raise RuntimeError("cluster did not reach cluster_state:ok")
+
+    @staticmethod
+    def _cluster_ok(nodes: Sequence[RedisServer]) -> bool:
+        """Every node answers and reports ``cluster_state:ok``."""
+        for node in nodes:
+            client = node.client()
+            try:
+                if b"cluster_state:ok" not in _as_bytes(client.execute_command("CLUSTER", "INFO")):
+                    return False
+            except redis.RedisError:
+                return False
+            finally:
+                client.close()
+        return True
+
+    def _replicas_synced(self) -> bool:
+        """Every primary has its ``replicas`` replicas online."""
+        online = 0
+        for node in self.nodes:
+            client = node.client()
+            try:
+                info = client.info("replication")
+            except redis.RedisError:
+                return False
+            finally:
+                client.close()
+            if info.get("role") == "master":
+                online += sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")
+        return online == self.replicas * (len(self.nodes) // (1 + self.replicas))
 
     def restart(self, *, kill: bool = False) -> None:
         for node in self.nodes:
@@ -401,6 +516,158 @@ class RedisCluster:
             shutil.rmtree(self._tls_dir, ignore_errors=True)
 
     def __enter__(self) -> RedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RedisSentinelGroup:
+    """One primary with ``replicas`` replicas, watched by ``sentinels`` Redis Sentinels (quorum: a majority).
+
+    ``down_after_ms`` (``down-after-milliseconds``) bounds how long a dead
+    primary goes unnoticed; the Sentinels then promote a replica and point the
+    others at it. ``password`` is the ``default`` user's on every data node
+    (replication and Sentinels use it); the Sentinels themselves need none.
+    """
+
+    def __init__(
+        self,
+        *,
+        replicas: int = 2,
+        sentinels: int = 3,
+        service_name: str = "omnitest",
+        password: str | None = None,
+        acl_users: Sequence[str] = (),
+        tls: bool = False,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 10000,
+    ) -> None:
+        self.service_name = service_name
+        self.password = password
+        self._tls_dir = Path(tempfile.mkdtemp(prefix="omni-redis-tls-")) if tls else None
+        self.tls_files = TlsFiles(self._tls_dir) if self._tls_dir is not None else None
+        self.primary = RedisServer(password=password, acl_users=acl_users, tls_files=self.tls_files)
+        self.replicas = [
+            RedisServer(password=password, acl_users=acl_users, tls_files=self.tls_files, replica_of=self.primary) for _ in range(replicas)
+        ]
+        quorum = sentinels // 2 + 1
+        monitor = [f"sentinel monitor {service_name} 127.0.0.1 {self.primary.port} {quorum}"]
+        monitor += [f"sentinel down-after-milliseconds {service_name} {down_after_ms}"]
+        monitor += [f"sentinel failover-timeout {service_name} {failover_timeout_ms}", f"sentinel parallel-syncs {service_name} {replicas}"]
+        if password is not None:
+            monitor.append(f"sentinel auth-pass {service_name} {password}")
+        self.sentinels = [
+            RedisServer(tls_files=self.tls_files, sentinel_monitor="\n".join(monitor)) for _ in range(max(sentinels, 1))
+        ]
+
+    @property
+    def data_nodes(self) -> list[RedisServer]:
+        return [self.primary, *self.replicas]
+
+    @property
+    def pids(self) -> list[int]:
+        return [n.pid for n in [*self.data_nodes, *self.sentinels] if n.pid is not None]
+
+    def connector_config(self, **overrides: Any) -> dict[str, Any]:
+        """A config dict reaching the current primary through the Sentinels, as ``default``."""
+        config: dict[str, Any] = {"sentinels": [f"127.0.0.1:{s.port}" for s in self.sentinels], "service_name": self.service_name}
+        if self.password is not None:
+            config["password"] = self.password
+        if self.tls_files is not None:
+            t = self.tls_files
+            config.update(tls=True, tls_ca_file=str(t.ca), tls_cert_file=str(t.client_cert), tls_key_file=str(t.client_key))
+        config.update(overrides)
+        return config
+
+    def keys(self, pattern: str = "*") -> list[bytes]:
+        """Keys matching ``pattern`` on every running data node (for leak assertions)."""
+        return [k for node in self.data_nodes if node.process is not None and node.process.poll() is None for k in node.keys(pattern)]
+
+    def current_primary(self) -> RedisServer:
+        """The data node the Sentinels name as primary now."""
+        for sentinel in self.sentinels:
+            client = sentinel.client()
+            try:
+                address = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.service_name)
+                return next(n for n in self.data_nodes if n.port == int(address[1]))
+            except (redis.RedisError, TypeError, IndexError, StopIteration):
+                continue
+            finally:
+                client.close()
+        raise RuntimeError(f"no Sentinel names a primary for {self.service_name!r}")
+
+    def kill_primary(self) -> RedisServer:
+        """SIGKILL the current primary; returns it (its data directory stays)."""
+        primary = self.current_primary()
+        primary._terminate(signal.SIGKILL)
+        return primary
+
+    def wait_failover(self, old: RedisServer, timeout: float = 60.0) -> RedisServer:
+        """Wait until the Sentinels promoted another node and every other running node replicates it; returns it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(RuntimeError):
+                primary = self.current_primary()
+                if primary is not old and self._replicating(primary):
+                    return primary
+            time.sleep(0.05)
+        raise RuntimeError(f"the Sentinels did not replace primary {old.port} within {timeout}s")
+
+    def _replicating(self, primary: RedisServer) -> bool:
+        for node in self.data_nodes:
+            if node is primary or node.process is None or node.process.poll() is not None:
+                continue
+            client = node.client()
+            try:
+                info = client.info("replication")
+            except redis.RedisError:
+                return False
+            finally:
+                client.close()
+            if info.get("master_port") != primary.port or info.get("master_link_status") != "up":
+                return False
+        return True
+
+    def start(self) -> RedisSentinelGroup:
+        try:
+            for node in self.data_nodes:
+                node.start()
+            for sentinel in self.sentinels:
+                sentinel.start()
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout: float = 30.0) -> None:
+        """Replicas in sync, and every Sentinel knows the replicas and the other Sentinels (else a failover could stall)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._replicating(self.primary) and all(self._sentinel_sees_all(s) for s in self.sentinels):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the Sentinel group did not come together")
+
+    def _sentinel_sees_all(self, sentinel: RedisServer) -> bool:
+        client = sentinel.client()
+        try:
+            replicas = client.execute_command("SENTINEL", "REPLICAS", self.service_name)
+            others = client.execute_command("SENTINEL", "SENTINELS", self.service_name)
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+        return len(replicas) == len(self.replicas) and len(others) == len(self.sentinels) - 1
+
+    def stop(self) -> None:
+        for node in [*self.sentinels, *self.data_nodes]:
+            node.stop()
+        if self._tls_dir is not None:
+            shutil.rmtree(self._tls_dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisSentinelGroup:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

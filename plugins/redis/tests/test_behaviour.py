@@ -295,16 +295,17 @@ def test_invalid_key_is_a_typed_error(server_config: dict[str, Any]) -> None:
 def test_stale_cluster_slot_map_is_refreshed_on_moved(redis_cluster: RedisCluster, cluster_config: dict[str, Any]) -> None:
     with create_connector("redis", {**cluster_config, "startup_nodes": redis_cluster.startup_nodes[:1]}) as conn:
         assert conn.put(0, 1, "warm", {"v": 0}).ok  # loads the slot map
-        client = conn._client  # type: ignore[attr-defined]
-        wrong = client.nodes()[0]
-        client._slot_map = [wrong] * 16384  # every slot "owned" by one node: others answer MOVED
+        nodes = conn._client.topology._cluster().nodes_manager  # type: ignore[attr-defined]  # redis-py's slot map
+        wrong = nodes.slots_cache[0][0]
+        nodes.slots_cache = {slot: [wrong] for slot in range(16384)}  # every slot "owned" by one node: others answer MOVED
         keys = [f"moved-{i}" for i in range(12)]
         for i, key in enumerate(keys):
             assert conn.put(0, 1, key, {"v": torch.full((1000,), float(i))}).ok
         for i, key in enumerate(keys):
             got = conn.get(0, 1, key)
             assert got is not None and torch.equal(got.data["v"], torch.full((1000,), float(i)))
-        assert len(set(client._slot_map)) == 3, "the map was refreshed from MOVED replies"
+        owners = {nodes.slots_cache[slot][0].name for slot in range(16384)}
+        assert len(owners) == 3, "the map was refreshed from MOVED replies"
         assert conn.get(0, 1, "warm") is not None
     assert redis_cluster.keys(PREFIX + "*") == []
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from omni_plugins_redis.client import Connection
+from omni_plugins_redis.client import Link
 from omni_plugins_redis.testing import RedisServer, free_port
 
 from omni_plugins import create_connector
@@ -44,30 +44,18 @@ def server(track_server: Any) -> Iterator[RedisServer]:
 def _freeze_before(monkeypatch: pytest.MonkeyPatch, server: RedisServer, command: bytes) -> threading.Event:
     """SIGSTOP the server right before the first write carrying ``command``; the returned event is set once it was written."""
     sent = threading.Event()
-    real_many, real_frame = Connection.send_many, Connection.send_frame
+    real_send = Link.send_frames
 
-    def freeze() -> None:
-        assert server.pid is not None
-        os.kill(server.pid, signal.SIGSTOP)
-
-    def send_many(self: Connection, commands: Any) -> None:
-        hit = not sent.is_set() and any(str(c[0]).encode() == command for c in commands)
+    def send_frames(self: Link, frames: Any) -> None:
+        hit = not sent.is_set() and b"\r\n" + command + b"\r\n" in b"".join(bytes(f) for f in frames)
         if hit:
-            freeze()
-        real_many(self, commands)
+            assert server.pid is not None
+            os.kill(server.pid, signal.SIGSTOP)
+        real_send(self, frames)
         if hit:
             sent.set()
 
-    def send_frame(self: Connection, frame: bytes) -> None:
-        hit = not sent.is_set() and b"\r\n" + command + b"\r\n" in frame
-        if hit:
-            freeze()
-        real_frame(self, frame)
-        if hit:
-            sent.set()
-
-    monkeypatch.setattr(Connection, "send_many", send_many)
-    monkeypatch.setattr(Connection, "send_frame", send_frame)
+    monkeypatch.setattr(Link, "send_frames", send_frames)
     return sent
 
 
@@ -152,7 +140,8 @@ def test_close_stops_retries_and_nothing_is_used_after_it() -> None:
     assert not thread.is_alive(), "the put kept retrying after close()"
     assert isinstance(outcome[0], ConnectorClosedError), outcome
     client = conn._client  # type: ignore[attr-defined]
-    pools = dict(client._pools)
+    (route,) = client.topology.primaries()
+    made = len(route.pool._connections)
     with pytest.raises(ConnectorClosedError):
-        client.run(0, lambda c: c.call("PING"), what="ping", key="k")
-    assert client._pools == pools, "a closed client made a new pool"
+        client.run(0, lambda link: link.call("PING"), what="ping", key="k")
+    assert len(route.pool._connections) == made, "a closed client made a new connection"

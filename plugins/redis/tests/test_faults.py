@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from omni_plugins_redis.client import Connection
+from omni_plugins_redis.client import Link, RedisClient
+from omni_plugins_redis.config import RedisConfig
 from omni_plugins_redis.keys import PayloadKeys
 from omni_plugins_redis.testing import RedisServer
 
@@ -36,60 +37,54 @@ def durable_server(track_server: Any) -> Iterator[RedisServer]:
 
 def _lose_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list[int]:
     """The first time ``command`` is sent, read the replies of its batch for real, then fail as if the link died."""
-    real_send, real_read, real_skip = Connection.send_many, Connection.read, Connection.skip
-    real_send_packed, real_send_frame, real_read_pair = Connection.send_packed, Connection.send_frame, Connection.read_pair
-    state = {"left": 0}
+    real_send, real_read, real_pair, real_settle, real_expect = (
+        Link.send_frames,
+        Link.read,
+        Link.read_pair,
+        Link._settle_deferred,
+        Link.expect,
+    )
+    state: dict[str, Any] = {"left": 0, "link": None, "settling": 0}
     fired: list[int] = []
 
-    def send_many(self: Connection, commands: Any) -> None:
-        if not fired and not state["left"] and any(c[0] == command for c in commands):
-            state["left"] = len(commands)
-        real_send(self, commands)
-
-    def read(self: Connection, timeout: float | None = None) -> Any:
-        reply = real_read(self, timeout)
-        if state["left"]:
-            state["left"] -= 1
-            if not state["left"]:
-                fired.append(1)
-                raise ConnectionResetError(f"injected: reply to {command} lost")
-        return reply
-
-    def send_packed(self: Connection, framed: Any) -> None:
-        names = _command_names(b"".join(bytes(f) for f in framed))
+    def send_frames(self: Link, frames: Any) -> None:
+        names = _command_names(b"".join(bytes(f) for f in frames))
         if not fired and not state["left"] and command.encode() in names:
-            state["left"] = len(names)
-        real_send_packed(self, framed)
+            state["left"], state["link"] = len(names), self
+        real_send(self, frames)
 
-    def send_frame(self: Connection, frame: bytes) -> None:
-        names = _command_names(frame)
-        if not fired and not state["left"] and command.encode() in names:
-            state["left"] = len(names)
-        real_send_frame(self, frame)
+    def counted(real: Any, replies: int) -> Any:
+        def wrapper(self: Link, *args: Any, **kwargs: Any) -> Any:
+            reply = real(self, *args, **kwargs)
+            if state["left"] and state["link"] is self and not state["settling"]:  # deferred cleanup's replies don't count
+                state["left"] = max(0, state["left"] - replies)
+                if not state["left"]:
+                    fired.append(1)
+                    raise ConnectionResetError(f"injected: reply to {command} lost")
+            return reply
 
-    def read_pair(self: Connection) -> Any:
-        replies = real_read_pair(self)
-        if state["left"]:
-            state["left"] = max(0, state["left"] - 2)
-            if not state["left"]:
-                fired.append(1)
-                raise ConnectionResetError(f"injected: reply to {command} lost")
-        return replies
+        return wrapper
 
-    def skip(self: Connection, expected: Any) -> bool:  # the fast path consumes the whole batch at once
-        consumed = real_skip(self, expected)
-        if consumed and state["left"]:
+    def settle(self: Link, *args: Any) -> None:
+        state["settling"] += 1
+        try:
+            real_settle(self, *args)
+        finally:
+            state["settling"] -= 1
+
+    def expect(self: Link, pattern: Any) -> Any:  # the fast path consumes the whole batch at once
+        found = real_expect(self, pattern)
+        if found is not None and state["left"] and state["link"] is self:
             state["left"] = 0
             fired.append(1)
             raise ConnectionResetError(f"injected: reply to {command} lost")
-        return consumed
+        return found
 
-    monkeypatch.setattr(Connection, "send_many", send_many)
-    monkeypatch.setattr(Connection, "read", read)
-    monkeypatch.setattr(Connection, "skip", skip)
-    monkeypatch.setattr(Connection, "send_packed", send_packed)
-    monkeypatch.setattr(Connection, "send_frame", send_frame)
-    monkeypatch.setattr(Connection, "read_pair", read_pair)
+    monkeypatch.setattr(Link, "send_frames", send_frames)
+    monkeypatch.setattr(Link, "read", counted(real_read, 1))
+    monkeypatch.setattr(Link, "read_pair", counted(real_pair, 2))
+    monkeypatch.setattr(Link, "_settle_deferred", settle)
+    monkeypatch.setattr(Link, "expect", expect)
     return fired
 
 
@@ -247,33 +242,40 @@ def test_failed_put_leaves_nothing_visible(
 
 
 def test_deferred_replies_never_mix_with_later_replies(redis_server: RedisServer, server_config: dict[str, Any]) -> None:
-    from omni_plugins_redis.client import Address
-    from omni_plugins_redis.config import RedisConfig
-
     raw = redis_server.client()
     raw.set(PREFIX + "str", "x")
-    conn = Connection(Address(host="127.0.0.1", port=redis_server.port), RedisConfig(**server_config))
+    client = RedisClient(RedisConfig(**server_config))
     try:
-        conn.defer("LPUSH", PREFIX + "str", "y")  # WRONGTYPE: logged, not raised
-        conn.defer("DEL", PREFIX + "str")
-        assert conn.call("ECHO", "first") == b"first"
-        conn.defer("DEL", PREFIX + "nothing")
-        assert conn.call("ECHO", "second") == b"second"
-        assert conn.unconfirmed() == []
+        client.run(0, lambda link: link.defer(0, "LPUSH", PREFIX + "str", "y"), what="t", key="k")  # WRONGTYPE: logged, not raised
+        client.run(0, lambda link: link.defer(0, "DEL", PREFIX + "str"), what="t", key="k")
+        assert client.run(0, lambda link: link.call("ECHO", "first"), what="t", key="k") == b"first"
+        client.run(0, lambda link: link.defer(0, "DEL", PREFIX + "nothing"), what="t", key="k")
+        assert client.run(0, lambda link: link.call("ECHO", "second"), what="t", key="k") == b"second"
+        assert not any(route.queue.pending for route in client.topology.routes())
     finally:
-        conn.close()
+        client.close()
     assert raw.exists(PREFIX + "str") == 0
 
 
 def test_retired_parts_are_handed_back_if_the_connection_dies(redis_server: RedisServer, server_config: dict[str, Any]) -> None:
-    from omni_plugins_redis.client import Address
-    from omni_plugins_redis.config import RedisConfig
+    """Cleanup sent on a link that then fails is not lost: it goes again with the next write to that server."""
+    raw = redis_server.client()
+    parts = [f"{PREFIX}{{a}}:p:1:{i}".encode() for i in range(2)]
+    for part in parts:
+        raw.set(part, b"x")
+    client = RedisClient(RedisConfig(**server_config))
 
-    conn = Connection(Address(host="127.0.0.1", port=redis_server.port), RedisConfig(**server_config))
+    def dies_after_sending(link: Link) -> None:
+        link.send([("PING",)])  # the retired parts' UNLINK goes out first
+        raise ConnectionResetError("injected: the connection died before any reply")
+
     try:
-        conn.retire([b"omnitest:{a}:p:1:0", b"omnitest:{a}:p:1:1"])
-        conn.retire([b"omnitest:{b}:p:2:0"])
-        assert conn.unconfirmed() == [("UNLINK", b"omnitest:{a}:p:1:0", b"omnitest:{a}:p:1:1"), ("UNLINK", b"omnitest:{b}:p:2:0")]
-        assert conn.take_retired() == []  # handed over: the pool re-sends them on its next connection
+        client.run(0, lambda link: link.retire(0, parts), what="t", key="k")
+        with pytest.raises(ConnectorError):
+            client.run(0, dies_after_sending, what="t", key="k", retries=0)
+        (route,) = client.topology.routes()
+        assert route.queue.pending, "the unconfirmed delete was dropped"
+        assert client.run(0, lambda link: link.call("PING"), what="t", key="k") in (b"PONG", "PONG", True)
+        assert raw.exists(*parts) == 0
     finally:
-        conn.close()
+        client.close()

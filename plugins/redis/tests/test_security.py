@@ -134,3 +134,33 @@ def test_tls_cluster_with_password(track_server: Any) -> None:
         with create_connector("redis", config) as conn:
             assert conn.health()["nodes"] == 3
         assert cluster.keys(PREFIX + "*") == []
+
+
+class AppCredentials:
+    """A redis-py credential provider (what a rotating-secret or cloud-IAM provider implements)."""
+
+    calls = 0
+
+    def get_credentials(self) -> tuple[str, str]:
+        AppCredentials.calls += 1
+        return ("app", APP_PW)
+
+
+class WrongCredentials:
+    def get_credentials(self) -> tuple[str, str]:
+        return ("app", "not-the-password-9")
+
+
+def test_credential_provider_supplies_user_and_password(acl_server: RedisServer) -> None:
+    AppCredentials.calls = 0
+    _roundtrip({"url": acl_server.url, "credential_provider": f"{__name__}:AppCredentials", "key_prefix": PREFIX})
+    assert AppCredentials.calls >= 1, "the provider was not asked"
+    config = {"url": acl_server.url, "credential_provider": f"{__name__}:WrongCredentials", "key_prefix": PREFIX, "retry_attempts": 1}
+    with create_connector("redis", config) as conn, pytest.raises(ConnectorError) as info:
+        conn.put(0, 1, "k", {"v": 1})
+    assert "rejected the user of credential_provider" in str(info.value) and "not-the-password-9" not in str(info.value)
+
+
+def test_resp3(acl_server: RedisServer) -> None:
+    """``protocol: 3`` (HELLO 3): the same puts and gets, parts read into the payload buffer alike."""
+    _roundtrip({"url": acl_server.url, "password": ADMIN_PW, "key_prefix": PREFIX, "protocol": 3})

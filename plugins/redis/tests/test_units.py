@@ -1,8 +1,7 @@
-"""Unit tests without a server: config validation, key naming, manifest parsing, RESP framing."""
+"""Unit tests without a server: config validation, key naming, manifest parsing, framing and the raw reply reader."""
 
 from __future__ import annotations
 
-import re
 import socket
 import struct
 import threading
@@ -13,11 +12,13 @@ from hypothesis import strategies as st
 from omni_plugins_redis import manifest as mf
 from omni_plugins_redis.config import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, RedisConfig
 from omni_plugins_redis.connector import MARKER_TTL_MS, RedisConnector
-from omni_plugins_redis.framing import Pieces, ProtocolError, ReplyError, ReplyReader, frame_key_command, pack, pack_many, send_buffers
 from omni_plugins_redis.keys import PayloadKeys
+from omni_plugins_redis.packing import Pieces, frame_key_command, pack, pack_many
+from omni_plugins_redis.replies import ProtocolError, ReplyReader
 from omni_plugins_redis.waiting import CLAIM_TTL_MS, move_commands
 from pydantic import ValidationError
 from redis.crc import key_slot
+from redis.exceptions import BusyLoadingError, MovedError, NoPermissionError, ResponseError
 
 from omni_plugins.errors import ConfigError
 from omni_plugins.factory import validate_connector_config
@@ -36,6 +37,34 @@ def test_url_is_parsed_and_password_hidden() -> None:
 def test_unix_url() -> None:
     cfg = RedisConfig(url="unix:///run/redis/redis.sock?db=2")
     assert cfg.unix_socket == "/run/redis/redis.sock" and cfg.db == 2
+
+
+def test_sentinel_url_names_sentinels_service_and_db() -> None:
+    cfg = RedisConfig(url="sentinel://app:s%40cret@10.0.0.1:26380,sentinel-b/mymaster/2")
+    assert cfg.sentinels == ["10.0.0.1:26380", "sentinel-b:26379"]
+    assert (cfg.service_name, cfg.db, cfg.username) == ("mymaster", 2, "app")
+    assert cfg.password is not None and cfg.password.get_secret_value() == "s@cret"
+    assert "s@cret" not in str(cfg.url) and "cret" not in cfg.server_label() and "mymaster" in cfg.server_label()
+    assert RedisConfig(sentinels=["h:1"], service_name="svc").server_label().startswith("sentinel://h:1/svc")
+
+
+class _Provider:
+    def get_credentials(self) -> tuple[str, str]:
+        return ("app", "pw")
+
+
+provider_instance = _Provider()
+
+
+def test_credential_provider_is_imported_at_load_time() -> None:
+    assert RedisConfig(credential_provider=f"{__name__}:provider_instance").credential_provider
+    assert RedisConfig(credential_provider=f"{__name__}:_Provider").credential_provider
+    with pytest.raises(ValidationError, match="no attribute"):
+        RedisConfig(credential_provider=f"{__name__}:nothing_here")
+    with pytest.raises(ValidationError, match="not a redis-py CredentialProvider"):
+        RedisConfig(credential_provider="os.path:sep")
+    with pytest.raises(ValidationError, match="replaces username/password"):
+        RedisConfig(credential_provider=f"{__name__}:provider_instance", password="pw")
 
 
 @pytest.mark.parametrize(
@@ -59,6 +88,14 @@ def test_unix_url() -> None:
         {"pool_size": 0},
         {"socket_timeout": 0},
         {"no_such_field": 1},
+        {"url": "sentinel://h:1"},  # no service name
+        {"url": "sentinel:///svc"},  # no sentinel
+        {"sentinels": ["h:1"]},  # no service_name
+        {"service_name": "svc"},  # no sentinels
+        {"sentinels": ["h:1"], "service_name": "svc", "cluster": True},
+        {"min_replica_acks": -1},
+        {"replica_ack_timeout": 0},
+        {"protocol": 4},
     ],
 )
 def test_bad_configs_rejected(bad: dict[str, object]) -> None:
@@ -149,7 +186,7 @@ def test_manifest_part_count_is_bounded_by_the_size_cap() -> None:
     assert mf.parse(mf.for_parts(5, MAX_CHUNK_BYTES, "0" * 16).header(), 1 << 40).nparts == 1
 
 
-# -- framing -------------------------------------------------------------------
+# -- framing and the raw reply reader -------------------------------------------------
 
 
 def _joined(buffers: list[bytes | bytearray | memoryview]) -> bytes:
@@ -180,73 +217,51 @@ def test_hot_path_templates_frame_like_pack(ttl_seconds: float) -> None:
     )
 
 
-def test_reader_skip_consumes_only_a_full_match() -> None:
-    a, b = socket.socketpair()
-    with a, b:
-        reader = ReplyReader(b)
-        expected = re.compile(rb"\+OK\r\n:\d+\r\n")
-        a.sendall(b"+OK\r\n:1")  # incomplete: nothing consumed, the generic reader takes over
-        assert reader.skip(expected) is False
-        a.sendall(b"2\r\n+OK\r\n-ERR x\r\n")
-        assert reader.read() == "OK" and reader.read() == 12
-        assert reader.skip(expected) is False  # an error reply never matches
-        assert reader.read() == "OK" and isinstance(reader.read(), ReplyError)
-        a.sendall(b"+OK\r\n:7\r\n+PONG\r\n")
-        assert reader.skip(expected) is True and reader.read() == "PONG"
-
-
-def test_reader_parses_replies_and_streams_bulk_into_buffer() -> None:
-    a, b = socket.socketpair()
-    with a, b:
-        payload = bytes(range(256)) * 1000
-        frames = [b"+OK\r\n:42\r\n*2\r\n$1\r\nx\r\n$-1\r\n-NOPERM no\r\n$%d\r\n" % len(payload), payload, b"\r\n$3\r\nabc\r\n$-1\r\n"]
-        writer = threading.Thread(target=send_buffers, args=(a, frames))
-        writer.start()
-        reader = ReplyReader(b)
-        assert reader.read() == "OK"
-        assert reader.read() == 42
-        assert reader.read() == [b"x", None]
-        err = reader.read()
-        assert isinstance(err, ReplyError) and err.code == "NOPERM"
-        dest = bytearray(len(payload))
-        assert reader.read_bulk_into(memoryview(dest)) is True and bytes(dest) == payload
-        with pytest.raises(ProtocolError):
-            reader.read_bulk_into(memoryview(bytearray(5)))
-        writer.join(10)
-    c, d = socket.socketpair()
-    with c, d:
-        c.sendall(b"$-1\r\n")
-        assert ReplyReader(d).read_bulk_into(memoryview(bytearray(3))) is False
-
-
 def test_one_key_frames_match_pack() -> None:
     key = b"t:{k%7D}:c:ab.1f"
     assert frame_key_command("UNLINK", key) == _joined(pack("UNLINK", key))
     assert frame_key_command("DEL", key) == _joined(pack("DEL", key))
 
 
-def test_reader_pair_fast_path_and_fallbacks() -> None:
+def _reader(sock: socket.socket) -> ReplyReader:
+    sock.settimeout(10)
+    return ReplyReader(sock, sock.settimeout, 10.0)
+
+
+def test_reader_parses_replies_and_streams_bulk_into_buffer() -> None:
     a, b = socket.socketpair()
     with a, b:
-        reader = ReplyReader(b)
-        a.sendall(b"$3\r\nabc\r\n:1\r\n")  # LMOVE + PEXPIRE, all arrived: one step, writable copy
-        body, expire = reader.read_pair()
-        assert body == b"abc" and isinstance(body, bytearray) and expire == 1
-        a.sendall(b"$-1\r\n:0\r\n")  # nothing to claim
-        assert reader.read_pair() == (None, 0)
-        a.sendall(b"-NOPERM no\r\n:1\r\n")
-        err, expire = reader.read_pair()
-        assert isinstance(err, ReplyError) and err.code == "NOPERM" and expire == 1
-        body_bytes = bytes(range(256)) * 20
-        a.sendall(b"$%d\r\n" % len(body_bytes) + body_bytes[:100])  # the rest arrives later: generic path
-        threading.Timer(0.05, lambda: a.sendall(body_bytes[100:] + b"\r\n:1\r\n")).start()
-        body, expire = reader.read_pair()
-        assert body == body_bytes and expire == 1
-        a.sendall(b":1\r\n:0\r\n+OK\r\n")
-        assert reader.skip_integers(2) is True and reader.read() == "OK"
-        a.sendall(b":1\r\n-ERR x\r\n")
-        assert reader.skip_integers(2) is False  # an error among them: nothing consumed
-        assert reader.read() == 1 and isinstance(reader.read(), ReplyError)
+        payload = bytes(range(256)) * 1000
+        stream = b"+OK\r\n:42\r\n$-1\r\n_\r\n*-1\r\n-NOPERM no\r\n-MOVED 7 h:1\r\n-LOADING busy\r\n"
+        stream += b"*3\r\n:1\r\n-WRONGTYPE x\r\n$2\r\nab\r\n$%d\r\n" % len(payload)  # EXEC's array, an error inside
+        writer = threading.Thread(target=a.sendall, args=(stream + payload + b"\r\n$3\r\nabc\r\n$5\r\nhello\r\n",))
+        writer.start()
+        reader = _reader(b)
+        assert reader.reply() == "OK"
+        assert reader.reply() == 42
+        assert reader.reply() is None and reader.reply() is None and reader.reply() is None  # RESP2 nil, RESP3 null, timeout
+        errors = [reader.reply() for _ in range(3)]
+        assert [type(e) for e in errors] == [NoPermissionError, MovedError, BusyLoadingError]  # redis-py's classes
+        one, wrong, ab = reader.reply()  # type: ignore[misc]
+        assert one == 1 and isinstance(wrong, ResponseError) and wrong.status_code == "WRONGTYPE" and ab == b"ab"
+        dest = bytearray(len(payload))
+        assert reader.bulk_size() == len(payload)
+        reader.body_into(memoryview(dest))
+        assert bytes(dest) == payload
+        assert reader.bulk_size() == 3
+        with pytest.raises(ProtocolError):  # not terminated where the announced size says
+            reader.body_into(memoryview(bytearray(2)))
+        writer.join(10)
+
+
+def test_reader_bulk_is_a_fresh_writable_buffer() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(b"$3\r\nabc\r\n$-1\r\n")
+        reader = _reader(b)
+        body = reader.reply()
+        assert body == b"abc" and isinstance(body, bytearray)
+        assert reader.bulk_size() == -1 and reader.buffered == 0
 
 
 def test_reader_replies_across_buffer_boundaries() -> None:
@@ -257,35 +272,54 @@ def test_reader_replies_across_buffer_boundaries() -> None:
         stream = b"".join(b"$%d\r\n%b\r\n" % (len(v), v) for v in values) + b"+" + b"x" * 200_000 + b"\r\n"
         writer = threading.Thread(target=a.sendall, args=(stream,))
         writer.start()
-        reader = ReplyReader(b)
-        assert [reader.read() for _ in values] == values
-        assert reader.read() == "x" * 200_000
+        reader = _reader(b)
+        assert [reader.reply() for _ in values] == values
+        assert reader.reply() == "x" * 200_000
         writer.join(10)
 
 
-@pytest.mark.parametrize("line", [b":12x\r\n", b":\r\n", b"$-\r\n", b":" + b"9" * 30 + b"\r\n", b"?1\r\n"])
+def test_reader_consumes_a_usual_answer_in_one_match() -> None:
+    import re
+
+    a, b = socket.socketpair()
+    with a, b:
+        reader = _reader(b)
+        expected = re.compile(rb"\+OK\r\n:(\d+)\r\n")
+        a.sendall(b":1\r\n:0\r\n+OK\r\n:7\r\n")
+        assert reader.skip_integers(2) is True  # the deferred deletes' counts
+        found = reader.match(expected)
+        assert found is not None and found.group(1) == b"7" and reader.buffered == 0
+        a.sendall(b"+OK\r\n-ERR x\r\n")
+        assert reader.match(expected) is None  # an error reply never matches: nothing consumed
+        assert reader.reply() == "OK" and isinstance(reader.reply(), ResponseError)
+        a.sendall(b":1\r\n-ERR x\r\n")
+        assert reader.skip_integers(2) is False
+        assert reader.reply() == 1 and isinstance(reader.reply(), ResponseError)
+
+
+@pytest.mark.parametrize("line", [b":12x\r\n", b":\r\n", b"$-\r\n", b":" + b"9" * 30 + b"\r\n", b"?1\r\n", b"*x\r\n"])
 def test_reader_rejects_malformed_lines(line: bytes) -> None:
     a, b = socket.socketpair()
     with a, b:
         a.sendall(line)
         with pytest.raises(ProtocolError):
-            ReplyReader(b).read()
+            _reader(b).reply()
 
 
-def test_kernel_timeouts_bound_a_silent_server() -> None:
-    """A server that accepts and never answers: the read fails with TimeoutError instead of hanging."""
-    from omni_plugins_redis.client import Address, Connection
+def test_a_silent_server_fails_the_call_in_bounded_time() -> None:
+    """A server that accepts and never answers: the call fails with a timeout instead of hanging."""
+    from omni_plugins import create_connector
+    from omni_plugins.errors import ConnectorError
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
-        conn = Connection(Address(host="127.0.0.1", port=port), RedisConfig(socket_timeout=0.2))
-        try:
-            peer, _ = listener.accept()
-            with peer:
-                conn.send("PING")
-                with pytest.raises(TimeoutError):
-                    conn.read()
-                with pytest.raises(TimeoutError):
-                    conn.read(timeout=0.1)  # a per-read bound (blocking get) is enforced the same way
-        finally:
-            conn.close()
+        config = {"port": port, "socket_timeout": 0.2, "retry_attempts": 0}
+        with create_connector("redis", config) as conn:
+            accepted: list[socket.socket] = []
+            threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+            with pytest.raises(ConnectorError, match="Timeout"):
+                conn.get(0, 1, "k")
+            with pytest.raises(ConnectorError, match="Timeout"):
+                conn.get(0, 1, "k", timeout=0.1)  # a blocking get's own read bound is enforced the same way
+            for peer in accepted:
+                peer.close()

@@ -38,8 +38,7 @@ class ShmConfig(ConnectorSettings):
         default=4 * GIB, ge=0, description="address space a consumer keeps mapped for pooled segments it has read before"
     )
     hugepage_copies: bool = Field(
-        default=True,
-        description="back owned copies of large payloads with transparent huge pages (one page fault per 2 MiB instead of per 4 KiB)",
+        default=True, description="back owned copies of large payloads with transparent huge pages (one page fault per 2 MiB instead of per 4 KiB)"
     )
     recycle_bytes: int = Field(
         default=1 * GIB,

@@ -18,10 +18,14 @@ def omni_register_connectors(registry: RegistrationSink) -> None:
         description="POSIX shared memory on one machine, many processes, no server (pooled segments, zero-copy views)",
         services="omni_plugins_shm.services:ShmServices",
     )
+    registry.register_vllm_omni(
+        "SharedMemoryConnector",
+        connector="shm",
+        unused={"shm_threshold_bytes": "every payload goes through shared memory; small ones through the slot table (slot_bytes)"},
+        description="vLLM-Omni's shared-memory connector: the shm plugin",
+    )
 
 
 @hookimpl
 def omni_register_commands(commands: CommandSink) -> None:
-    commands.register(
-        "shm", main="omni_plugins_shm.cli:main", help="shared-memory maintenance: 'shm gc' frees segments of crashed processes"
-    )
+    commands.register("shm", main="omni_plugins_shm.cli:main", help="shared-memory maintenance: 'shm gc' frees segments of crashed processes")

@@ -197,11 +197,7 @@ class MooncakeTransferEngineConnector(Connector):
             "staging_pool": self._send_pool.stats(),
             "receive_buffers": self._recv_pool.stats(),
             "stranded_receive_buffers": len(self._stranded),
-            **(
-                {}
-                if self._roster is None
-                else {"roster": {"url": self._roster.url, "key": self._roster.key, "peers": len(self._roster.cached())}}
-            ),
+            **({} if self._roster is None else {"roster": {"url": self._roster.url, "key": self._roster.key, "peers": len(self._roster.cached())}}),
         }
 
     def _secret_source(self) -> str:
