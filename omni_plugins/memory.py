@@ -78,7 +78,7 @@ class MemoryConnector(Connector):
                     return None
                 self._store.cond.wait(min(remaining, 0.5))
             blob = self._store.items.pop(key)
-            del self._store.owners[key]
+            self._store.owners.pop(key, None)
             self._store.nbytes -= len(blob)
         return GetResult(wire.decode(blob, copy=True), len(blob))
 
@@ -104,7 +104,7 @@ class MemoryConnector(Connector):
             blob = self._store.items.pop(key, None)
             if blob is not None:
                 self._store.nbytes -= len(blob)
-                del self._store.owners[key]
+                self._store.owners.pop(key, None)
             return blob is not None
 
     def _health(self) -> dict[str, Any]:
@@ -115,8 +115,10 @@ class MemoryConnector(Connector):
         with self._store.cond:
             mine = [key for key, owner in self._store.owners.items() if owner is self._token]
             for key in mine:
-                self._store.nbytes -= len(self._store.items.pop(key))
                 del self._store.owners[key]
+                blob = self._store.items.pop(key, None)
+                if blob is not None:
+                    self._store.nbytes -= len(blob)
             self._store.cond.notify_all()
 
     @classmethod
@@ -140,7 +142,7 @@ class MemoryConnector(Connector):
             doomed = [k for k in store.items if k.startswith(prefix)]
             for key in doomed:
                 store.nbytes -= len(store.items.pop(key))
-                del store.owners[key]
+                store.owners.pop(key, None)
             return len(doomed)
 
     def keys(self) -> list[str]:
