@@ -1,9 +1,10 @@
 """``omni-plugins bench``: the one benchmark engine; every result in one JSON format (:mod:`.schema`).
 
-``runner`` (sections, backends, report), ``sizes`` (the size curve against raw baselines),
-``load`` (the runtime under rising load), ``scaling`` (cost per chunk and memory per request as
-streams grow), ``peer`` (vLLM-Omni in the same run), ``lanes`` (how a payload crosses),
-``targets`` (bounds checked in every run), ``plot``.
+``runner`` (sections, backends, report), ``sizes`` (the size curve against raw baselines, over
+``lanes``), ``load`` (the runtime under rising load), ``scaling`` (cost per chunk and memory per
+request as streams grow), ``topology`` (fan-out and fan-in against a chain), ``peer`` (vLLM-Omni
+in the same run), ``traffic`` (streams between stage processes), ``targets`` (bounds checked in
+every run), ``plot``.
 """
 
 from omni_plugins.bench.runner import SECTIONS, BenchOptions, backends, local_backends, report, run_bench

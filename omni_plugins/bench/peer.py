@@ -306,7 +306,7 @@ def run_peer(opts: BenchOptions, doc: BenchDocument, bar: Any) -> None:
                 for rnd in range(lo.rounds):
                     for p, traffic in enumerate(points):
                         for mode in ("runtime", "peer") if rnd % 2 == 0 else ("peer", "runtime"):
-                            got[(p, mode)].append(pair.run_traffic(mode, backend, prepared.config, traffic, f"pr{uuid.uuid4().hex[:8]}"))  # type: ignore[arg-type]
+                            got[(p, mode)].append(pair.run_traffic(mode, backend, prepared.config, traffic, f"pr{uuid.uuid4().hex[:8]}"))
                             bar.update(1)
             finally:
                 pair.close()
