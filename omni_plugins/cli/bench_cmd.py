@@ -79,7 +79,7 @@ def _configs(items: list[str], option: str = "--config") -> dict[str, dict[str, 
     return out
 
 
-def _names(text: str | None, available: list[str], option: str, what: str) -> list[str] | None:
+def _names(text: str | None, available: list[str], option: str, what: str, noun: str = "backend") -> list[str] | None:
     from omni_plugins.errors import ConfigError
     from omni_plugins.naming import close_matches
 
@@ -87,7 +87,7 @@ def _names(text: str | None, available: list[str], option: str, what: str) -> li
         return None
     chosen = [b.strip() for b in text.split(",") if b.strip()]
     if not chosen:
-        raise ConfigError(f"{option} needs at least one name; choose from {', '.join(available) or '(none installed)'}")
+        raise ConfigError(f"{option} needs at least one {noun}; choose from {', '.join(available) or '(none installed)'}")
     unknown = [b for b in chosen if b not in available]
     if unknown:
         hints = {h for b in unknown for h in close_matches(b, available)}
@@ -108,7 +108,7 @@ def options(args: argparse.Namespace) -> Any:
     sections = (
         [s for s in SECTIONS if s != "peer"]
         if args.sections.strip() == "all"
-        else _names(args.sections, list(SECTIONS), "--sections", "sections")
+        else _names(args.sections, list(SECTIONS), "--sections", "sections", "section")
     )
     assert sections is not None
     available = backends()

@@ -144,7 +144,10 @@ class TEFloor(TERaw):
         self._sock: socket.socket | None = None
         self._size = 0
         if producer:
-            self._listener = socket.create_server(("127.0.0.1", 0))
+            from omni_plugins.ports import free_port
+
+            self._port = free_port()
+            self._listener = socket.create_server(("127.0.0.1", self._port))
             self._answer = threading.Thread(target=self._serve, daemon=True, name="te-floor-lookup")
             self._answer.start()
 
@@ -163,7 +166,7 @@ class TEFloor(TERaw):
     def handshake(self) -> Mapping[str, Any]:
         out = dict(super().handshake())
         if self._producer:
-            out["lookup_port"] = self._listener.getsockname()[1]
+            out["lookup_port"] = self._port
         return out
 
     def connect(self, peer: Mapping[str, Any]) -> None:
