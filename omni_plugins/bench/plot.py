@@ -98,8 +98,7 @@ def _load_latency(ax: Any, section: Section) -> None:
         ax.plot(xs, ys, "-", marker="o", label=f"{name} p50")
     for name, (xs, ys) in _series(section, "offered_gbps", "p99_ms", "mode").items():
         ax.plot(xs, ys, ":", marker=".", label=f"{name} p99")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    _log_axes(ax)
     ax.set_xlabel("offered GB/s")
     ax.set_ylabel("hand-off ms")
     ax.set_title("load curve: latency", fontsize=9)
@@ -111,19 +110,19 @@ def _load_throughput(ax: Any, section: Section) -> None:
     offered = [float(v) for r in section.rows if isinstance(v := r.get("offered_gbps"), (int, float))]
     lo, hi = (min(offered), max(offered)) if offered else (0.01, 1.0)
     ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8, label="offered")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
+    _log_axes(ax)
     ax.set_xlabel("offered GB/s")
     ax.set_ylabel("delivered GB/s")
     ax.set_title("load curve: throughput", fontsize=9)
 
 
 def _scaling(ax: Any, section: Section) -> None:
-    for name, (xs, ys) in _series(section, "streams", "cpu_us_per_chunk", "side").items():
-        ax.plot(xs, ys, "-", marker="o", label=name or "runtime")
+    for key, label in (("runtime_cpu_us_per_chunk", "runtime"), ("connector_cpu_us_per_chunk", "connector alone")):
+        for xs, ys in _series(section, "streams", key).values():
+            ax.plot(xs, ys, "-", marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent streams")
-    ax.set_ylabel("runtime CPU us per chunk")
+    ax.set_ylabel("CPU us per chunk (both stages)")
     ax.set_title("scaling", fontsize=9)
 
 
@@ -136,3 +135,15 @@ def _peer(ax: Any, section: Section) -> None:
     ax.set_xlabel("payload bytes")
     ax.set_ylabel("peer time / ours")
     ax.set_title("vLLM-Omni in the same run", fontsize=9)
+
+
+def _log_axes(ax: Any) -> None:
+    """Log scales with plain tick labels (no crowded minor labels)."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(ScalarFormatter())
+        axis.set_minor_formatter(NullFormatter())
