@@ -22,21 +22,21 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import pickle  # baseline only: omni_plugins never imports pickle
-import platform
 import statistics
-import sys
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm import tqdm
 
 from omni_plugins import wire
+from omni_plugins.bench.runner import report, script_document
+from omni_plugins.bench.schema import Column, Section, TargetResult
+from omni_plugins.bench.targets import check
 from omni_plugins.wire import _codec
 
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "16MiB": 16 << 20, "64MiB": 64 << 20, "256MiB": 256 << 20}
@@ -171,17 +171,19 @@ def ratios(results: dict[str, Any], clock: str) -> dict[str, Any]:
     return out
 
 
-def targets(results: dict[str, Any], rat: dict[str, Any], clock: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def targets(results: dict[str, Any], rat: dict[str, Any]) -> list[TargetResult]:
+    out: list[TargetResult] = []
+
+    def add(description: str, op: Literal[">=", "<="], bound: float, value: float, at: str) -> None:
+        out.append(check(section="codec", subject="wire", description=description, op=op, bound=bound, values=[(at, value)]))
+
     if "64MiB" in rat:
         r = rat["64MiB"]
-        view, vs_numpy, vs_pickle = r["wire_view_over_memcpy"], r["wire_copy_speedup_vs_numpy_bytes"], r["wire_copy_speedup_vs_pickle5"]
-        out["64MiB zero-copy encode+decode < 1% of one memcpy"] = {"value": view, "pass": view < 0.01}
-        out["64MiB encode+write_into+decode(copy) >= numpy tobytes/frombuffer"] = {"value": vs_numpy, "pass": vs_numpy >= 1.0}
-        out["64MiB encode+write_into+decode(copy) >= 4x pickle5"] = {"value": vs_pickle, "pass": vs_pickle >= 4.0}
+        add("zero-copy encode + decode < 1% of one memcpy", "<=", 0.01, r["wire_view_over_memcpy"], "64MiB")
+        add("encode + write_into + decode(copy) >= numpy tobytes/frombuffer", ">=", 1.0, r["wire_copy_speedup_vs_numpy_bytes"], "64MiB")
+        add("encode + write_into + decode(copy) >= 4x pickle protocol 5", ">=", 4.0, r["wire_copy_speedup_vs_pickle5"], "64MiB")
     if "4KiB" in results:
-        us = results["4KiB"]["wire_view"][f"{clock}_median_s"] * 1e6
-        out["4KiB encode+decode < 15 us"] = {"value_us": us, "pass": us < 15.0}
+        add("encode + decode <= 15 us", "<=", 15.0, results["4KiB"]["wire_view"]["wall_median_s"] * 1e6, "4KiB")
     return out
 
 
@@ -223,28 +225,50 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     results = run(sizes, rounds, budget)
     all_ratios = {clock: ratios(results, clock) for clock in ("wall", "cpu")}
-    report: dict[str, Any] = {
-        "benchmark": "bench_codec",
-        "machine": {"python": sys.version.split()[0], "torch": torch.__version__, "cpus": os.cpu_count(), "platform": platform.platform()},
-        "config": {
-            "sizes": sizes,
-            "rounds": rounds,
-            "budget_s": budget,
-            "torch_threads": torch.get_num_threads(),
-            "wire_implementation": wire.IMPLEMENTATION,
-            "load_avg_at_end": os.getloadavg(),
-        },
-        "results": results,
-        "ratios": all_ratios,
-        "targets": {clock: targets(results, all_ratios[clock], clock) for clock in ("wall", "cpu")},
-    }
-    text = json.dumps(report, indent=2)
+    doc = script_document(args.quick)
+    rows: list[dict[str, Any]] = []
+    for size_name, per_method in results.items():
+        for name, r in per_method.items():
+            rows.append(
+                {
+                    "size": SIZES[size_name],
+                    "method": name,
+                    "gbps_wall": r["gbps_wall"],
+                    "gbps_cpu": r["gbps_cpu"],
+                    "wall_us": r["wall_median_s"] * 1e6,
+                    "reps": r["reps"],
+                }
+            )
+        rows += [
+            {
+                "size": SIZES[size_name],
+                "method": f"ratio {key}",
+                "ratio_wall": all_ratios["wall"][size_name][key],
+                "ratio_cpu": all_ratios["cpu"][size_name][key],
+            }
+            for key in all_ratios["wall"][size_name]
+        ]
+    doc.sections["codec"] = Section(
+        title="Wire codec against pickle, torch.save, raw bytes and one memcpy",
+        about=__doc__.split("\n\n")[1].replace("\n", " ")
+        + f" Implementation: {wire.IMPLEMENTATION}; {rounds} rounds, {budget} s per sample, {torch.get_num_threads()} torch thread(s).",
+        columns=[
+            Column(key="size", label="size", kind="size"),
+            Column(key="method", label="method", kind="text"),
+            Column(key="gbps_wall", label="GB/s", digits=3),
+            Column(key="wall_us", label="us per op", digits=1),
+            Column(key="ratio_wall", label="ratio (wall)", digits=3),
+            Column(key="ratio_cpu", label="ratio (CPU)", digits=3),
+        ],
+        rows=rows,
+    )
+    doc.targets += targets(results, all_ratios["wall"])
+    doc.machine.load_avg_end = [round(x, 2) for x in os.getloadavg()]
     if args.json:
-        with open(args.json, "w") as fh:
-            fh.write(text)
+        doc.write(args.json)
     if args.plot:
         plot(results, args.plot)
-    print(json.dumps({"ratios": report["ratios"], "targets": report["targets"]}, indent=2))
+    print(report(doc))
     return 0
 
 

@@ -26,12 +26,10 @@ means the connector's piece costs less):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import socket
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -48,7 +46,8 @@ from omni_plugins_redis.testing import RedisServer
 from redis.connection import Connection
 
 from omni_plugins import wire
-from omni_plugins.bench.runner import machine
+from omni_plugins.bench.runner import script_document
+from omni_plugins.bench.schema import Column, Section
 from omni_plugins.wire import empty_bytes
 
 CHUNK = 2 << 20
@@ -218,18 +217,32 @@ def main() -> int:
     torch.set_num_threads(1)
     measured = {**framing(args.rounds), **replies(args.rounds), **with_server(args.rounds)}
     pairs = sorted({name.split(".")[0] for name in measured})
-    ratios = {f"{p} (redis-py / connector, client CPU)": round(measured[f"{p}.redis_py"] / measured[f"{p}.connector"], 2) for p in pairs}
-    for pair in pairs:
-        print(f"{pair:22s} redis-py {measured[pair + '.redis_py']:9.2f} us   connector {measured[pair + '.connector']:9.2f} us")
-    if args.json_path:
-        result = {
-            "command": "python " + " ".join(sys.argv),
-            "machine": machine(),
-            "ratios": ratios,
-            "client_cpu_us": {k: round(v, 2) for k, v in measured.items()},
+    rows = [
+        {
+            "pair": p,
+            "redis_py_us": measured[f"{p}.redis_py"],
+            "connector_us": measured[f"{p}.connector"],
+            "ratio": measured[f"{p}.redis_py"] / measured[f"{p}.connector"],
         }
-        with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
+        for p in pairs
+    ]
+    for row in rows:
+        print(f"{row['pair']:22s} redis-py {row['redis_py_us']:9.2f} us   connector {row['connector_us']:9.2f} us")
+    if args.json_path:
+        doc = script_document(quick=False)
+        doc.sections["redis_hotpaths"] = Section(
+            title="Redis: the connector's hand-written pieces against redis-py",
+            about=__doc__.split("\n\n")[1].replace("\n", " ") + f" {args.rounds} rounds.",
+            columns=[
+                Column(key="pair", label="piece", kind="text"),
+                Column(key="redis_py_us", label="redis-py client CPU us"),
+                Column(key="connector_us", label="connector client CPU us"),
+                Column(key="ratio", label="redis-py / connector"),
+            ],
+            rows=rows,
+        )
+        doc.machine.load_avg_end = [round(x, 2) for x in os.getloadavg()]
+        doc.write(args.json_path)
     return 0
 
 

@@ -23,7 +23,6 @@ Before/after a change: run it against an older tree with ``PYTHONPATH=<old>/plug
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import time
@@ -37,6 +36,8 @@ from omni_plugins_shm.segments import pool as pool_mod
 from tqdm import tqdm
 
 from omni_plugins import create_connector
+from omni_plugins.bench.runner import report, script_document
+from omni_plugins.bench.schema import Column, Section
 
 
 def _best(fn: Callable[[], int], reps: int) -> float:
@@ -203,10 +204,28 @@ def main() -> None:
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     out = run(args.quick, args.outstanding)
-    print(json.dumps(out, indent=2))
+    doc = script_document(args.quick)
+    rows = [{"op": "floor", "cpu_us": out["cpu_us_per_op"]["floor"], "vs_floor": 1.0}]
+    rows += [
+        {"op": op, "cpu_us": us, "vs_floor": out["ratio_vs_floor"][op], "looks_free_per_put": out["looks_free_per_put"].get(op)}
+        for op, us in out["cpu_us_per_op"].items()
+        if op != "floor"
+    ]
+    doc.sections["shm_ops"] = Section(
+        title="shm bookkeeping, CPU per operation",
+        about=__doc__.split("\n\n")[1].replace("\n", " ") + f" {args.outstanding} payloads outstanding for put_outstanding.",
+        columns=[
+            Column(key="op", label="operation", kind="text"),
+            Column(key="cpu_us", label="CPU us", digits=2),
+            Column(key="vs_floor", label="vs two renames"),
+            Column(key="looks_free_per_put", label="pool probes per put"),
+        ],
+        rows=rows,
+    )
+    doc.machine.load_avg_end = [round(x, 2) for x in os.getloadavg()]
+    print(report(doc))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        doc.write(args.json)
     if args.plot:
         import matplotlib
 

@@ -35,13 +35,28 @@ from typing import Any
 import psutil
 from tqdm import tqdm
 
-from omni_plugins.bench.runner import format_size, machine, parse_size
+from omni_plugins.bench.runner import machine
+from omni_plugins.bench.schema import BenchDocument, Column, Section
+from omni_plugins.bench.units import format_size, parse_size
 from omni_plugins.testing.netns import TestHost, TestNetwork, test_hosts_unavailable
 
 SIZES = "64KiB,1MiB,16MiB"
 PORT = 9100
 VETH = ("198.19.255.1", "198.19.255.2")  # the baseline pair's addresses: the benchmarking range, as every test link
 IMPAIRMENT = {"loss": 0.05, "delay": 0.02, "seed": 1}
+ABOUT = (
+    "One hand-off between two test hosts over a kept TCP connection (length, payload, one-byte answer), "
+    "timed by the client; per size and path the median and the throughput it gives, vs veth = that "
+    "throughput over the kernel veth pair's in the same run; forwarder CPU per GiB carried."
+)
+COLUMNS = [
+    Column(key="size", label="size", kind="size"),
+    Column(key="path", label="path", kind="text"),
+    Column(key="p50_ms", label="p50 ms", digits=3),
+    Column(key="mib_per_s", label="MiB/s", digits=0),
+    Column(key="vs_veth", label="vs veth"),
+    Column(key="forwarder_cpu_s_per_gib", label="forwarder CPU s/GiB"),
+]
 
 SINK = """
 import socket, sys, threading
@@ -178,31 +193,29 @@ def main() -> None:
                         path.run(size, _count(size) if path.name != "forwarder_impaired" else 2)
                         net.clear_impairments()
                         bar.update()
-    results: dict[str, Any] = {}
-    ratios: dict[str, Any] = {}
+    rows: list[dict[str, Any]] = []
     for size in sizes:
-        label = format_size(size)
-        row: dict[str, Any] = {}
+        veth = size / statistics.median(paths[0].samples[size])
         for path in paths:
             p50 = statistics.median(path.samples[size])
-            row[path.name] = {"p50_ms": p50 * 1e3, "mib_per_s": size / p50 / (1 << 20)}
+            row: dict[str, Any] = {"size": size, "path": path.name, "p50_ms": p50 * 1e3, "mib_per_s": size / p50 / (1 << 20)}
+            row["vs_veth"] = (size / p50) / veth
             if size in path.cpu:
-                carried = len(path.samples[size]) * size / (1 << 30)
-                row[path.name]["forwarder_cpu_s_per_gib"] = path.cpu[size] / carried
-        results[label] = row
-        ratios[label] = {p.name: row[p.name]["mib_per_s"] / row["veth"]["mib_per_s"] for p in paths if p.name != "veth"}
-    out = {
-        "command": "python benchmarks/bench_test_links.py" + (" --quick" if args.quick else "") + f" --sizes {args.sizes}",
-        "machine": machine(),
-        "ratios": ratios,
-        "figures": results,
-    }
-    for label, row in results.items():
-        print(f"{label}: " + ", ".join(f"{name} {v['p50_ms']:.2f} ms ({v['mib_per_s']:.0f} MiB/s)" for name, v in row.items()))
+                row["forwarder_cpu_s_per_gib"] = path.cpu[size] / (len(path.samples[size]) * size / (1 << 30))
+            rows.append(row)
+    doc = BenchDocument(
+        command="python benchmarks/bench_test_links.py" + (" --quick" if args.quick else "") + f" --sizes {args.sizes}",
+        final=not args.quick,
+        machine=machine(),
+    )
+    doc.sections["links"] = Section(title="Test-host links", about=ABOUT, columns=COLUMNS, rows=rows)
+    doc.machine.load_avg_end = [round(x, 2) for x in os.getloadavg()]
+    for row in rows:
+        print(
+            f"{format_size(row['size'])} {row['path']}: {row['p50_ms']:.2f} ms ({row['mib_per_s']:.0f} MiB/s, {row['vs_veth']:.2f}x veth)"
+        )
     if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as fh:
-            json.dump(out, fh, indent=2)
-            fh.write("\n")
+        doc.write(args.json_path)
 
 
 if __name__ == "__main__":

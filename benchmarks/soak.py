@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from omni_plugins.bench.runner import report, script_document
+from omni_plugins.bench.schema import Column, Section
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "reliability"))
 
@@ -304,22 +305,14 @@ def main() -> None:
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     requests = 1000 if args.quick else args.requests
-    report: dict[str, Any] = {
-        "benchmark": "soak",
-        "host": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "requests": requests,
-        "abort_fraction": args.abort_fraction,
-        "chunks_per_request": args.chunks,
-        "window": args.window,
-        "results": {},
-    }
+    doc = script_document(args.quick)
+    rows: list[dict[str, Any]] = []
     ok = True
     for name in args.backends.split(","):
         res = run_soak(
             make_backend(name.strip()), requests=requests, abort_fraction=args.abort_fraction, chunks=args.chunks, window=args.window,
             progress=True,
         )  # fmt: skip
-        report["results"][res.backend] = res.to_json()
         ok &= res.clean
         growth = {k: (v["growth"], v["growth_second_half"]) for k, v in res.rss.items() if isinstance(v, dict)}
         print(
@@ -328,11 +321,36 @@ def main() -> None:
             f"{res.seconds:.0f} s",
             file=sys.stderr,
         )
-    report["clean"] = ok
-    text = json.dumps(report, indent=2)
+        row = {k: v for k, v in res.to_json().items() if isinstance(v, (int, float, str, bool)) or v is None}
+        row["bad"] = len(res.bad)
+        row["leftovers_open"] = len(res.leftovers_open)
+        row["leftovers_closed"] = len(res.leftovers_closed)
+        for proc, v in res.rss.items():
+            if isinstance(v, dict):
+                row[f"{proc}_rss_growth"] = v["growth"]
+                row[f"{proc}_rss_growth_second_half"] = v["growth_second_half"]
+        rows.append(row)
+    doc.sections["soak"] = Section(
+        title="Soak: streamed requests with aborts",
+        about=__doc__.split("\n\n")[0].replace("\n", " "),
+        columns=[
+            Column(key="backend", label="backend", kind="text"),
+            Column(key="requests", label="requests", digits=0),
+            Column(key="finished", label="finished", digits=0),
+            Column(key="aborted", label="aborted", digits=0),
+            Column(key="bad", label="bad", digits=0),
+            Column(key="leftovers_open", label="left (open)", digits=0),
+            Column(key="leftovers_closed", label="left (closed)", digits=0),
+            Column(key="requests_per_s", label="requests/s", digits=1),
+            Column(key="clean", label="clean", kind="text"),
+        ],
+        rows=rows,
+        setup={"abort_fraction": args.abort_fraction, "chunks_per_request": args.chunks, "window": args.window},
+    )
+    doc.machine.load_avg_end = [round(x, 2) for x in os.getloadavg()]
+    print(report(doc))
     if args.json:
-        Path(args.json).write_text(text)
-    print(text)
+        doc.write(args.json)
     sys.exit(0 if ok else 1)
 
 

@@ -32,6 +32,8 @@ class _Store:
 
     def __init__(self) -> None:
         self.items: dict[str, bytes] = {}
+        #: the instance (its token) that put each stored key: a closing instance frees its own unread payloads
+        self.owners: dict[str, object] = {}
         self.nbytes = 0
         self.cond = threading.Condition()
 
@@ -49,7 +51,7 @@ class MemoryConnector(Connector):
         self.config = config or MemoryConfig()
         with self._stores_lock:
             self._store = self._stores.setdefault(self.config.namespace, _Store())
-        self._owned: set[str] = set()
+        self._token = object()  # identifies this instance's payloads in the shared store
         self._interrupted = False  # interrupt_wait() pending: the (next) wait_any of this instance returns
 
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
@@ -60,8 +62,8 @@ class MemoryConnector(Connector):
             if new_total > self.config.max_bytes:
                 return PutResult(False, len(blob), {"error": f"namespace {self.config.namespace!r} is full"})
             self._store.items[key] = blob
+            self._store.owners[key] = self._token
             self._store.nbytes = new_total
-            self._owned.add(key)
             self._store.cond.notify_all()
         return PutResult(True, len(blob), None)
 
@@ -76,6 +78,7 @@ class MemoryConnector(Connector):
                     return None
                 self._store.cond.wait(min(remaining, 0.5))
             blob = self._store.items.pop(key)
+            self._store.owners.pop(key, None)
             self._store.nbytes -= len(blob)
         return GetResult(wire.decode(blob, copy=True), len(blob))
 
@@ -101,7 +104,7 @@ class MemoryConnector(Connector):
             blob = self._store.items.pop(key, None)
             if blob is not None:
                 self._store.nbytes -= len(blob)
-            self._owned.discard(key)
+                self._store.owners.pop(key, None)
             return blob is not None
 
     def _health(self) -> dict[str, Any]:
@@ -110,11 +113,12 @@ class MemoryConnector(Connector):
 
     def _close(self) -> None:
         with self._store.cond:
-            for key in self._owned:
+            mine = [key for key, owner in self._store.owners.items() if owner is self._token]
+            for key in mine:
+                del self._store.owners[key]
                 blob = self._store.items.pop(key, None)
                 if blob is not None:
                     self._store.nbytes -= len(blob)
-            self._owned.clear()
             self._store.cond.notify_all()
 
     @classmethod
@@ -138,6 +142,7 @@ class MemoryConnector(Connector):
             doomed = [k for k in store.items if k.startswith(prefix)]
             for key in doomed:
                 store.nbytes -= len(store.items.pop(key))
+                store.owners.pop(key, None)
             return len(doomed)
 
     def keys(self) -> list[str]:

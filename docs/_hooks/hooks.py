@@ -8,7 +8,7 @@ A page asks for generated text with a line of its own::
     <!-- generated: vllm-omni-names -->            the vLLM-Omni connector names the plugins declare
 
 An unknown kind, or a generator that fails (e.g. a connector that is not installed), fails the
-build. The benchmark plot is added to the site as ``benchmark-results.png``.
+build. Each results file's plot is added to the site as ``benchmark-<file>.png``.
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ import connector_settings
 import vllm_omni_names
 
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+)((?: [^ >]+)*) -->$", re.MULTILINE)
-PLOT = "benchmark-results.png"
 
-#: read once per build, in on_files
-_bench: dict[str, Any] = {"results": [], "plot": None}
+#: read once per build, in on_files: the results documents and their plots' site paths
+_bench: dict[str, Any] = {"results": [], "plots": {}}
 
 
 def _benchmark_results() -> str:
-    return benchmark_results.markdown(_bench["results"], plot=_bench["plot"])
+    return benchmark_results.markdown(_bench["results"], plots=_bench["plots"])
 
 
 GENERATORS: dict[str, Callable[..., str]] = {
@@ -49,11 +48,17 @@ GENERATORS: dict[str, Callable[..., str]] = {
 
 
 def on_files(files: Files, config: Any) -> Files:
-    _bench["results"] = benchmark_results.load()
-    png = benchmark_results.plot_png(_bench["results"])
-    _bench["plot"] = PLOT if png is not None else None
-    if png is not None:
-        files.append(File.generated(config, PLOT, content=png))
+    try:
+        _bench["results"] = benchmark_results.load()
+    except ValueError as exc:
+        raise PluginError(str(exc)) from exc
+    _bench["plots"] = {}
+    for name, doc in _bench["results"]:
+        if not benchmark_results.plottable(doc):
+            continue
+        path = benchmark_results.plot_name(name)
+        files.append(File.generated(config, path, content=benchmark_results.plot_png(doc)))
+        _bench["plots"][name] = path
     return files
 
 

@@ -76,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     own, command, rest = _split_plugin_command(argv)  # everything after a plugin command's name is the plugin's
     args = parser.parse_args(own)
+    args.argv = own  # what was asked for, for commands that record it (``bench``'s results name their command)
     logging.basicConfig(
         level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)], format="%(levelname)s %(name)s: %(message)s"
     )

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 from pydantic import BaseModel
 
 from omni_plugins.services._types import Finding, PrivateServer, RawBaseline, RunScope
+
+if TYPE_CHECKING:
+    from omni_plugins.bench.targets import SizeTarget
 
 #: the connector's settings model (``ConnectorServices[MyConfig]``)
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
@@ -35,6 +38,14 @@ class ConnectorServices(Generic[ConfigT]):
     #: stand-in value: ``run --start-servers`` reads the file with the stand-ins to learn which servers
     #: to start, then sets the real values (:meth:`server_environment`)
     server_variables: ClassVar[Mapping[str, str]] = {}
+
+    #: named config overlays ``omni-plugins bench`` measures next to the connector as configured, in the
+    #: same run: a mode users switch on (``{"views": {"zero_copy": True}}``)
+    bench_variants: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
+
+    #: the size curve's targets (:class:`omni_plugins.bench.targets.SizeTarget`): bounds on same-run
+    #: ratios against the raw baseline that every ``omni-plugins bench`` run checks and records
+    bench_targets: ClassVar[tuple[SizeTarget, ...]] = ()
 
     def census(self, config: ConfigT, run: RunScope) -> Finding:
         """What of the run ``run`` the backend still holds (count 0: nothing). Called after every stage process exited.
@@ -80,20 +91,48 @@ class ConnectorServices(Generic[ConfigT]):
         """
         raise NotImplementedError
 
+    def floor_baseline(self, config: ConfigT, max_bytes: int, producer: bool) -> RawBaseline:
+        """One end of the floor: the raw baseline plus the least any connector of this backend has to add.
+
+        What a connector cannot avoid given the contract (``put`` may not keep the caller's memory,
+        so one staging copy; a consumer that knows only the key, so one lookup; tensors, not bytes,
+        so a decode), done the cheapest way, with nothing else. Measured in the same run: where a
+        target is out of reach, the floor proves it. Same protocol as :meth:`raw_baseline`.
+        """
+        raise NotImplementedError
+
 
 #: every service a :class:`ConnectorServices` subclass may override
-SERVICE_METHODS: tuple[str, ...] = ("census", "reclaim", "start_server", "server_environment", "bench_config", "raw_baseline")
+SERVICE_METHODS: tuple[str, ...] = (
+    "census",
+    "reclaim",
+    "start_server",
+    "server_environment",
+    "bench_config",
+    "raw_baseline",
+    "floor_baseline",
+)
 #: every declaration (class attribute) it may set
-SERVICE_ATTRIBUTES: tuple[str, ...] = ("server_variables", "preload")
+SERVICE_ATTRIBUTES: tuple[str, ...] = ("server_variables", "bench_variants", "bench_targets", "preload")
 #: all of them in documentation order (how ``omni-plugins list`` shows them)
-_ORDER: tuple[str, ...] = ("census", "reclaim", "start_server", "server_environment", "server_variables", "bench_config", "raw_baseline", "preload")
+_ORDER: tuple[str, ...] = (
+    "census",
+    "reclaim",
+    "start_server",
+    "server_environment",
+    "server_variables",
+    "bench_config",
+    "raw_baseline",
+    "floor_baseline",
+    "bench_variants",
+    "bench_targets",
+    "preload",
+)
 
 
 def offered(services: ConnectorServices[Any] | type[ConnectorServices[Any]]) -> tuple[str, ...]:
     """The services ``services`` (an instance or the class) offers: the methods its class overrides, the attributes it sets."""
     cls = services if isinstance(services, type) else type(services)
     return tuple(
-        n
-        for n in _ORDER
-        if (getattr(cls, n) is not getattr(ConnectorServices, n) if n in SERVICE_METHODS else bool(getattr(cls, n)))
+        n for n in _ORDER if (getattr(cls, n) is not getattr(ConnectorServices, n) if n in SERVICE_METHODS else bool(getattr(cls, n)))
     )

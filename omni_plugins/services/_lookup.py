@@ -23,7 +23,13 @@ _instances: dict[str, ConnectorServices[Any]] = {}
 _lock = threading.Lock()
 
 #: services that only work together: offering the first needs the second
-_PAIRS = (("raw_baseline", "bench_config"), ("server_environment", "start_server"))
+_PAIRS = (
+    ("raw_baseline", "bench_config"),
+    ("server_environment", "start_server"),
+    ("floor_baseline", "raw_baseline"),
+    ("bench_variants", "raw_baseline"),
+    ("bench_targets", "raw_baseline"),
+)
 
 
 def load_services(spec: ConnectorSpec) -> ConnectorServices[Any] | None:
@@ -130,6 +136,7 @@ def check_services_class(cls: type[ConnectorServices[Any]], where: str) -> None:
     variables = cls.server_variables
     if not (isinstance(variables, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in variables.items())):
         raise PluginLoadError(f"{where}: server_variables must map variable names to stand-in values, got {variables!r}")
+    _check_bench_declarations(cls, where)
     has = set(offered(cls))
     for needs, partner in _PAIRS:
         if needs in has and partner not in has:
@@ -137,3 +144,17 @@ def check_services_class(cls: type[ConnectorServices[Any]], where: str) -> None:
     if ("server_environment" in has) != bool(variables):
         raise PluginLoadError(f"{where}: server_environment and server_variables go together (the values of those variables)")
 
+
+def _check_bench_declarations(cls: type[ConnectorServices[Any]], where: str) -> None:
+    """``bench_variants`` maps names to config overlays; ``bench_targets`` holds SizeTargets naming known variants."""
+    from omni_plugins.bench.targets import SizeTarget
+
+    variants = cls.bench_variants
+    if not (isinstance(variants, Mapping) and all(isinstance(k, str) and k and isinstance(v, Mapping) for k, v in variants.items())):
+        raise PluginLoadError(f"{where}: bench_variants must map variant names to config overlays, got {variants!r}")
+    targets = cls.bench_targets
+    if not (isinstance(targets, tuple) and all(isinstance(t, SizeTarget) for t in targets)):
+        raise PluginLoadError(f"{where}: bench_targets must be a tuple of omni_plugins.bench.targets.SizeTarget, got {targets!r}")
+    for t in targets:
+        if t.variant and t.variant not in variants:
+            raise PluginLoadError(f"{where}: bench target {t.description!r} names variant {t.variant!r}, which bench_variants lacks")

@@ -11,7 +11,8 @@ Usage in a plugin's tests, next to its :class:`ConnectorContract`::
 
 Every test of a service the plugin does not offer is skipped; what it offers must work:
 a census sees what a run left and a reclaim frees it, the private server serves the
-connector and stops by pid, the raw baseline moves the bytes, the preload modules import.
+connector and stops by pid, the raw and floor baselines move the bytes, the bench variants
+are valid configs, the preload modules import.
 """
 
 from __future__ import annotations
@@ -126,6 +127,31 @@ class ServicesContract:
         self, connector_spec: tuple[str, dict[str, Any]], services: ConnectorServices[Any], tmp_path: Path, request: pytest.FixtureRequest
     ) -> None:
         self._offers(services, "raw_baseline")
+        self._baseline_moves_the_bytes("raw_baseline", connector_spec, services, tmp_path, request)
+
+    def test_the_floor_baseline_moves_the_bytes(
+        self, connector_spec: tuple[str, dict[str, Any]], services: ConnectorServices[Any], tmp_path: Path, request: pytest.FixtureRequest
+    ) -> None:
+        self._offers(services, "floor_baseline")
+        self._baseline_moves_the_bytes("floor_baseline", connector_spec, services, tmp_path, request)
+
+    def test_bench_variants_are_valid_configs(self, connector_spec: tuple[str, dict[str, Any]], services: ConnectorServices[Any]) -> None:
+        self._offers(services, "bench_variants")
+        name, config = connector_spec
+        for variant, overlay in services.bench_variants.items():
+            try:
+                validate_connector_config(name, {**config, **overlay})
+            except Exception as exc:
+                pytest.fail(f"bench variant {variant!r} ({dict(overlay)}) is not a valid {name} config: {exc}")
+
+    def _baseline_moves_the_bytes(
+        self,
+        service: str,
+        connector_spec: tuple[str, dict[str, Any]],
+        services: ConnectorServices[Any],
+        tmp_path: Path,
+        request: pytest.FixtureRequest,
+    ) -> None:
         name, config = connector_spec
         server = None
         if "start_server" in offered(services):
@@ -133,8 +159,9 @@ class ServicesContract:
             server = omni_server(name)
         validate_connector_config(name, services.bench_config(self.baseline_bytes, server, tmp_path))
         settings = validate_connector_config(name, config)
-        producer = services.raw_baseline(settings, self.baseline_bytes, True)
-        consumer = services.raw_baseline(settings, self.baseline_bytes, False)
+        make = getattr(services, service)
+        producer = make(settings, self.baseline_bytes, True)
+        consumer = make(settings, self.baseline_bytes, False)
         try:
             hello = dict(producer.handshake())
             consumer.connect(hello)
@@ -142,12 +169,12 @@ class ServicesContract:
             kept = []
             for i, size in enumerate((1, self.baseline_bytes // 3, self.baseline_bytes)):
                 payload = torch.randint(0, 256, (size,), dtype=torch.uint8)
-                producer.put(f"raw-{i}", payload)
-                got = consumer.get(f"raw-{i}", size)
-                assert got.dtype == torch.uint8 and torch.equal(got, payload), f"the raw baseline changed {size} bytes"
+                producer.put(f"{service}-{i}", payload)
+                got = consumer.get(f"{service}-{i}", size)
+                assert got.dtype == torch.uint8 and torch.equal(got, payload), f"the {service} changed {size} bytes"
                 kept.append((got, payload.clone()))
             for got, want in kept:  # the consumer owns each copy: the next put and get do not change it
-                assert torch.equal(got, want), "a raw get returned memory that the next transfer overwrote"
+                assert torch.equal(got, want), f"a get of the {service} returned memory that the next transfer overwrote"
         finally:
             consumer.close()
             producer.close()

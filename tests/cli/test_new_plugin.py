@@ -26,9 +26,10 @@ def test_generated_plugin_installs_and_passes_its_tests(tmp_path: Path) -> None:
     result = install_and_test(out, tmp_path / "site", "-rs")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "failed" not in result.stdout
-    # both kits ran and every service the scaffold offers was exercised: only the server test (no server) and wait_any are skipped
+    # both kits ran and every service the scaffold offers was exercised: only what it does not offer is skipped (a server, a floor, variants, wait_any)
     skipped = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
-    assert skipped and all("no 'start_server' service" in line or "does not offer wait_any" in line for line in skipped), skipped
+    expected = ("no 'start_server' service", "does not offer wait_any", "no 'floor_baseline' service", "no 'bench_variants' service")
+    assert skipped and all(any(why in line for why in expected) for line in skipped), skipped
     assert (tmp_path / "site" / "omni_plugins_scratch_store" / "py.typed").is_file()  # installed with its type information
 
 

@@ -31,6 +31,23 @@ def test_memory_close_frees_what_it_owns() -> None:
     consumer.close()
 
 
+def test_memory_keeps_nothing_of_payloads_another_instance_read() -> None:
+    """A producer's bookkeeping of what it put ends with the payload: a long run does not grow it."""
+    from omni_plugins import create_connector
+
+    ns = {"namespace": f"read-{uuid.uuid4().hex}"}
+    producer, consumer = create_connector("memory", ns), create_connector("memory", ns)
+    for i in range(100):
+        assert producer.put(0, 1, f"k{i}", {"x": i}).ok
+        assert consumer.get(0, 1, f"k{i}") is not None
+    assert producer.put(0, 1, "unread", {"x": 0}).ok
+    store = type(producer)._stores[ns["namespace"]]
+    assert list(store.owners) == ["unread"]
+    producer.close()
+    assert store.owners == {} and store.items == {}
+    consumer.close()
+
+
 def test_memory_refuses_puts_over_its_budget() -> None:
     from omni_plugins import create_connector
 

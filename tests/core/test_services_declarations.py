@@ -10,6 +10,7 @@ import pytest
 import tomllib
 
 from omni_plugins import hookimpl
+from omni_plugins.bench import SizeTarget
 from omni_plugins.errors import PluginLoadError
 from omni_plugins.plugins import PluginManager
 from omni_plugins.services import ConnectorServices, Finding, RunScope, ServiceUnavailable, offered, require, services_for
@@ -46,6 +47,32 @@ class _EnvironmentWithoutVariables(ConnectorServices[Any]):
 
     def server_environment(self, server: Any) -> dict[str, str]:
         return {}
+
+
+class _Benched(ConnectorServices[Any]):
+    def bench_config(self, max_bytes: int, server: Any, scratch: Path) -> dict[str, Any]:
+        return {}
+
+    def raw_baseline(self, config: Any, max_bytes: int, producer: bool) -> Any:
+        return None
+
+
+class _FloorWithoutRaw(ConnectorServices[Any]):
+    def floor_baseline(self, config: Any, max_bytes: int, producer: bool) -> Any:
+        return None
+
+
+class _TargetOfAnUnknownVariant(_Benched):
+    bench_variants = {"views": {"zero_copy": True}}
+    bench_targets = (SizeTarget("fast views", "ratio", 1.5, variant="view"),)
+
+
+class _TargetsNotSizeTargets(_Benched):
+    bench_targets = ({"measure": "ratio", "bound": 1},)  # type: ignore[assignment]
+
+
+class _VariantNotAnOverlay(_Benched):
+    bench_variants = {"views": "zero_copy"}  # type: ignore[dict-item]
 
 
 class _BadPreload(ConnectorServices[Any]):
@@ -92,6 +119,10 @@ def test_services_are_imported_on_first_use_and_shared(probe: Any) -> None:
         ("_HalfBench", r"offers 'raw_baseline' without 'bench_config'"),
         ("_EnvironmentWithoutVariables", r"server_environment and server_variables go together"),
         ("_BadPreload", r"preload must be a tuple of module names"),
+        ("_FloorWithoutRaw", r"offers 'floor_baseline' without 'raw_baseline'"),
+        ("_TargetOfAnUnknownVariant", r"bench target 'fast views' names variant 'view', which bench_variants lacks"),
+        ("_TargetsNotSizeTargets", r"bench_targets must be a tuple of omni_plugins.bench.targets.SizeTarget"),
+        ("_VariantNotAnOverlay", r"bench_variants must map variant names to config overlays"),
         ("_NotServices", r"is not a subclass of omni_plugins.services.ConnectorServices"),
         ("_Absent", r"cannot be imported"),
     ],
@@ -100,6 +131,14 @@ def test_a_wrong_declaration_is_refused_naming_it(probe: Any, cls_name: str, mes
     with probe(cls_name), pytest.raises(PluginLoadError, match=message) as info:
         services_for("svc-probe")
     assert f"{__name__}:{cls_name}" in str(info.value) and "svc-probe" in str(info.value)
+
+
+def test_a_size_target_names_a_known_measure_and_a_positive_bound() -> None:
+    assert SizeTarget("x", "put_ratio", 5.0).op == ">=" and SizeTarget("x", "cost", 1.2).op == "<="
+    with pytest.raises(ValueError, match="unknown measure 'speed'"):
+        SizeTarget("x", "speed", 1.0)
+    with pytest.raises(ValueError, match="bound must be positive"):
+        SizeTarget("x", "ratio", 0)
 
 
 def test_run_scope_refuses_a_tag_that_would_widen_a_pattern() -> None:

@@ -93,3 +93,113 @@ class TERaw:
 
     def close(self) -> None:
         self.te.unregister_memory(self.buf.data_ptr())
+
+
+class StoreFloor(StoreRaw):
+    """The store floor: :class:`StoreRaw` plus what a connector cannot avoid, the wire encoding and a decode.
+
+    The payload is encoded straight into the registered buffer (the one staging copy the raw
+    baseline makes too), read back with one ``get_into`` of the buffer's capacity (a consumer does
+    not know the encoded size) and decoded into a tensor the consumer owns.
+    """
+
+    def put(self, key: str, payload: torch.Tensor) -> None:
+        from omni_plugins import wire
+
+        n = wire.encode({"t": payload}).write_into(self.buf.numpy())
+        rc = self.store.upsert_from(f"rawbench-{key}", self.buf.data_ptr(), n)
+        if rc != 0:
+            raise RuntimeError(f"upsert_from failed: {rc}")
+
+    def get(self, key: str, nbytes: int) -> torch.Tensor:
+        from omni_plugins import wire
+
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            got = int(self.store.get_into(f"rawbench-{key}", self.buf.data_ptr(), self.buf.numel()))
+            if got > 0:
+                self.store.remove(f"rawbench-{key}", True)
+                tensor: torch.Tensor = wire.decode(self.buf.numpy().data[:got], copy=True)["t"]
+                return tensor
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{key}: {got}")
+            time.sleep(0.0005)
+
+
+class TEFloor(TERaw):
+    """The Transfer Engine floor: the one-sided read of :class:`TERaw` plus one copy, one lookup and a decode.
+
+    ``put`` encodes the payload into the registered buffer (``put`` may not keep the caller's
+    memory); ``get`` asks the producer where the key is over a kept loopback TCP connection (16
+    bytes there, 16 back, answered by a thread that does nothing else: the least any lookup costs),
+    reads those bytes with ``transfer_sync_read`` and decodes a tensor the consumer owns.
+    """
+
+    def __init__(self, max_bytes: int, producer: bool) -> None:
+        import socket
+        import threading
+
+        super().__init__(max_bytes + (64 << 10))
+        self._producer = producer
+        self._sock: socket.socket | None = None
+        self._size = 0
+        if producer:
+            from omni_plugins.ports import free_port
+
+            self._port = free_port()
+            self._listener = socket.create_server(("127.0.0.1", self._port))
+            self._answer = threading.Thread(target=self._serve, daemon=True, name="te-floor-lookup")
+            self._answer.start()
+
+    def _serve(self) -> None:
+        import socket
+
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            while len(conn.recv(16, socket.MSG_WAITALL)) == 16:
+                conn.sendall(self.buf.data_ptr().to_bytes(8, "little") + self._size.to_bytes(8, "little"))
+
+    def handshake(self) -> Mapping[str, Any]:
+        out = dict(super().handshake())
+        if self._producer:
+            out["lookup_port"] = self._port
+        return out
+
+    def connect(self, peer: Mapping[str, Any]) -> None:
+        import socket
+
+        super().connect(peer)
+        if not self._producer:
+            self._sock = socket.create_connection(("127.0.0.1", int(peer["lookup_port"])))
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def put(self, key: str, payload: torch.Tensor) -> None:
+        from omni_plugins import wire
+
+        self._size = wire.encode({"t": payload}).write_into(self.buf.numpy())
+
+    def get(self, key: str, nbytes: int) -> torch.Tensor:
+        import socket
+
+        from omni_plugins import wire
+
+        assert self._sock is not None
+        self._sock.sendall(key.encode()[:16].ljust(16, b"\0"))
+        answer = self._sock.recv(16, socket.MSG_WAITALL)
+        ptr, size = int.from_bytes(answer[:8], "little"), int.from_bytes(answer[8:], "little")
+        rc = self.te.transfer_sync_read(self.peer["segment"], self.buf.data_ptr(), ptr, size)
+        if rc != 0:
+            raise RuntimeError(f"transfer_sync_read failed: {rc}")
+        tensor: torch.Tensor = wire.decode(self.buf.numpy().data[:size], copy=True)["t"]
+        return tensor
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        if self._producer:
+            self._listener.close()
+        super().close()

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omni_plugins.bench.targets import SizeTarget
+from omni_plugins.bench.units import MIB
 from omni_plugins.services import ConnectorServices, Finding, PrivateServer, RunScope, ServiceUnavailable
 
 if TYPE_CHECKING:
@@ -19,9 +21,14 @@ if TYPE_CHECKING:
 MASTER_VARIABLE = "OMNI_MOONCAKE_MASTER"
 
 
+#: both connectors: within 0.8x of the raw API from 16 MiB up (below that a payload's fixed costs weigh: see the floors)
+LARGE_TARGETS = (SizeTarget(">= 0.8x the raw API from 16 MiB up", "ratio", 0.8, min_size=16 * MIB),)
+
+
 class StoreServices(ConnectorServices["MooncakeStoreConfig"]):
     preload = ("omni_plugins_mooncake.store",)
     server_variables = {MASTER_VARIABLE: "127.0.0.1:50051"}
+    bench_targets = LARGE_TARGETS
 
     def census(self, config: MooncakeStoreConfig, run: RunScope) -> Finding:
         """This run's objects still in the store, removed: the store cannot count keys by pattern without removing them.
@@ -70,9 +77,17 @@ class StoreServices(ConnectorServices["MooncakeStoreConfig"]):
         loopback_environment()
         return StoreRaw(config, max_bytes, producer)
 
+    def floor_baseline(self, config: MooncakeStoreConfig, max_bytes: int, producer: bool) -> RawBaseline:
+        from omni_plugins_mooncake.baseline import StoreFloor
+        from omni_plugins_mooncake.testing import loopback_environment
+
+        loopback_environment()
+        return StoreFloor(config, max_bytes + (64 << 10), producer)
+
 
 class TEServices(ConnectorServices["MooncakeTEConfig"]):
     preload = ("omni_plugins_mooncake.te.connector",)
+    bench_targets = LARGE_TARGETS
 
     def bench_config(self, max_bytes: int, server: PrivateServer | None, scratch: Path) -> dict[str, Any]:
         from omni_plugins_mooncake.testing import loopback_environment
@@ -88,3 +103,10 @@ class TEServices(ConnectorServices["MooncakeTEConfig"]):
 
         loopback_environment()
         return TERaw(max_bytes)
+
+    def floor_baseline(self, config: MooncakeTEConfig, max_bytes: int, producer: bool) -> RawBaseline:
+        from omni_plugins_mooncake.baseline import TEFloor
+        from omni_plugins_mooncake.testing import loopback_environment
+
+        loopback_environment()
+        return TEFloor(max_bytes, producer)

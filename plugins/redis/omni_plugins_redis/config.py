@@ -79,7 +79,7 @@ class RedisConfig(ConnectorSettings):
     key_prefix: str = Field("omni:", max_length=200, description="namespace of every key this connector writes")
     ttl_seconds: float = Field(300.0, ge=0, le=365 * 86400, description="expiry of unread payloads; 0 = never expire")
     # 2 MiB parts cost the server less CPU per byte than 1 or 4 MiB (smaller reply buffers and query-buffer
-    # moves in Redis); benchmarks/bench_redis.py --chunk-bytes measures other sizes
+    # moves in Redis); omni-plugins bench --backends redis --config redis='{"chunk_bytes": N}' measures other sizes
     chunk_bytes: int = Field(2 * MIB, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES, description="size of one stored part")
     inline_bytes: int = Field(
         256 * KIB, ge=0, le=MAX_CHUNK_BYTES, description="payloads up to this size (capped at chunk_bytes) travel in the manifest itself"

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from omni_plugins.bench.targets import SizeTarget
+from omni_plugins.bench.units import KIB, MIB
 from omni_plugins.services import ConnectorServices, Finding, PrivateServer, RunScope, ServiceUnavailable
 
 if TYPE_CHECKING:
@@ -25,6 +27,11 @@ URL_VARIABLE = "OMNI_REDIS_URL"
 class RedisServices(ConnectorServices["RedisConfig"]):
     preload = ("omni_plugins_redis.connector",)
     server_variables = {URL_VARIABLE: "redis://127.0.0.1:6379/0"}
+    bench_targets = (
+        SizeTarget("64 MiB put >= 5x a raw SET", "put_ratio", 5.0, min_size=64 * MIB, max_size=64 * MIB),
+        SizeTarget("64 MiB get >= 2x a raw GET", "get_ratio", 2.0, min_size=64 * MIB, max_size=64 * MIB),
+        SizeTarget("4 KiB put + get <= 1.2x a raw SET + GET", "cost", 1.2, min_size=4 * KIB, max_size=4 * KIB),
+    )
 
     def census(self, config: RedisConfig, run: RunScope) -> Finding:
         """Every key under the connector's ``key_prefix`` (a prefix belongs to one pipeline)."""

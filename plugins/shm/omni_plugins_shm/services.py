@@ -9,6 +9,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omni_plugins.bench.targets import SizeTarget
+from omni_plugins.bench.units import KIB, MIB
 from omni_plugins.services import ConnectorServices, Finding, PrivateServer, RunScope
 
 if TYPE_CHECKING:
@@ -18,6 +20,13 @@ if TYPE_CHECKING:
 
 class ShmServices(ConnectorServices["ShmConfig"]):
     preload = ("omni_plugins_shm.connector",)
+    #: zero-copy gets (``zero_copy: true``): tensors that are views over the shared segment
+    bench_variants = {"views": {"zero_copy": True}}
+    bench_targets = (
+        SizeTarget(">= 0.9x the raw two-copy at every size from 64 KiB up", "ratio", 0.9, min_size=64 * KIB),
+        SizeTarget("4 KiB round trip <= 1.5x a pipe ping-pong", "round_trip_vs_pipe", 1.5, min_size=4 * KIB, max_size=4 * KIB),
+        SizeTarget("zero-copy views >= 1.5x the raw two-copy from 16 MiB up", "ratio", 1.5, min_size=16 * MIB, variant="views"),
+    )
 
     def census(self, config: ShmConfig, run: RunScope) -> Finding:
         """Every file left in the connector's namespace (payload names are hashed: the namespace is the scope)."""

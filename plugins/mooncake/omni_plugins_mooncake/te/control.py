@@ -37,7 +37,7 @@ frame whose body starts with a byte below 0x80 (a msgpack map never does)::
     0x02 token:u64                           (one-way finish)
 
 Same meaning as the maps, less Python on both ends of the round trip
-(``benchmarks/bench_mooncake.py`` times the claim of an absent key as ``control_rtt``). Every socket operation has a
+(the bench's Transfer Engine floor adds one such round trip to the raw read). Every socket operation has a
 timeout, so a dead peer is an error after at most ``timeout`` seconds, never a
 hang. No pickle: bytes from the network are untrusted and only msgpack-decoded
 with small limits.

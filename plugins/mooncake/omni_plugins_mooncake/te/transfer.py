@@ -9,8 +9,8 @@ transport threads that move the bytes. :class:`Reader` submits with
 loaded machine, a yielding poller at once), and for transfers expected to take
 longer than :data:`SLEEP_ABOVE` seconds (from the throughput it has seen) it
 first sleeps half the expected time, so a long read does not keep a core busy.
-``benchmarks/bench_mooncake.py`` compares it with the raw call and with the same
-read submitted asynchronously.
+``omni-plugins bench --backends mooncake-te`` compares the connector with the raw call
+(``transfer_sync_read``) and with its floor.
 
 A read that has not completed by its deadline may still land later: the
 caller must never reuse the destination memory (:data:`TIMED_OUT`).

@@ -16,6 +16,8 @@ from omni_test_served.server import ask
 
 class ServedDirConfig(ConnectorSettings):
     address: str = "127.0.0.1:1"
+    #: a put is on disk before it returns (the bench variant "durable")
+    fsync: bool = False
 
 
 def file_name(key: str) -> str:
@@ -36,6 +38,9 @@ class ServedDirConnector(Connector):
         tmp = os.path.join(self.directory, f".tmp-{uuid.uuid4().hex}")
         with open(tmp, "wb") as f:
             f.write(blob)
+            if self.config.fsync:
+                f.flush()
+                os.fsync(f.fileno())
         os.replace(tmp, os.path.join(self.directory, file_name(key)))
         return PutResult(True, len(blob))
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from omni_plugins.bench.targets import SizeTarget
 from omni_plugins.ports import free_port
 from omni_plugins.services import ConnectorServices, Finding, PrivateServer, RawBaseline, RunScope, ServiceUnavailable
 from omni_test_served.connector import ServedDirConfig
@@ -64,8 +65,11 @@ def _run_files(config: ServedDirConfig, run: RunScope) -> tuple[str, list[str]]:
 
 
 class FileRaw:
-    def __init__(self, directory: str) -> None:
+    """The raw baseline: the bytes as a plain file, written and read; the floor also renames it twice (claims)."""
+
+    def __init__(self, directory: str, claims: bool = False) -> None:
         self.directory = directory
+        self.claims = claims
 
     def handshake(self) -> Mapping[str, Any]:
         return {}
@@ -79,6 +83,10 @@ class FileRaw:
 
     def get(self, key: str, nbytes: int) -> torch.Tensor:
         path = os.path.join(self.directory, "raw-" + key)
+        if self.claims:
+            claimed = path + ".claimed"
+            os.rename(path, claimed)
+            path = claimed
         with open(path, "rb") as f:
             data = bytearray(f.read())
         os.unlink(path)
@@ -91,6 +99,11 @@ class FileRaw:
 class ServedDirServices(ConnectorServices[ServedDirConfig]):
     preload = ("omni_test_served.connector",)
     server_variables = {VARIABLE: "127.0.0.1:1"}
+    bench_variants = {"durable": {"fsync": True}}
+    bench_targets = (
+        SizeTarget("put + get within 50x a plain file", "cost", 50.0),
+        SizeTarget("durable put within 500x", "cost", 500.0, variant="durable"),
+    )
 
     def census(self, config: ServedDirConfig, run: RunScope) -> Finding:
         directory, files = _run_files(config, run)
@@ -115,3 +128,6 @@ class ServedDirServices(ConnectorServices[ServedDirConfig]):
 
     def raw_baseline(self, config: ServedDirConfig, max_bytes: int, producer: bool) -> RawBaseline:
         return FileRaw(ask(config.address))
+
+    def floor_baseline(self, config: ServedDirConfig, max_bytes: int, producer: bool) -> RawBaseline:
+        return FileRaw(ask(config.address), claims=True)
