@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import sys
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _exchange import Outcome, exchange
-from conftest import Service
 
 from omni_plugins.testing.netns import TestHost, TestNetwork
+
+if TYPE_CHECKING:
+    from conftest import Service  # this directory's (the fixtures' type); not imported at run time: another
+    # directory's conftest may be the module named "conftest" then
 
 TE_SECRET = "netns-test-secret-0123456789abcdef"
 PARTITION = 10.0  # seconds the service host is cut off

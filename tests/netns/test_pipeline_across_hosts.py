@@ -27,7 +27,8 @@ from omni_plugins.testing.netns import TestNetwork
 from omni_plugins.testing.processes import process_context
 
 if TYPE_CHECKING:
-    from conftest import Service  # this directory's (the fixtures' type)
+    from conftest import Service  # this directory's (the fixtures' type); not imported at run time: another
+    # directory's conftest may be the module named "conftest" then
 
 SECRET = b"netns-pipeline-secret-0123456789"
 TE_SECRET = "netns-pipeline-te-secret-0123456789"
