@@ -14,7 +14,8 @@ TLS sockets keep Python's timeouts (the ``ssl`` module expects them).
 the connection, so a step allocates no receive buffer.
 
 Everything else -- connecting, TLS, AUTH/HELLO, credential providers,
-``SELECT``, Sentinel's primary discovery -- is redis-py's own code.
+``SELECT``, Sentinel's primary discovery -- is redis-py's own code (discovery
+follows the newest configuration the Sentinels name: :mod:`.sentinel`).
 """
 
 from __future__ import annotations

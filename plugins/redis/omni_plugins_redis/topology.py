@@ -2,8 +2,8 @@
 
 Connections, connection pools (``BlockingConnectionPool``), TLS, ACL and
 password or credential-provider authentication, Sentinel's primary discovery
-(``Sentinel.master_for``) and Redis Cluster's slot map (``RedisCluster``) are
-redis-py's. The connector asks only two things: which pool serves this slot
+(``Sentinel.master_for``; :mod:`.sentinel` picks the newest primary named) and
+Redis Cluster's slot map (``RedisCluster``) are redis-py's. The connector asks only two things: which pool serves this slot
 now (:meth:`Topology.route`), and, after a failure, that the next route looks
 again (:meth:`Topology.failed`). redis-py's own retries are off on every
 connection (``Retry(NoBackoff(), 0)``): the connector retries whole steps
@@ -21,7 +21,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.connection import ConnectionPool
 from redis.exceptions import AskError, ClusterDownError, ReadOnlyError, RedisClusterException, TryAgainError
 from redis.retry import Retry
-from redis.sentinel import Sentinel, SentinelConnectionPool
+from redis.sentinel import SentinelConnectionPool
 
 from omni_plugins_redis.cleanup import NodeQueue
 from omni_plugins_redis.config import RedisConfig, load_credential_provider
@@ -32,6 +32,7 @@ from omni_plugins_redis.connection import (
     OmniSSLConnection,
     OmniUnixConnection,
 )
+from omni_plugins_redis.sentinel import NewestSentinel
 
 
 class Route:
@@ -129,8 +130,8 @@ class Standalone:
         self._route.pool.disconnect(inuse_connections=False)
 
 
-def sentinel_for(config: RedisConfig) -> Sentinel:
-    """redis-py's ``Sentinel`` for the config's Sentinels (their own credentials; TLS like the data nodes)."""
+def sentinel_for(config: RedisConfig) -> NewestSentinel:
+    """The config's Sentinels (their own credentials; TLS like the data nodes), following the newest primary they name."""
     sentinel_kwargs: dict[str, Any] = {
         "socket_timeout": config.socket_timeout,
         "socket_connect_timeout": config.connect_timeout,
@@ -141,7 +142,7 @@ def sentinel_for(config: RedisConfig) -> Sentinel:
     }
     if config.tls:
         sentinel_kwargs.update(ssl=True, **tls_options(config))
-    return Sentinel(config.sentinel_nodes(), sentinel_kwargs=sentinel_kwargs)
+    return NewestSentinel(config.sentinel_nodes(), sentinel_kwargs=sentinel_kwargs)
 
 
 class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool):
