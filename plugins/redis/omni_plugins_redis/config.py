@@ -164,6 +164,8 @@ class RedisConfig(ConnectorSettings):
             raise ValueError("credential_provider replaces username/password: give one or the other")
         if self.cluster and self.db != 0:
             raise ValueError("Redis Cluster only has db 0")
+        if self.min_replica_acks and self.replica_ack_timeout >= self.socket_timeout:
+            raise ValueError("replica_ack_timeout must be below socket_timeout (the WAIT reply is a socket read)")
         if self.unix_socket and self.tls:
             raise ValueError("TLS over a unix socket is not supported")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
