@@ -547,7 +547,9 @@ class RedisSentinelGroup:
         self.password = password
         self._tls_dir = Path(tempfile.mkdtemp(prefix="omni-redis-tls-")) if tls else None
         self.tls_files = TlsFiles(self._tls_dir) if self._tls_dir is not None else None
-        self.primary = RedisServer(password=password, acl_users=acl_users, tls_files=self.tls_files)
+        # the primary also authenticates as a replica: once demoted, the Sentinels point it at the new primary
+        demoted_auth = ["--masterauth", password] if password is not None else []
+        self.primary = RedisServer(password=password, acl_users=acl_users, tls_files=self.tls_files, extra_args=demoted_auth)
         self.replicas = [
             RedisServer(password=password, acl_users=acl_users, tls_files=self.tls_files, replica_of=self.primary) for _ in range(replicas)
         ]

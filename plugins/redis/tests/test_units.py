@@ -7,6 +7,7 @@ import struct
 import threading
 
 import pytest
+import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from omni_plugins_redis import manifest as mf
@@ -15,10 +16,12 @@ from omni_plugins_redis.connector import MARKER_TTL_MS, RedisConnector
 from omni_plugins_redis.keys import PayloadKeys
 from omni_plugins_redis.packing import Pieces, frame_key_command, pack, pack_many
 from omni_plugins_redis.replies import ProtocolError, ReplyReader
+from omni_plugins_redis.sentinel import NewestSentinel
 from omni_plugins_redis.waiting import CLAIM_TTL_MS, move_commands
 from pydantic import ValidationError
 from redis.crc import key_slot
 from redis.exceptions import BusyLoadingError, MovedError, NoPermissionError, ResponseError
+from redis.sentinel import MasterNotFoundError
 
 from omni_plugins.errors import ConfigError
 from omni_plugins.factory import validate_connector_config
@@ -95,6 +98,7 @@ def test_credential_provider_is_imported_at_load_time() -> None:
         {"sentinels": ["h:1"], "service_name": "svc", "cluster": True},
         {"min_replica_acks": -1},
         {"replica_ack_timeout": 0},
+        {"min_replica_acks": 1, "replica_ack_timeout": 30, "socket_timeout": 30},  # WAIT's reply would time out first
         {"protocol": 4},
     ],
 )
@@ -323,3 +327,38 @@ def test_a_silent_server_fails_the_call_in_bounded_time() -> None:
                 conn.get(0, 1, "k", timeout=0.1)  # a blocking get's own read bound is enforced the same way
             for peer in accepted:
                 peer.close()
+
+
+# -- Sentinel discovery -------------------------------------------------------------
+
+
+class _FakeSentinel:
+    """A Sentinel's ``SENTINEL MASTERS`` answer (or its failure) for :class:`NewestSentinel`."""
+
+    def __init__(self, answer: dict[str, dict[str, object]] | Exception) -> None:
+        self.answer = answer
+
+    def sentinel_masters(self) -> dict[str, dict[str, object]]:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def _named(port: int, epoch: int, *, down: bool = False) -> dict[str, dict[str, object]]:
+    state = {"ip": "127.0.0.1", "port": port, "config-epoch": epoch, "is_master": True, "is_sdown": down, "is_odown": False}
+    return {"svc": {**state, "num-other-sentinels": 2}}
+
+
+def _discover(*answers: dict[str, dict[str, object]] | Exception) -> tuple[str, int]:
+    sentinel = NewestSentinel([("127.0.0.1", 1)])
+    sentinel.sentinels = [_FakeSentinel(a) for a in answers]  # type: ignore[misc]
+    return sentinel.discover_master("svc")
+
+
+def test_sentinel_discovery_follows_the_newest_epoch_not_the_first_answer() -> None:
+    """Right after a failover a Sentinel that has not heard of it names the old primary, back up; the newer epoch wins."""
+    assert _discover(_named(7001, 1), _named(7002, 2), _named(7001, 1)) == ("127.0.0.1", 7002)
+    assert _discover(redis.ConnectionError("refused"), _named(7002, 2), _named(7001, 1)) == ("127.0.0.1", 7002)
+    assert _discover(_named(7003, 3, down=True), _named(7002, 2)) == ("127.0.0.1", 7002), "a primary seen down is skipped"
+    with pytest.raises(MasterNotFoundError, match="refused"):
+        _discover(redis.ConnectionError("refused"), _named(7001, 1, down=True))
