@@ -45,7 +45,7 @@ from omni_plugins_shm.segments.header import CLOSED_OFFSET, HEADER_SIZE, PAYLOAD
 from omni_plugins_shm.segments.mapcache import MapCache, Mapping
 from omni_plugins_shm.segments.pool import ProducerPool, Segment
 from omni_plugins_shm.segments.private import PrivateBuffers
-from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, TIMED_OUT, SlotTable
+from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, TIMED_OUT, Lent, SlotClass, SlotTable
 from omni_plugins_shm.wakeslots import SLICE
 
 log = logging.getLogger(__name__)
@@ -146,9 +146,8 @@ class ShmConnector(Connector):
         pids = modes.others(self._pubdir, self._names, self._marker, mode)
         if not pids:
             return
-        why = (
-            f"slot_count={self.config.slot_count}, futex_wait={self.config.futex_wait}"
-            + ("" if wake.futex_waits or not self.config.futex_wait else ", C extension omni_plugins_shm._native not built")
+        why = f"slot_count={self.config.slot_count}, futex_wait={self.config.futex_wait}" + (
+            "" if wake.futex_waits or not self.config.futex_wait else ", C extension omni_plugins_shm._native not built"
         )
         raise ConfigError(
             f"shm namespace {self.config.namespace!r}: this instance {'uses' if with_table else 'does not use'} the slot table "
@@ -159,9 +158,9 @@ class ShmConnector(Connector):
 
     def _open_slots(self, wake: wakeslots.WakeFile) -> SlotTable:
         """Open (or create) the namespace's slot table with this instance's geometry (ringing ``wake``)."""
-        return SlotTable.open(
-            self._pubdir, self._names.slots(), self._owner, self.config.slot_count, self.config.slot_bytes, pubdir.ensure, wake.mm
-        )
+        cfg = self.config
+        classes = [SlotClass(cfg.slot_count, cfg.slot_bytes), *(SlotClass(n, size) for n, size in cfg.slot_classes)]
+        return SlotTable.open(self._pubdir, self._names.slots(), self._owner, classes, cfg.slot_idle_seconds, pubdir.ensure, wake.mm)
 
     def _path(self, name: str) -> str:
         return f"{self._dir}/{name}"  # os.path.join costs ~3 us and is called several times per op
@@ -359,6 +358,7 @@ class ShmConnector(Connector):
         every sleep that ran out its slice (a lost ring, a hint gone stale under ``gc --all``); a
         non-blocking get always looks there. ``got``: the result of a first look the caller made (``take``, or
         ``take_or_wait`` with ``slept`` telling whether it slept before that miss, and ``deadline`` its clock).
+        ``zero_copy``: a payload of a larger slot class is lent (views over its slot, freed when the last dies).
         """
         names: KeyNames | None = None  # the file path's names: only needed when the table has nothing
         waits = timeout is not None and timeout > 0
@@ -368,7 +368,10 @@ class ShmConnector(Connector):
         while True:
             if got is _LOOK:
                 try:
-                    got = slots.take_wait(key, seq, wait) if slept else slots.take(key)
+                    if zero_copy:
+                        got = slots.lend_wait(key, seq, wait) if slept else slots.lend(key)
+                    else:
+                        got = slots.take_wait(key, seq, wait) if slept else slots.take(key)
                 except ValueError as exc:
                     self._slot_invalid(key, exc)
                     return None
@@ -377,6 +380,8 @@ class ShmConnector(Connector):
                     return _got((wire.decode(got), len(got)))
                 except WireFormatError as exc:
                     raise self._payload_error(key, exc) from exc
+            if type(got) is tuple:
+                return self._lent_views(slots, key, cast(Lent, got))
             if got is None:  # a key the table cannot hold: the file path alone, sleeping on its wake slot
                 if names is None:
                     names = self._key(key)
@@ -417,11 +422,34 @@ class ShmConnector(Connector):
             slept = True
             got = _LOOK
 
+    def _lent_views(self, slots: SlotTable, key: str, lent: Lent) -> GetResult | None:
+        """Zero-copy views over a lent slot; the slot stays claimed by this process until the last view dies.
+
+        A slot pins the table's mapping meanwhile (its close leaves it mapped); a crash of this process
+        leaves the slot CLAIMED by a dead owner, which gc frees.
+        """
+        index, offset, n = lent
+        try:
+            anchor = np.frombuffer(slots.mm, dtype=np.uint8, count=n, offset=offset)
+        except ValueError:  # closed by another thread between the claim and here: its slot goes with this process
+            return None
+        fin = weakref.finalize(anchor, slots.release, index)
+        fin.atexit = False
+        try:
+            data = wire.decode(memoryview(anchor.data), copy=False)
+        except WireFormatError as exc:
+            del anchor
+            fin()
+            raise self._payload_error(key, exc) from exc
+        return GetResult(data, n)
+
     def _slot_invalid(self, key: str, exc: ValueError) -> None:
         """A ``take`` that raised: the error, unless another thread closed the connector (and its mappings) meanwhile."""
         if self._closed:
             return None
-        raise CorruptPayloadError(f"shm slot for key {key!r} in {self._pubdir} (namespace {self.config.namespace!r}) is invalid: {exc}") from exc
+        raise CorruptPayloadError(
+            f"shm slot for key {key!r} in {self._pubdir} (namespace {self.config.namespace!r}) is invalid: {exc}"
+        ) from exc
 
     def _current_slots(self, slots: SlotTable) -> SlotTable:
         """``slots``, or a freshly opened table if ``gc --all`` removed it while we waited (checked after each sleep).
@@ -699,7 +727,9 @@ class ShmConnector(Connector):
             try:
                 table.free_mine()
             except ValueError as exc:  # a damaged table header: release the rest regardless
-                log.warning("shm namespace %r: slot table is damaged (%s); this instance's slots were not freed", self.config.namespace, exc)
+                log.warning(
+                    "shm namespace %r: slot table is damaged (%s); this instance's slots were not freed", self.config.namespace, exc
+                )
             table.close()  # removes the table if no other live instance holds it
         self._pool.close()
         self._maps.clear()
