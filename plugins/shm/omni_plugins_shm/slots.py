@@ -301,6 +301,25 @@ def _close_locked(path: str, fd: int) -> bool:
     return removed
 
 
+def first_slot_for(classes: Sequence[SlotClass], nbytes: int) -> int:
+    """The index of the first slot of the smallest class holding ``nbytes`` (the table's size if none does)."""
+    first = 0
+    for c in classes:
+        if c.slot_bytes >= nbytes:
+            return first
+        first += c.nslots
+    return first
+
+
+def class_of(classes: Sequence[SlotClass], index: int) -> int:
+    """The class (its position in ``classes``) of slot ``index``."""
+    for i, c in enumerate(classes):
+        if index < c.nslots:
+            return i
+        index -= c.nslots
+    raise IndexError("slot index out of range")
+
+
 def layout(classes: Sequence[SlotClass]) -> tuple[list[tuple[int, int, int, int, int]], int]:
     """The class table ``(slots, first index, slot bytes, stride, offset)`` of ``classes`` and the file size.
 
@@ -378,11 +397,19 @@ def _map(path: str, fd: int, st: os.stat_result) -> mmap.mmap:
     return mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def reclaim(path: str, dry_run: bool = False) -> tuple[int, bool]:
+class Reclaimed(NamedTuple):
+    """What :func:`reclaim` did to one table."""
+
+    slots: int  #: slots of dead processes freed
+    removed: bool  #: the table itself was removed (no live instance held it)
+    trimmed: int = 0  #: bytes of idle slots given back
+
+
+def reclaim(path: str, dry_run: bool = False) -> Reclaimed:
     """gc of one table: free WRITING/CLAIMED slots of dead processes and READY slots of dead producers,
     then give back the pages of slots idle longer than the table's idle time (as its puts do).
 
-    Returns ``(slots freed, table removed)``; the table is removed when no live instance holds it.
+    The table is removed when no live instance holds it.
     Each slot is freed by a compare-and-swap of exactly the word judged dead, so a slot that changed
     hands meanwhile is left alone.
     """
@@ -390,8 +417,8 @@ def reclaim(path: str, dry_run: bool = False) -> tuple[int, bool]:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
-        return 0, False
-    freed = 0
+        return Reclaimed(0, False)
+    freed = trimmed = 0
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -400,14 +427,14 @@ def reclaim(path: str, dry_run: bool = False) -> tuple[int, bool]:
                 raise
         else:  # nobody holds it: remove it (its payloads' producers are all gone)
             if dry_run:
-                return 0, True
-            return 0, wakeslots._unlink_if_same(path, fd)
+                return Reclaimed(0, True)
+            return Reclaimed(0, wakeslots._unlink_if_same(path, fd))
         if native is None:
-            return 0, False
+            return Reclaimed(0, False)
         try:
             mm = _map(path, fd, os.fstat(fd))
         except ConnectorError:
-            return 0, False
+            return Reclaimed(0, False)
         try:
             for item in native.slot_scan(mm):
                 info = SlotInfo(*item)
@@ -418,10 +445,10 @@ def reclaim(path: str, dry_run: bool = False) -> tuple[int, bool]:
             idle_ns = int.from_bytes(mm[24:32], "little")
             if idle_ns and not dry_run:
                 me = Owner.new()
-                native.slot_trim(mm, state_word(me.pid, me.start, WRITING), time.time() - idle_ns / 1e9)
+                trimmed = native.slot_trim(mm, state_word(me.pid, me.start, WRITING), time.time() - idle_ns / 1e9)
         finally:
             mm.close()
-        return freed, False
+        return Reclaimed(freed, False, trimmed)
     finally:
         os.close(fd)
 
