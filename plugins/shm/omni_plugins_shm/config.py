@@ -80,7 +80,7 @@ class ShmConfig(ConnectorSettings):
         description="largest encoded payload a slot of the small class holds (the default: 64 KiB of tensors and their header)",
     )
     slot_classes: list[tuple[SlotCount, SlotBytes]] = Field(
-        default_factory=lambda: [(16, MIB + 64 * KIB), (8, 4 * MIB + 64 * KIB)],
+        default_factory=lambda: [(16, MIB + 64 * KIB), (8, 4 * MIB + 64 * KIB), (4, 16 * MIB + 64 * KIB)],
         max_length=MAX_LARGER_CLASSES,
         description="the table's classes of larger slots as [count, bytes] pairs, ascending above slot_bytes: a payload "
         "takes a free slot of the smallest class that holds it (else of a larger one), and only payloads larger than "

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
-import torch
 
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
@@ -44,7 +43,7 @@ from omni_plugins_shm.segments.files import unlink_quiet
 from omni_plugins_shm.segments.header import CLOSED_OFFSET, HEADER_SIZE, PAYLOAD_OFFSET, STATE_FREE, STATE_OFFSET, Header, HeaderError
 from omni_plugins_shm.segments.mapcache import MapCache, Mapping
 from omni_plugins_shm.segments.pool import ProducerPool, Segment
-from omni_plugins_shm.segments.private import PrivateBuffers
+from omni_plugins_shm.segments.private import PrivateBuffers, copy_into
 from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, TIMED_OUT, Lent, SlotClass, SlotTable
 from omni_plugins_shm.wakeslots import SLICE
 
@@ -676,7 +675,7 @@ class ShmConnector(Connector):
             dst[:] = src
             return dst
         anchor = self._private.take(n)
-        torch.from_numpy(anchor).copy_(torch.frombuffer(src, dtype=torch.uint8))
+        copy_into(anchor, src)
         return memoryview(anchor.data)
 
     def _consume_views(self, claim: str, key: str, header: Header, mapping: Mapping) -> GetResult:

@@ -233,6 +233,41 @@ futex_cas(PyObject *self, PyObject *args)
     return PyBool_FromLong(ok);
 }
 
+PyDoc_STRVAR(copy_doc,
+             "copy(dst, src) -> None\n\n"
+             "memcpy of the buffer src into the writable buffer dst (at least as long) with the GIL released: a get's copy\n"
+             "out of a segment into the consumer's own memory, without holding up the process's other threads.");
+
+static PyObject *
+native_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer dst, src;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy(dst, src)");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    int ok = dst.len >= src.len;
+    if (ok) {
+        /* both buffers stay exported meanwhile: neither can be unmapped or resized */
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst.buf, src.buf, (size_t)src.len);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "copy: dst is shorter than src");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(rename_doc,
              "rename_noreplace(src, dst) -> None\n\n"
              "renameat2(src, dst, RENAME_NOREPLACE): FileExistsError if dst exists, OSError otherwise\n"
@@ -1300,6 +1335,7 @@ native_slot_tag(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"rename_noreplace", native_rename_noreplace, METH_VARARGS, rename_doc},
+    {"copy", (PyCFunction)(void (*)(void))native_copy, METH_FASTCALL, copy_doc},
     {"bump", futex_bump, METH_VARARGS, bump_doc},
     {"cas", futex_cas, METH_VARARGS, cas_doc},
     {"load", futex_load, METH_VARARGS, load_doc},

@@ -39,12 +39,12 @@ def test_two_producers_two_consumers_one_namespace(namespace: str, spawn: Any) -
     """Concurrent producer and consumer processes: every payload arrives intact exactly once.
 
     Producers: a spawned process and this process (putting while the consumers already wait).
-    Sizes span the slot table's classes (small, 1 MiB, 4 MiB slots) and the file path (a payload larger
-    than the largest slot, and larger than ``pool_max_segment_bytes``: its own segment). First the two
-    consumers race for 60 keys put before they started: each key is won by exactly one of them.
+    Sizes span the slot table's classes (small and 256 KiB slots here) and the file path (pooled segments,
+    and a payload larger than ``pool_max_segment_bytes``: its own segment). First the two consumers race
+    for 60 keys put before they started: each key is won by exactly one of them.
     """
-    config = {"namespace": namespace, "pool_max_segment_bytes": 2 * MIB}
-    sizes = [4 * KIB, 200 * KIB, 3 * MIB, 5 * MIB]  # 5 MiB > the largest slot and the pool max: a dedicated segment
+    config = {"namespace": namespace, "pool_max_segment_bytes": 2 * MIB, "slot_classes": [(4, 256 * KIB)]}
+    sizes = [4 * KIB, 200 * KIB, 1 * MIB, 3 * MIB]  # 3 MiB > pool max: dedicated segment
     items = {
         (p, c): [(f"p{p}-c{c}-{j}", 1000 * p + 100 * c + j, sizes[j % len(sizes)]) for j in range(8)] for p in range(2) for c in range(2)
     }

@@ -68,13 +68,13 @@ def test_the_default_geometry_has_larger_classes(namespace: str) -> None:
 
 
 def test_each_payload_takes_the_smallest_class_that_holds_it(namespace: str) -> None:
-    sizes = {"k4k": 4 * KIB, "k64k": 64 * KIB, "k200k": 200 * KIB, "k1m": MIB, "k3m": 3 * MIB, "k5m": 5 * MIB}
+    sizes = {"k4k": 4 * KIB, "k64k": 64 * KIB, "k200k": 200 * KIB, "k1m": MIB, "k3m": 3 * MIB, "k9m": 9 * MIB, "k17m": 17 * MIB}
     with create_connector("shm", {"namespace": namespace}) as a, create_connector("shm", {"namespace": namespace}) as b:
         for i, (key, n) in enumerate(sizes.items()):
             assert a.put(0, 1, key, make_payload(i, n)).ok
         ready = slots.READY
         assert _busy(a) == sorted(
-            [(b"k4k", 0, ready), (b"k64k", 0, ready), (b"k200k", 1, ready), (b"k1m", 1, ready), (b"k3m", 2, ready)]
+            [(b"k4k", 0, ready), (b"k64k", 0, ready), (b"k200k", 1, ready), (b"k1m", 1, ready), (b"k3m", 2, ready), (b"k9m", 3, ready)]
         ), "a 64 KiB tensor and its header fit the small class"
         assert len(_files(namespace)) == 1, "only the payload larger than the largest slot takes the file path"
         for i, (key, n) in enumerate(sizes.items()):
@@ -120,7 +120,7 @@ def test_two_producer_processes_with_mixed_sizes_and_a_consumer_holding_views(na
     """Many payloads of mixed sizes from two producer processes wait at once: the classes fill, the rest takes the
     file path; every payload arrives intact once while the consumer holds some as views; idle slots give their
     memory back afterwards and nothing is left."""
-    config = {"namespace": namespace, "slot_idle_seconds": 0.2}
+    config = {"namespace": namespace, "slot_idle_seconds": 0.2, "slot_classes": [(16, MIB + 64 * KIB), (8, 4 * MIB + 64 * KIB)]}
     sizes = [4 * KIB, 100 * KIB, 900 * KIB, 3 * MIB, 6 * MIB]
     items = {p: [(f"p{p}-{j}", 100 * p + j, sizes[j % len(sizes)]) for j in range(30)] for p in range(2)}
     with create_connector("shm", config) as consumer:

@@ -282,20 +282,21 @@ def test_consumer_killed_while_waiting(namespace: str, spawn: Any) -> None:
 
 def test_producer_killed_between_publish_and_ring(namespace: str, spawn: Any) -> None:
     """The ring is lost with the producer; the waiting get still finds the payload (its safety re-check)."""
-    config = {"namespace": namespace}
+    # the table on, the payload larger than its slots: the file path, whose publishing rename the fault follows
+    config = {"namespace": namespace, "slot_bytes": 16 << 10, "slot_classes": []}
     with create_connector("shm", config) as consumer:
         slot = _slot(namespace, "orphan")
         seq_before = _words(namespace, slot)[0]
         result: list[Any] = []
         waiter = threading.Thread(target=lambda: result.append(consumer.get(0, 1, "orphan", timeout=60)))
         waiter.start()
-        proc = spawn.Process(target=killed_after_publish_worker, args=(config, "orphan", 9, 5 << 20))  # > the largest slot: a file
+        proc = spawn.Process(target=killed_after_publish_worker, args=(config, "orphan", 9, 64 << 10))
         proc.start()
         proc.join(JOIN)
         waiter.join(JOIN)
         assert proc.exitcode == -signal.SIGKILL
         assert _words(namespace, slot)[0] == seq_before, "the producer died before ringing"
-        assert result and result[0] is not None and payload_matches(result[0].data, 9, 5 << 20)
+        assert result and result[0] is not None and payload_matches(result[0].data, 9, 64 << 10)
         result.clear()  # drop the owned result before gc and the leak check
         report = gc.collect(namespace)
         assert report.removed and all(f".{proc.pid}-" in n for n in report.removed)
