@@ -346,6 +346,18 @@ def _create(path: str, owner: Owner, classes: Sequence[SlotClass], idle_seconds:
         fcntl.flock(fd, fcntl.LOCK_SH)  # gc leaves a locked temporary alone
         os.fchmod(fd, 0o600)
         os.ftruncate(fd, size)  # sparse: slots cost memory once used
+        try:
+            # the header and every slot's header page exist from the start: a look at a slot (a get, gc's scan)
+            # never faults a page into a full tmpfs (a SIGBUS); a slot's payload pages are had by the put that uses it
+            os.posix_fallocate(fd, 0, HEADER)
+            for count, _, _, stride, offset in rows:
+                for i in range(count):
+                    os.posix_fallocate(fd, offset + i * stride, SLOT_HEADER)
+        except OSError as exc:
+            raise ConnectorError(
+                f"shm slot table {path}: no room for its {sum(r[0] for r in rows)} slot headers ({exc}); free space in "
+                f"{os.path.dirname(os.path.dirname(path))} or lower slot_count"
+            ) from None
         head = MAGIC + VERSION.to_bytes(4, "little") + sum(r[0] for r in rows).to_bytes(4, "little") + len(rows).to_bytes(4, "little")
         os.pwrite(fd, head, 0)
         os.pwrite(fd, int(idle_seconds * 1e9).to_bytes(8, "little"), 24)

@@ -326,7 +326,9 @@ native_rename_noreplace(PyObject *self, PyObject *args)
  *    16  u32 key length       20 u32 payload length
  *    24  f64 publish time (CLOCK_REALTIME seconds); in a FREE slot of a class >= 1 the time it was freed,
  *        0 once its pages were given back
- *    32  u32 producer instance tag   36 u32 reserved
+ *    32  u32 producer instance tag
+ *    36  u32 backed: payload bytes whose tmpfs pages are known to exist (so writes there cannot SIGBUS on a
+ *        full tmpfs; 0 again once the trim gave them back)
  *    40  u64 producer start time (full)
  *    64  key bytes (<= SLOT_KEY_MAX)
  *   SLOT_HDR: payload bytes (<= slot_bytes of its class)
@@ -353,6 +355,7 @@ native_rename_noreplace(PyObject *self, PyObject *args)
 #define SLOT_LEN_OFF 20
 #define SLOT_TIME_OFF 24
 #define SLOT_TAG_OFF 32
+#define SLOT_BACKED_OFF 36
 #define SLOT_START_OFF 40
 #define SLOT_KEY_OFF 64
 #define SLOT_KEY_MAX (SLOT_HDR - SLOT_KEY_OFF)
@@ -652,8 +655,40 @@ reserve(table_t *t, uint32_t c, uint64_t h, uint64_t writing)
     return NULL;
 }
 
-/* a FREE slot for nbytes: in the smallest class whose slots hold it, else in a larger one; NULL if every
- * class that could hold it is busy among the key's buckets (*c: its class) */
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+/* Make sure the first `need` payload bytes of slot s (which we hold) have their tmpfs pages: a write into a
+ * hole of a full tmpfs (a container's small /dev/shm) would be a SIGBUS. MADV_POPULATE_WRITE allocates them
+ * or fails with an error; the slot's `backed` mark remembers how far they exist, so this costs a syscall
+ * only when a slot is first used (or first used after the trim gave its pages back) or holds a larger
+ * payload than before. 0, or -1 if the pages cannot be had (the caller frees the slot). Kernels before 5.14
+ * lack the call (EINVAL): then writes go ahead as into any shared mapping. */
+static int
+back(char *s, uint64_t need)
+{
+    uint32_t have;
+    memcpy(&have, s + SLOT_BACKED_OFF, 4);
+    if (need <= have)
+        return 0;
+    uintptr_t from = ((uintptr_t)s + SLOT_HDR + have) & ~(uintptr_t)(PAGE - 1);
+    uintptr_t to = ((uintptr_t)s + SLOT_HDR + need + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
+    if (madvise((void *)from, to - from, MADV_POPULATE_WRITE) != 0 && errno != EINVAL) {
+        /* give back what it allocated before it failed: an unused slot is never trimmed */
+        uintptr_t kept = ((uintptr_t)s + SLOT_HDR + have + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
+        if (to > kept)
+            madvise((void *)kept, to - kept, MADV_REMOVE);
+        return -1;
+    }
+    uint32_t n32 = (uint32_t)need;
+    memcpy(s + SLOT_BACKED_OFF, &n32, 4);
+    return 0;
+}
+
+/* a FREE slot for nbytes with its pages there: in the smallest class whose slots hold it, else in a larger one;
+ * NULL if every class that could hold it is busy among the key's buckets or its pages cannot be had (*c: its
+ * class). A slot of the small class is backed whole (its payload is encoded into it before its size is known). */
 static char *
 reserve_for(table_t *t, uint64_t h, uint64_t nbytes, uint64_t writing, uint32_t *c)
 {
@@ -661,10 +696,14 @@ reserve_for(table_t *t, uint64_t h, uint64_t nbytes, uint64_t writing, uint32_t 
         if (t->cls[k].slot_bytes < nbytes)
             continue;
         char *s = reserve(t, k, h, writing);
-        if (s != NULL) {
-            *c = k;
-            return s;
+        if (s == NULL)
+            continue;
+        if (back(s, k == 0 ? t->cls[0].slot_bytes : nbytes) < 0) {
+            free_slot(k, s);
+            return NULL; /* tmpfs full: the file path reports it (ENOSPC) */
         }
+        *c = k;
+        return s;
     }
     return NULL;
 }
@@ -703,6 +742,8 @@ trim_slots(table_t *t, uint64_t writing, double before)
                     freed += to - from;
                 when = 0.0;
                 memcpy(s + SLOT_TIME_OFF, &when, 8);
+                uint32_t none = 0;
+                memcpy(s + SLOT_BACKED_OFF, &none, 4);
             }
             __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
         }
@@ -917,6 +958,11 @@ native_slot_put_obj(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     /* most payloads fit the smallest class: encode straight into one of its slots; one that does not was
      * only measured (the encoder writes nothing that does not fit) and is encoded again into a larger slot */
     char *s = reserve(&t, 0, h, writing);
+    if (s != NULL && back(s, t.cls[0].slot_bytes) < 0) {
+        free_slot(0, s);
+        result = -2; /* tmpfs full: the file path reports it */
+        goto out;
+    }
     if (s != NULL) {
         nbytes = api->encode_into(payload, limits, (unsigned char *)s + SLOT_HDR, (Py_ssize_t)t.cls[0].slot_bytes);
         if (nbytes >= 0 && (uint64_t)nbytes <= t.cls[0].slot_bytes)

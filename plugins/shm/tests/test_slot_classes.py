@@ -9,6 +9,7 @@ share one namespace; crashes are real SIGKILLs.
 from __future__ import annotations
 
 import gc as pygc
+import json
 import os
 import signal
 import time
@@ -391,3 +392,50 @@ def test_a_damaged_class_table_is_refused(namespace: str) -> None:
     with pytest.raises(ConnectorError, match=r"damaged.*shm gc"):
         a.put(0, 1, "after", make_payload(2, KIB))
     a.close()
+
+
+_FULL_TMPFS_CHILD = r"""
+import json, os, sys
+import torch
+from omni_plugins import create_connector
+from omni_plugins.errors import ConnectorError
+
+shm_dir = sys.argv[1]
+a = create_connector("shm", {"namespace": "full", "shm_dir": shm_dir})
+b = create_connector("shm", {"namespace": "full", "shm_dir": shm_dir})
+out = []
+for key in ("k1", "k2", "k3"):
+    try:
+        a.put(0, 1, key, {"t": torch.full((3 << 20,), 7, dtype=torch.uint8)})
+        out.append("ok")
+    except ConnectorError as exc:
+        out.append("ENOSPC" if "No space left" in str(exc) else str(exc))
+got = b.get(0, 1, "k1", timeout=5)
+out.append(bool(got is not None and int(got.data["t"].sum()) == 7 * (3 << 20)))
+del got
+a.put(0, 1, "k4", {"t": torch.ones(3 << 20, dtype=torch.uint8)})
+out.append(b.get(0, 1, "k4", timeout=5) is not None and b.get(0, 1, "k2", timeout=5) is not None)
+a.close()
+b.close()
+out.append(os.listdir(shm_dir))
+print(json.dumps(out))
+"""
+
+
+def test_a_full_tmpfs_is_an_error_not_a_sigbus(tmp_path: Any) -> None:
+    """A container's small /dev/shm: a slot's pages are had before it is written (an ENOSPC error on the file path,
+    never a SIGBUS in the table), and the table's headers exist from its creation. A 9 MiB tmpfs in a mount
+    namespace of a child process holds the table's headers and two 3 MiB payloads, not three."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) to mount a small tmpfs in a mount namespace")
+    mount = 'mount -t tmpfs -o size=9m tmpfs "$0" && exec "$@"'
+    argv = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount, str(tmp_path), sys.executable, "-c", _FULL_TMPFS_CHILD]
+    proc = subprocess.run([*argv, str(tmp_path)], capture_output=True, text=True, timeout=JOIN)
+    if proc.returncode != 0 and ("unshare" in proc.stderr or "mount" in proc.stderr) and "Traceback" not in proc.stderr:
+        pytest.skip(f"no user + mount namespaces here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, f"exit {proc.returncode} (a SIGBUS is -7): {proc.stderr[-2000:]}"
+    assert json.loads(proc.stdout.splitlines()[-1]) == ["ok", "ok", "ENOSPC", True, True, []]
