@@ -3,8 +3,11 @@
 The runtime reports through a small observer interface and never touches
 Prometheus itself: :meth:`StageMetrics.edge` returns an :class:`EdgeObserver`
 for one edge and direction, whose calls (:meth:`~EdgeObserver.started`,
-:meth:`~EdgeObserver.delivered`, :meth:`~EdgeObserver.failed`) update the
-series below. A runtime that has no metrics uses :data:`NO_OBSERVER`, which
+:meth:`~EdgeObserver.delivered`, :meth:`~EdgeObserver.failed`,
+:meth:`~EdgeObserver.ended`, :meth:`~EdgeObserver.handoff`) update the series
+below. A :class:`~omni_plugins.runtime.StageTransferRuntime` given
+``metrics=`` reports every put and get of its edges itself (see
+:mod:`omni_plugins.runtime.observe`). A runtime that has no metrics uses :data:`NO_OBSERVER`, which
 does nothing. Connector health is read when Prometheus scrapes
 (:meth:`StageMetrics.watch_connector`): every number in ``health()`` becomes a
 gauge, so a plugin's own fields show up with no code in the core.
@@ -15,7 +18,8 @@ Series (labels ``stage``, ``edge`` e.g. ``0->1``, ``connector``, ``direction``
 ==========================================  =========  ==================================================
 ``omni_payloads_total``                     counter    payloads handed over (sent / delivered)
 ``omni_payload_bytes_total``                counter    their bytes
-``omni_handoff_latency_seconds``            histogram  producer's put to consumer's hand-off (receive side)
+``omni_handoff_latency_seconds``            histogram  send: the model's hand-over to the put done; receive:
+                                                       producer's send to consumer's hand-off (``handoff()``)
 ``omni_transfer_failures_total``            counter    failed transfers, by ``reason``
 ``omni_requests_in_flight``                 gauge      requests started on the edge and not yet finished
 ``omni_connector_up``                       gauge      1 when ``health()["ok"]``, else 0 (labels stage, connector)
@@ -69,6 +73,12 @@ class EdgeObserver(Protocol):
     def failed(self, reason: str, *, finished: bool = True) -> None:
         """A transfer failed (``reason``: a short class such as ``timeout``, ``decode``, ``connector``)."""
 
+    def ended(self) -> None:
+        """A request stopped using this edge (no longer in flight) with no transfer outcome to report."""
+
+    def handoff(self, latency: float) -> None:
+        """One hand-off latency measured by whoever knows the producer's send time (the model), no payload counted."""
+
 
 class _NoObserver:
     def started(self) -> None:
@@ -78,6 +88,12 @@ class _NoObserver:
         pass
 
     def failed(self, reason: str, *, finished: bool = True) -> None:
+        pass
+
+    def ended(self) -> None:
+        pass
+
+    def handoff(self, latency: float) -> None:
         pass
 
 
@@ -112,6 +128,12 @@ class _Edge:
         if finished:
             self._in_flight.dec()
 
+    def ended(self) -> None:
+        self._in_flight.dec()
+
+    def handoff(self, latency: float) -> None:
+        self._latency.observe(max(0.0, latency))
+
 
 class StageMetrics:
     """The metrics of one stage process: edge observers, watched connectors, an HTTP endpoint."""
@@ -134,8 +156,7 @@ class StageMetrics:
         self._lock = threading.Lock()
         self._health = _HealthCollector(self.stage)
         reg.register(self._health)
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._endpoint = Endpoint()
 
     def edge(self, edge: str, connector: str, direction: Direction) -> EdgeObserver:
         """The observer of ``edge`` (e.g. ``"0->1"``) over ``connector`` in ``direction`` (one per combination)."""
@@ -163,11 +184,37 @@ class StageMetrics:
 
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` from a daemon thread (port 0: any free one); returns the port."""
+        if self._endpoint.port is not None:
+            raise RuntimeError(f"stage {self.stage} metrics are already served on port {self.port}")
+        return self._endpoint.start(self.registry, port, host)
+
+    @property
+    def port(self) -> int | None:
+        return self._endpoint.port
+
+    def close(self) -> None:
+        """Stop serving (idempotent)."""
+        self._endpoint.close()
+
+    def __enter__(self) -> StageMetrics:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Endpoint:
+    """A registry served over HTTP (prometheus_client's server, on a daemon thread) until :meth:`close`."""
+
+    def __init__(self) -> None:
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, registry: Any, port: int, host: str) -> int:
+        """Serve ``registry`` on ``host:port`` (0: any free port); returns the port."""
         from prometheus_client import start_http_server
 
-        if self._server is not None:
-            raise RuntimeError(f"stage {self.stage} metrics are already served on port {self.port}")
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
         return int(self._server.server_address[1])
 
     @property
@@ -183,12 +230,6 @@ class StageMetrics:
         if self._thread is not None:
             self._thread.join(5)
             self._thread = None
-
-    def __enter__(self) -> StageMetrics:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class _HealthCollector:

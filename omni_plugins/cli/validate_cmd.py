@@ -2,7 +2,9 @@
 
 A file with ``synthetic:`` stages is meant for ``omni-plugins run``; it also gets
 run's own checks (the synthetic blocks, the chain, KV edges, cross-process
-connectors), so ``validate`` never passes a file ``run`` rejects.
+connectors), so ``validate`` never passes a file ``run`` rejects. A file with a
+``placement`` section also gets the cross-host check: no edge over a host-local
+connector between stages on different hosts.
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ def run(args: argparse.Namespace) -> int:
                 from omni_plugins.pipeline.checks import plan_for_run  # imports torch: only for run files
 
                 plan_for_run(cfg, filename=str(path))
+            else:
+                from omni_plugins.config.placement import placement_errors
+
+                errors = placement_errors(cfg, str(path))
+                if errors:
+                    raise ConfigError("\n".join(errors))
         except ConfigError as exc:
             failed += 1
             for line in str(exc).splitlines():

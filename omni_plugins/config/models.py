@@ -270,6 +270,63 @@ class StageConfig(_Strict):
         return {n: e.connector for n, e in self.output_edges().items()}
 
 
+_HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def split_host_port(address: str, *, any_port: bool = False) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as ``(host, port)``; ``ValueError`` naming what is wrong. ``any_port``: port 0 too."""
+    host, sep, port = address.strip().rpartition(":")
+    host = host.strip("[]")
+    low = 0 if any_port else 1
+    if not sep or not host or not port.isdigit() or not low <= int(port) < 65536:
+        raise ValueError(f"expected host:port with a port from {low} to 65535, got {address!r}")
+    return host, int(port)
+
+
+class PlacementConfig(_Strict):
+    """Which machine runs which stages: ``omni-plugins run PIPELINE.yaml --host NAME`` on each of them.
+
+    The coordinating host (``coordinator``, default the first one listed) serves the
+    control channel on ``control``; every other host joins it there.
+    """
+
+    hosts: dict[str, list[Int]] = Field(min_length=1, description="{host name: [stage ids it runs]}; every stage on exactly one host")
+    control: str | None = Field(
+        default=None, description="host:port the coordinating host serves the control channel on (the others connect to it)"
+    )
+    coordinator: str | None = Field(default=None, description="the host that serves the control channel and feeds requests (default: the first)")
+
+    @field_validator("hosts")
+    @classmethod
+    def _names(cls, v: dict[str, list[int]]) -> dict[str, list[int]]:
+        for name, stages in v.items():
+            if not isinstance(name, str) or not _HOST_NAME.match(name):
+                raise ValueError(f"host name {name!r}: letters, digits, '.', '_' and '-', at most 63, starting with a letter or digit")
+            if not stages:
+                raise ValueError(f"host {name!r} runs no stage")
+        return v
+
+    @field_validator("control")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        if v is not None:
+            split_host_port(v)
+        return v
+
+    @model_validator(mode="after")
+    def _coordinator_known(self) -> PlacementConfig:
+        if self.coordinator is not None and self.coordinator not in self.hosts:
+            raise ValueError(f"coordinator {self.coordinator!r} is not one of the hosts ({sorted(self.hosts)})")
+        return self
+
+    @property
+    def coordinating_host(self) -> str:
+        return self.coordinator or next(iter(self.hosts))
+
+    def host_of(self, stage_id: int) -> str | None:
+        return next((name for name, stages in self.hosts.items() if stage_id in stages), None)
+
+
 class PipelineConfig(_Strict):
     """A whole pipeline: named connector instances and the stages they wire together."""
 
@@ -277,6 +334,7 @@ class PipelineConfig(_Strict):
     stages: list[StageConfig] = Field(min_length=1)
     default_connector: str | None = None
     vllm_omni: dict[str, Any] = Field(default_factory=dict, description="pipeline-wide vLLM-Omni settings omni-plugins does not use, kept")
+    placement: PlacementConfig | None = Field(default=None, description="which host runs which stages (a pipeline across machines)")
 
     @model_validator(mode="after")
     def _check_graph(self) -> PipelineConfig:
@@ -311,12 +369,34 @@ class PipelineConfig(_Strict):
                         "routing picks one replica of a replicated stage; set replicas above 1 (or drop routing)",
                     )
                 )
+        problems += self._placement_problems(by_id)
         if not problems:
             problems += self._cycle_problems()
         if not problems:
             problems += self._kv_input_problems()
         if not problems:
             problems += self._cycle_problems()
+        return problems
+
+    def _placement_problems(self, by_id: dict[int, StageConfig]) -> list[GraphProblem]:
+        """Every placed stage exists, and every stage is placed on exactly one host."""
+        if self.placement is None:
+            return []
+        problems: list[GraphProblem] = []
+        placed: dict[int, str] = {}
+        for host, stages in self.placement.hosts.items():
+            for j, sid in enumerate(stages):
+                loc: Loc = ("placement", "hosts", host, j)
+                if sid not in by_id:
+                    problems.append(GraphProblem(loc, f"placement.hosts.{host}", f"stage {sid} does not exist (stages: {sorted(by_id)})"))
+                elif sid in placed:
+                    twice = "listed twice" if placed[sid] == host else f"placed on {placed[sid]!r} too"
+                    problems.append(GraphProblem(loc, f"placement.hosts.{host}", f"stage {sid} is {twice}; a stage runs on one host"))
+                else:
+                    placed[sid] = host
+        missing = sorted(set(by_id) - set(placed))
+        if missing:
+            problems.append(GraphProblem(("placement", "hosts"), "placement.hosts", f"stage(s) {missing} are on no host; place every stage"))
         return problems
 
     def _edge_end_problems(self, i: int, s: StageConfig, by_id: dict[int, StageConfig]) -> list[GraphProblem]:

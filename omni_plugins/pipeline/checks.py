@@ -7,6 +7,7 @@ everything ``run`` would reject, so both call :func:`plan_for_run`.
 from __future__ import annotations
 
 from omni_plugins.config.models import PipelineConfig
+from omni_plugins.config.placement import placement_errors
 from omni_plugins.errors import ConfigError, OmniPluginsError
 from omni_plugins.pipeline.spec import PipelinePlan, build_plan
 
@@ -40,6 +41,7 @@ def plan_for_run(config: PipelineConfig, *, filename: str) -> PipelinePlan:
     except ConfigError as exc:
         errors.append(str(exc))
     errors += cross_process_errors(config, filename)
+    errors += placement_errors(config, filename)
     if errors or plan is None:
         raise ConfigError("\n".join(errors))
     return plan

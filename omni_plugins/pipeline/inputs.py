@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from omni_plugins.metrics import NO_OBSERVER, EdgeObserver
 from omni_plugins.pipeline.checksums import step_output, verify
 from omni_plugins.pipeline.spec import StagePlan
 from omni_plugins.pipeline.stats import EdgeStats
@@ -27,10 +28,12 @@ from omni_plugins.pipeline.stats import EdgeStats
 class InputCheck:
     """The receive side of one edge, for one stage rank: what ``upstream`` sends ``to_stage``."""
 
-    def __init__(self, upstream: StagePlan, *, to_stage: int, merged: bool, stats: EdgeStats) -> None:
+    def __init__(self, upstream: StagePlan, *, to_stage: int, merged: bool, stats: EdgeStats, observer: EdgeObserver = NO_OBSERVER) -> None:
         self.up = upstream
         self.merged = merged
         self.stats = stats
+        #: the edge's metrics: each hand-off latency measured here (from the producer's trace stamps) goes there too
+        self.observer = observer
         self.outputs = upstream.outputs_to(to_stage)
         #: outputs of the upstream stage that go elsewhere: this edge must not carry them
         self.elsewhere = [o.name for o in upstream.synthetic.outputs if o not in self.outputs]
@@ -93,4 +96,6 @@ class InputCheck:
         if not self.merged and len(new) > 1:
             sent = sent[:1]  # one full payload: one hand-off
         self.stats.delivered(nbytes, sent, now, payloads=1 if len(new) > 1 and not self.merged else len(new))
+        for stamp in sent:
+            self.observer.handoff(now - stamp)
         return seen + len(new)

@@ -57,6 +57,10 @@ class RunReport:
     reclaimed: list[str] = field(default_factory=list)
     #: per replica of a replicated stage: requests routed to it, completed, failed; retired replicas are not alive
     replicas: list[dict[str, Any]] = field(default_factory=list)
+    #: a run across hosts: each host, its stages, and why it was lost (None: it was not)
+    hosts: list[dict[str, Any]] = field(default_factory=list)
+    #: where this host's stage metrics were served (``--metrics-port``)
+    metrics: str | None = None
 
     @property
     def mismatches(self) -> int:
@@ -93,6 +97,8 @@ class RunReport:
             "servers": self.servers,
             "reclaimed": self.reclaimed,
             "replicas": self.replicas,
+            "hosts": self.hosts,
+            "metrics": self.metrics,
         }
 
     def write_json(self, path: str | Path) -> None:
@@ -123,6 +129,10 @@ class RunReport:
             f"(concurrency {self.concurrency}); lost {len(self.lost)}, failed {len(self.failed)}, "
             f"mismatches {self.mismatches}, leaks {len(self.leaks)}, dead stages {len(self.deaths)}"
         )
+        for h in self.hosts:
+            where = f" at {h['address']}" if h.get("address") else " (coordinator)"
+            state = f" (lost: {h['lost']})" if h.get("lost") else ""
+            lines.append(f"  host: {h['host']}{where}: stage(s) {', '.join(map(str, h['stages']))}{state}")
         for r in self.replicas:
             state = "" if r["alive"] else " (retired)"
             lines.append(

@@ -52,6 +52,8 @@ class StageLaunch:
     dist_port: int | None = None
     log_level: int = logging.WARNING
     replica: int = 0
+    #: serve Prometheus metrics under this ``stage`` label (on a free loopback port; None: no metrics)
+    metrics_label: str | None = None
 
 
 @dataclass
@@ -128,6 +130,11 @@ class StageRunner:
         kwargs: dict[str, Any] = {"tp_group": self.tp} if self.tp is not None else {}
         if self.tp is None and stage.tp_size > 1:
             kwargs["local_rank"] = self.rank
+        self.metrics: Any = None
+        if launch.metrics_label is not None:
+            from omni_plugins.metrics import StageMetrics
+
+            self.metrics = kwargs["metrics"] = StageMetrics(launch.metrics_label)
         topology = plan.config.topology(stage.stage_id)
         # per-edge builders name user code: the synthetic model's builder stands in for them too
         topology = replace(topology, outputs=tuple(replace(e, payload_builder=None) for e in topology.outputs))
@@ -147,7 +154,9 @@ class StageRunner:
                 label = edge_label(e, plan, r, self.replica)
                 stats = EdgeStats(f"{label} {e.connector} ({mode})")
                 self.stats.append(stats)
-                self.inputs[(e.from_stage, r)] = InputCheck(up, to_stage=self.me.stage_id, merged=merged, stats=stats)
+                self.inputs[(e.from_stage, r)] = InputCheck(
+                    up, to_stage=self.me.stage_id, merged=merged, stats=stats, observer=self.rt.edge_observer(e.from_stage, self.me.stage_id)
+                )
         kv_edge = self.me.kv_input
         self.kv_up = self.ups[kv_edge.from_stage] if kv_edge is not None and self.ups[kv_edge.from_stage].synthetic.kv is not None else None
         self.kv_stats: dict[int, EdgeStats] = {}
@@ -379,7 +388,8 @@ class StageRunner:
 
     def run(self) -> None:
         self.check_backend()
-        self.post("ready", pid=os.getpid())
+        metrics_port = self.metrics.serve(0, "127.0.0.1") if self.metrics is not None else None
+        self.post("ready", pid=os.getpid(), metrics_port=metrics_port)
         idle = True
         step_s = self.me.synthetic.step_ms / 1000.0
         while True:
@@ -421,6 +431,10 @@ class StageRunner:
         leftover_ids = sorted(self.rt.debug_state().get("requests", {}))[:10]
         kv_tracked = sorted({rid for m in self.rt.kv_managers for rid in m.tracked_request_ids()})
         health = {instance: _health(c) for instance, c in self.rt.connectors.items()}
+        exposition = None
+        if self.metrics is not None:  # the final counts and health (the host's endpoint serves them after this process ended)
+            exposition = self.metrics.exposition().decode()
+            self.metrics.close()
         self.rt.shutdown()
         if self.tp is not None:
             import torch.distributed as dist
@@ -428,6 +442,7 @@ class StageRunner:
             dist.destroy_process_group()
         self.post(
             "final",
+            metrics=exposition,
             stats=[st.to_json() for st in self.stats],
             leftover_requests=leftover,
             leftover_ids=leftover_ids,

@@ -2,9 +2,10 @@
 
 A dropped request's keys are freed in order until the first key that is not
 there (chunks are numbered, so the first miss ends the scan). When the backend
-fails instead -- a Redis server restarting -- the rest of the scan is kept
-here: chunks the producer's retried puts land after the restart would
-otherwise stay until their TTL. :meth:`CleanupBacklog.retry` runs at shutdown,
+fails instead -- a Redis server restarting, a partition -- the rest of the scan
+is kept here: chunks the producer's retried puts land after the restart would
+otherwise stay until their TTL. So is each key an aborted request's producer
+could not free (:meth:`CleanupBacklog.keep`). :meth:`CleanupBacklog.retry` runs at shutdown,
 before the connector closes, while the backend answers.
 """
 
@@ -42,6 +43,11 @@ class CleanupBacklog:
                 with self._lock:
                     self._scans.append((connector, list(keys[i:])))
                 return
+
+    def keep(self, connector: Connector, key: str) -> None:
+        """One key whose cleanup failed (not part of a scan: its neighbours may be gone for good), for :meth:`retry`."""
+        with self._lock:
+            self._scans.append((connector, [key]))
 
     def retry(self, timeout: float) -> int:
         """Run the kept scans once more, each on its connector (within ``timeout`` s, stopping at the first error;

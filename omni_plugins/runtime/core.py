@@ -28,7 +28,9 @@ from omni_plugins.config.topology import StageTopology
 from omni_plugins.contract import Connector
 from omni_plugins.errors import ConfigError, OmniPluginsError
 from omni_plugins.factory import create_connector, format_validation_error
+from omni_plugins.metrics import NO_OBSERVER, EdgeObserver
 from omni_plugins.payload import ResolvedBuilder, resolve_stage_builder
+from omni_plugins.runtime import observe
 from omni_plugins.runtime.accumulate import FullPayloadAccumulator
 from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.builderview import BuilderManager
@@ -111,6 +113,9 @@ class StageTransferRuntime:
         tp_group: this stage's TP group (default: a single rank).
         local_rank: this rank for KV routing (default: the TP rank, else ``LOCAL_RANK``).
         tuning: I/O thread knobs.
+        metrics: a :class:`~omni_plugins.metrics.StageMetrics` the runtime reports every
+            edge's puts, gets, failures and in-flight requests to, and every connector's
+            health (see :mod:`omni_plugins.runtime.observe`); None: no metrics.
     """
 
     def __init__(
@@ -126,6 +131,7 @@ class StageTransferRuntime:
         close_connector: bool = True,
         topology: StageTopology | None = None,
         connectors: Mapping[str, Connector] | None = None,
+        metrics: Any | None = None,
     ) -> None:
         self.stage_config = stage_config
         self.stage_id = stage_config.stage_id
@@ -203,6 +209,9 @@ class StageTransferRuntime:
 
         self._registry = RequestRegistry(self._inputs, outputs=len(self._outputs))
         self._lock = self._registry.lock
+        self._metrics = metrics
+        if metrics is not None:
+            observe.bind(metrics, self._registry, self._outputs, self._inputs, self._connectors)
         multi = self.tp.world_size > 1
         self._delivery = Delivery(
             self._registry,
@@ -243,6 +252,7 @@ class StageTransferRuntime:
                 retry_backoff_s=self.tuning.retry_backoff_s,
                 handoff_s=self.tuning.send_handoff_s,
                 name=f"omni-send-{tag}",
+                cleanup_backlog=self._cleanup_backlog,
             )
         if self._inputs and self.is_data_transfer_rank():
             by_connector: dict[int, list[InputRoute]] = {}
@@ -484,10 +494,14 @@ class StageTransferRuntime:
             route = routes[0]
             index = sent[route.index]
             sent[route.index] = index + 1
+            if not index:
+                route.observer.started()
             signal = sender.enqueue_locked(state, route, f"{state.external_id}_{route.key_stage}_{index}", payload, hand_over=True)
             for route in routes[1:]:  # fan-out: the same payload to the other destinations
                 index = sent[route.index]
                 sent[route.index] = index + 1
+                if not index:
+                    route.observer.started()
                 sender.enqueue_locked(state, route, f"{state.external_id}_{route.key_stage}_{index}", payload)
         sender.hand_over(signal)
 
@@ -806,6 +820,8 @@ class StageTransferRuntime:
         if len(self._cleanup_backlog):
             freed = self._cleanup_backlog.retry(self.tuning.drain_timeout_s)
             logger.info("stage %s: freed %d key(s) whose cleanup had failed", self.stage_id, freed)
+        if self._metrics is not None:
+            observe.unbind(self._metrics, self._connectors)
         for manager in self._owned_kv:
             try:
                 manager.close()
@@ -839,6 +855,16 @@ class StageTransferRuntime:
         """Requests the runtime holds any state for (0 after every request was cleaned up)."""
         with self._lock:
             return len(self._registry)
+
+    def edge_observer(self, from_stage: int, to_stage: int) -> EdgeObserver:
+        """The metrics observer of the edge ``from_stage -> to_stage`` on this stage's side of it
+        (:data:`~omni_plugins.metrics.NO_OBSERVER` without metrics or such an edge); a model that knows
+        when a payload was sent reports the hand-off latency to it (``observer.handoff(seconds)``)."""
+        routes: list[OutputRoute | InputRoute] = [*self._outputs, *self._inputs]
+        for route in routes:
+            if route.from_stage == from_stage and route.to_stage == to_stage:
+                return route.observer
+        return NO_OBSERVER
 
     def debug_state(self) -> dict[str, Any]:
         """A JSON-able dump: per-request summaries, indexes, thread stats (``receiver``: the first receive thread)."""

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 from omni_plugins.contract import Connector
 from omni_plugins.errors import ConnectorContractError, WireFormatError
+from omni_plugins.metrics import NO_OBSERVER
 from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.rhythm import ArrivalRhythm
 from omni_plugins.runtime.state import InputState, RequestRegistry
@@ -212,6 +213,7 @@ class Receiver:
                         state.next_recv_chunk,
                         state.source,
                     )
+                    state.route.observer.failed("timeout", finished=False)
                     cleanup += self._handler.on_failure(state, timed_out=True)
             self._handler.publish()  # a no-op unless something timed out
         self._cleanup(cleanup)
@@ -434,6 +436,7 @@ class Receiver:
             result = self._connector.get(*state.route.edge, key, timeout=timeout)
         except (WireFormatError, ConnectorContractError) as exc:  # retrying gets the same bytes, or the same plugin bug
             why = "cannot be decoded" if isinstance(exc, WireFormatError) else "came from a get that broke the connector contract"
+            state.route.observer.failed("decode" if isinstance(exc, WireFormatError) else "contract", finished=False)
             logger.error("payload under %s %s; request %s reported failed", key, why, state.request_id, exc_info=True)
             self._cleanup_one(key)
             return _UNDECODABLE
@@ -455,6 +458,9 @@ class Receiver:
         if not self._consume:
             self._cleanup_one(key)
         self.stats["arrivals"] += 1
+        observer = state.route.observer
+        if observer is not NO_OBSERVER:
+            observer.delivered(result.size, finished=False)
         return result.data
 
     def _fail_taken(self, state: InputState, index: int) -> KeysToFree:
@@ -490,6 +496,7 @@ class Receiver:
                         # a payload that decodes but breaks the payload rules (untrusted bytes): this
                         # request failed; the others in the batch, already taken from the connector, go on
                         logger.error("payload under %s is malformed; request %s reported failed", key, state.request_id, exc_info=True)
+                        state.route.observer.failed("malformed", finished=False)
                         cleanup += self._fail_taken(state, index)
                 if pending is not None:
                     pending.pop(key, None)

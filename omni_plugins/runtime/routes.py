@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omni_plugins.contract import Connector
+from omni_plugins.metrics import NO_OBSERVER, EdgeObserver
 from omni_plugins.payload import ResolvedBuilder
 
 
@@ -28,6 +29,8 @@ class OutputRoute:
     #: the instance name in the pipeline (``None`` for a connector given without one)
     instance: str | None
     builder: ResolvedBuilder | None
+    #: what the send thread reports each put to (metrics; :mod:`omni_plugins.runtime.observe`)
+    observer: EdgeObserver = NO_OBSERVER
 
     def __post_init__(self) -> None:
         #: the stage ids as ``connector.put`` takes them (it would ``str()`` each per call)
@@ -47,6 +50,8 @@ class InputRoute:
     key_stage: str
     connector: Connector
     instance: str | None
+    #: what the receive thread reports each arrival and failure to (metrics)
+    observer: EdgeObserver = NO_OBSERVER
 
     def __post_init__(self) -> None:
         self.edge = (str(self.from_stage), str(self.to_stage))

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from omni_plugins.contract import Connector
+from omni_plugins.metrics import NO_OBSERVER
+from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.routes import OutputRoute
 from omni_plugins.runtime.state import RequestRegistry, RequestState, SendTask
 from omni_plugins.runtime.threads import thread_cpu_seconds
@@ -53,9 +55,12 @@ class Sender:
         retry_backoff_s: float = 0.002,
         handoff_s: float = 0.0,
         name: str = "omni-send",
+        cleanup_backlog: CleanupBacklog | None = None,
     ) -> None:
         self._routes = tuple(routes)
         self._registry = registry
+        #: keys of aborted requests whose cleanup failed (a backend down), retried at shutdown
+        self._backlog = cleanup_backlog if cleanup_backlog is not None else CleanupBacklog()
         self.max_retries = max_retries
         self._backoff = retry_backoff_s
         self._lock = registry.lock  # entered directly: ``with`` on the Condition adds a Python frame per hold
@@ -84,6 +89,8 @@ class Sender:
         to :meth:`hand_over`, or None (no wait).
         """
         task = SendTask(key, data, route)
+        if route.observer is not NO_OBSERVER:
+            task.queued = time.monotonic()
         state.send_queue.append(task)
         state.in_flight += 1
         if not state.in_send_ring:
@@ -138,14 +145,16 @@ class Sender:
         return state.in_flight
 
     def purge(self, keys: list[tuple[Connector, str]]) -> None:
-        """Free keys of an aborted request (those already consumed are simply absent)."""
+        """Free keys of an aborted request (those already consumed are simply absent); one whose cleanup
+        fails (the backend unreachable) is kept for the retry at shutdown."""
         for connector, key in keys:
             if connector.closed:
                 continue
             try:
                 connector.cleanup(key)
             except Exception:
-                logger.debug("cleanup of %s failed", key, exc_info=True)
+                logger.debug("cleanup of %s failed; kept for a retry at shutdown", key, exc_info=True)
+                self._backlog.keep(connector, key)
 
     def wait_idle(self, timeout: float) -> bool:
         """Block until no task is queued or in flight (tests, orderly shutdown)."""
@@ -273,7 +282,10 @@ class Sender:
             route = task.route
             result = route.connector.put(*route.edge, task.key, task.data)
             ok = bool(result.ok)
-            if not ok:
+            if ok:
+                if route.observer is not NO_OBSERVER:
+                    route.observer.delivered(result.size, time.monotonic() - task.queued, finished=False)
+            else:
                 logger.warning("put of %s failed: %s", task.key, (result.metadata or {}).get("error", "backend refused"))
         except Exception as exc:  # retried: one line each, the traceback with -v (INFO)
             logger.warning("put of %s raised %s: %s", task.key, type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.INFO))
@@ -302,6 +314,7 @@ class Sender:
             logger.warning("re-queued %s (retry %d/%d)", task.key, task.attempts, self.max_retries)
             return []
         logger.error("giving up on %s after %d retries; request %s reported failed", task.key, self.max_retries, state.request_id)
+        task.route.observer.failed("put", finished=False)
         self.stats["dropped"] += 1
         self._registry.outbox.failed.add(state.request_id)
         return self._done(state)

@@ -47,6 +47,7 @@ class SendTask:
     attempts: int = 0
     not_before: float = 0.0
     taken: bool = False  # the send thread picked it up (a handing-over ``send_chunk`` waits for this)
+    queued: float = 0.0  # when the model thread handed it over (set only when its route has metrics)
 
 
 @dataclass(eq=False)
@@ -65,6 +66,7 @@ class InputState:
     last_arrival: float = 0.0  # or the registration time
     arrival_gap: float = 0.0  # running mean of the time between arrivals (predicts the next one)
     stream_finished: bool = False  # finish sentinel seen: never registered again
+    observed: bool = False  # counted in flight on its edge's metrics (until the request is dropped)
     payload_arrived: bool = False  # full payload seen: never registered again
     merged: dict[str, Any] | None = None  # "ar" accumulation of received chunks
     cached: Any = None  # local stage payload (the runner's copy)
@@ -152,6 +154,7 @@ class RequestState:
     in_send_ring: bool = False
     released: bool = False  # cleanup asked for; freed when in_flight reaches 0
     purge_sent: bool = False  # aborted: free what this stage put, once the last put completed
+    sends_ended: bool = False  # metrics: its output edges counted it out of flight
     full_payload: FullPayloadAccumulator | None = None
     code_prompt_token_ids: list[Any] = field(default_factory=list)  # builder scratch (reference compat)
 
@@ -281,6 +284,10 @@ class RequestRegistry:
         self.outbox = Outbox()
         #: bumped whenever the receiving set changes (the receive thread re-plans only then)
         self.epoch = 0
+        #: metrics: whether requests are counted in flight on their edges, and the observer of each output route
+        #: (see :mod:`omni_plugins.runtime.observe`)
+        self.observed = False
+        self.send_observers: tuple[Any, ...] = ()
 
     # -- lookup -----------------------------------------------------------
     def get(self, request_id: str) -> RequestState | None:
@@ -320,6 +327,9 @@ class RequestRegistry:
         entry.registered = registered
         index = self._receiving[entry.route.index]
         if registered:
+            if self.observed and not entry.observed:
+                entry.observed = True
+                entry.route.observer.started()
             index[entry.request.request_id] = entry
         elif index.pop(entry.request.request_id, None) is None:
             return
@@ -384,6 +394,22 @@ class RequestRegistry:
             entry.registered = False
         if self._signalled.get(state.request_id) is state:
             del self._signalled[state.request_id]
+        self._ended(state)
+
+    def _ended(self, state: RequestState) -> None:
+        """Metrics: ``state``'s request is no longer in flight on any edge it used."""
+        if not self.observed:
+            return
+        for entry in state.inputs:
+            if entry.observed:
+                entry.observed = False
+                entry.route.observer.ended()
+        observers = self.send_observers
+        if observers and not state.sends_ended:
+            state.sends_ended = True
+            for i, count in enumerate(state.sent):
+                if count:
+                    observers[i].ended()
 
     def release(self, state: RequestState) -> None:
         """Drop ``state`` now, except that send-side state waits for in-flight sends."""

@@ -145,6 +145,21 @@ def test_hosts_unavailable() -> str | None:
 test_hosts_unavailable.__test__ = False  # type: ignore[attr-defined]
 
 
+@contextlib.contextmanager
+def _subnet_lock() -> Iterator[None]:
+    """Held while a network picks its subnet and assigns its gateway address (a file lock: every process of the suite)."""
+    import fcntl
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"omni-plugins-test-networks-{os.getuid()}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _enter_and_run(netns: str, target: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """In a fresh child process: join the host's network namespace, then run ``target``."""
     fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
@@ -246,13 +261,8 @@ class TestNetwork:
             raise ValueError("a test network has 1 to 200 hosts")
         if not 576 <= mtu <= MAX_PACKET:
             raise ValueError(f"mtu must be 576 to {MAX_PACKET}, not {mtu}")
-        self.index = next(_networks) % 256
-        self.tag = f"{_PREFIX}{os.getpid() % 1000}n{self.index}"  # unique in this namespace; <= 11 chars
-        self.subnet = ipaddress.ip_network(f"198.18.{self.index}.0/24")
-        assert self.subnet.subnet_of(TEST_RANGE)  # type: ignore[arg-type]
         self.mtu = mtu
-        self.gateway = str(self.subnet[254])  # the test process's own address on the network
-        self.gateway_link = f"{self.tag}gw"  # its TUN device, in the suite's namespace
+        self.tag: str | None = None  # the names of this network's links (set with its subnet)
         self.hosts: list[TestHost] = []
         self._processes: list[Any] = []
         self._holders: list[subprocess.Popen[bytes]] = []
@@ -262,7 +272,9 @@ class TestNetwork:
         if len(names) != n:
             raise ValueError(f"{n} hosts but {len(names)} names")
         try:
-            self._make_gateway()
+            with _subnet_lock():  # another process of the suite (a pytest-xdist worker) may be making a network now
+                self._claim_subnet()
+                self._make_gateway()
             for i, name in enumerate(names):
                 self.hosts.append(self._make_host(name, str(self.subnet[i + 1]), i))
             self._forwarder = _Forwarder(self._tuns)
@@ -287,6 +299,20 @@ class TestNetwork:
         raise KeyError(name)
 
     # -- building ---------------------------------------------------------------
+    def _claim_subnet(self) -> None:
+        """A 198.18.x.0/24 no other network of this namespace uses: its gateway address is not assigned yet."""
+        taken = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs if a.family == socket.AF_INET}
+        first = next(_networks)
+        index = next((i % 256 for i in range(first, first + 256) if f"198.18.{i % 256}.254" not in taken), None)
+        if index is None:
+            raise TestHostsUnavailable("every 198.18.x.0/24 test network of this namespace is in use")
+        self.index = index
+        self.tag = f"{_PREFIX}{os.getpid() % 1000}n{self.index}"  # unique in this namespace; <= 11 chars
+        self.subnet = ipaddress.ip_network(f"198.18.{self.index}.0/24")
+        assert self.subnet.subnet_of(TEST_RANGE)  # type: ignore[arg-type]
+        self.gateway = str(self.subnet[254])  # the test process's own address on the network
+        self.gateway_link = f"{self.tag}gw"  # its TUN device, in the suite's namespace
+
     def _tun(self, link: str, address: str) -> None:
         try:
             fd = open_tun(link)
@@ -407,7 +433,8 @@ class TestNetwork:
 
     def leftovers(self) -> list[str]:
         """Links of this network still present in the suite's namespace (empty after :meth:`close`)."""
-        return sorted(name for name in _own_links() if name.startswith(self.tag))
+        tag = self.tag
+        return [] if tag is None else sorted(name for name in _own_links() if name.startswith(tag))
 
 
 class _Forwarder:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import shutil
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +35,15 @@ class Service:
     @property
     def address(self) -> str:
         return f"{self.host.address}:{self.port}"
+
+    def master_key_count(self) -> int:
+        """Objects a ``mooncake_master`` (started with a metrics port) holds now."""
+        url = f"http://{self.host.address}:{self.extra['metrics_port']}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith("master_key_count "):
+                    return int(float(line.split()[1]))
+        raise AssertionError("mooncake_master metrics have no master_key_count")
 
 
 @pytest.fixture(scope="module")

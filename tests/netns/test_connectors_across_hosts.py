@@ -10,15 +10,17 @@ acknowledged payload reaches the consumer intact, nothing is left behind.
 from __future__ import annotations
 
 import sys
-import urllib.request
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from _exchange import Outcome, exchange
-from conftest import Service
 
 from omni_plugins.testing.netns import TestHost, TestNetwork
+
+if TYPE_CHECKING:
+    from conftest import Service  # this directory's (the fixtures' type); not imported at run time: another
+    # directory's conftest may be the module named "conftest" then
 
 TE_SECRET = "netns-test-secret-0123456789abcdef"
 PARTITION = 10.0  # seconds the service host is cut off
@@ -41,15 +43,6 @@ def _configs(name: str, net: TestNetwork, request: pytest.FixtureRequest, **tigh
     return producer, lambda address: {"local_hostname": b.address, "listen_address": None, "peers": [address], "secret": TE_SECRET}
 
 
-def _master_key_count(master: Service) -> int:
-    url = f"http://{master.host.address}:{master.extra['metrics_port']}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        for line in reply.read().decode().splitlines():
-            if line.startswith("master_key_count "):
-                return int(float(line.split()[1]))
-    raise AssertionError("mooncake_master metrics have no master_key_count")
-
-
 def _leftovers(name: str, out: Outcome, request: pytest.FixtureRequest, config: dict[str, Any]) -> dict[str, int]:
     """What the connectors or their server still hold after the exchange (all zero when nothing leaked)."""
     left = {f"{role} staged": int(health.get("staged", 0)) for role, health in out.health.items()}
@@ -64,7 +57,7 @@ def _leftovers(name: str, out: Outcome, request: pytest.FixtureRequest, config: 
         finally:
             client.close()
     elif name == "mooncake-store":
-        left["store objects"] = _master_key_count(request.getfixturevalue("master_on_c"))
+        left["store objects"] = request.getfixturevalue("master_on_c").master_key_count()
     return left
 
 

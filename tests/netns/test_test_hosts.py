@@ -245,3 +245,24 @@ pids = [h._holder.pid for h in net.hosts] + [net.forwarder_pid]
 print(json.dumps({"pids": pids, "links": net.leftovers()}), flush=True)
 time.sleep(600)
 """
+
+
+def test_networks_of_two_processes_get_different_subnets() -> None:
+    """Each pytest-xdist worker makes its networks in the one namespace of the suite: their subnets must not meet,
+    even when both processes would pick the same one (the other process here starts from this one's)."""
+    reason = test_hosts_unavailable()
+    if reason:
+        pytest.skip(reason)
+    with TestNetwork(1) as mine:
+        other = subprocess.run([sys.executable, "-c", SAME_PICK, str(mine.index)], capture_output=True, text=True, timeout=60)
+    assert other.returncode == 0, other.stderr
+    assert json.loads(other.stdout)["subnet"] != str(mine.subnet)
+
+
+SAME_PICK = """
+import itertools, json, sys
+from omni_plugins.testing import netns
+netns._networks = itertools.count(int(sys.argv[1]))  # the pick this process would make: the one in use
+with netns.TestNetwork(1) as net:
+    print(json.dumps({"subnet": str(net.subnet)}))
+"""

@@ -22,10 +22,11 @@ import logging
 import re
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import EqualJitterBackoff, NoBackoff
@@ -52,6 +53,9 @@ from omni_plugins_redis.topology import Route, Topology, build
 
 log = logging.getLogger(__name__)
 
+#: SO_LINGER on with a zero timeout: close() resets the connection, dropping unsent data
+_LINGER_RESET = struct.pack("ii", 1, 0)
+
 T = TypeVar("T")
 # How long close() waits, in all, for the replies of deferred commands it sends (a stalled server must not hold it up).
 CLOSE_SETTLE_S = 2.0
@@ -65,6 +69,20 @@ _SERVER_CHANGED = frozenset({"READONLY", "UNBLOCKED", "MASTERDOWN", "LOADING"})
 
 class AuthError(ConnectorError):
     """The server rejected our credentials or the ACL user lacks a permission (not retried)."""
+
+
+def _reset_on_close(conn: Any) -> None:
+    """Make the connection's close abortive (RST), dropping whatever the kernel still holds to send.
+
+    A connection whose call failed half-way may still hold a command the server has not
+    received (a partition: the kernel keeps retransmitting it). Closed gracefully, that
+    command could reach the server after the heal -- after a retry on a new connection
+    already ran it once (a commit twice: a duplicate payload). Reset, it never arrives.
+    """
+    sock = getattr(conn, "_sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RESET)
 
 
 class Link:
@@ -434,6 +452,8 @@ class RedisClient:
             self.orphan([*items, *link.queue.take_all()])
         elif items:
             link.queue.add(items)
+        if not link.aborted:  # (after close() aborted it, what it queued behind the call -- a withdrawal -- must go out)
+            _reset_on_close(link.conn)
         link.conn.disconnect()  # state unknown (half-read reply?): reconnect before the next use
         link.route.pool.release(link.conn)
         if isinstance(error, OSError | redis.ConnectionError | redis.TimeoutError) or _code(error) in _SERVER_CHANGED:

@@ -9,6 +9,14 @@ makes a payload visible and the transaction is atomic, so a reader never sees
 half a payload; one round trip per small put, two per large one. With
 ``min_replica_acks`` a ``WAIT`` follows the commit in the same write.
 
+A put whose outcome is unknown -- its reply lost, and the withdrawal of a
+commit that may have gone in not possible either (the server unreachable, a
+partition) -- is remembered by key. When the caller retries it (the same key
+and the same payload object, as the runtime's send thread does) the retry
+continues that put: its commit marker says whether the first commit went in,
+so the payload is committed once, never twice. Any other put of that key, a
+``cleanup`` of it and :meth:`close` withdraw the unsettled one first.
+
 Read path (:meth:`_get`): claim the manifest atomically (``LMOVE``/``BLMOVE``
 into a private claim list, see :mod:`.waiting`), stream the parts straight
 into one preallocated buffer (:mod:`.replies`), delete claim and parts (the
@@ -71,6 +79,8 @@ PART_TTL_GRACE_MS = 60_000
 MARKER_TTL_MS = 600_000
 # What a commit marker says once its put gave up waiting for replicas (min_replica_acks): discard, do not give back.
 WITHDRAWN = b"withdrawn"
+# Failed puts remembered for their retry (the oldest beyond this expire by TTL).
+MAX_UNSETTLED = 1024
 # Deleting the parts of a discarded payload (whose manifest may announce many): keys per UNLINK, UNLINKs per round trip.
 UNLINK_BATCH = 512
 UNLINK_PIPELINE = 16
@@ -99,6 +109,8 @@ class _PutState:
     retired: list[bytes] = field(default_factory=list)
     # withdrawn already: queued behind it on the connection close() aborted, or after replicas fell short
     withdrawn: bool = False
+    # the caller's payload (kept only while the put is unsettled: a retry with the same object continues it)
+    data: Any = None
 
 
 @dataclass
@@ -143,6 +155,9 @@ class RedisConnector(Connector):
         self._commit_replies = 5 if ttl_ms else 4  # MULTI, the queued commands, EXEC
         self._part_ttl_ms = ttl_ms + PART_TTL_GRACE_MS if ttl_ms else 0
         self._reuse_parts = config.reuse_part_memory and config.lazy_cleanup
+        # key -> a failed put whose commit may have gone in and could not be withdrawn (see the module docstring)
+        self._unsettled: dict[str, _PutState] = {}
+        self._unsettled_lock = threading.Lock()
         self._acks = config.min_replica_acks
         self._wait: tuple[str, int, int] | None = None
         self._wait_frame = b""
@@ -168,6 +183,13 @@ class RedisConnector(Connector):
 
     # -- put -------------------------------------------------------------------
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
+        if self._unsettled:
+            with self._unsettled_lock:
+                prior = self._unsettled.pop(key, None)
+            if prior is not None:
+                if prior.data is data:
+                    return self._settle(key, prior)  # the caller retries that very put: continue it, commit once
+                self._abandon(prior)
         keys = self._keys(key)
         encoded = wire.encode(data)
         total = encoded.nbytes
@@ -185,6 +207,10 @@ class RedisConnector(Connector):
             element = Pieces([manifest.header()])
             parts = [Pieces(p) for p in _split(encoded.buffers(), self.config.chunk_bytes)]
         state = _PutState(keys=keys, manifest=manifest, element=element, parts=parts)
+        return self._settle(key, state, data)
+
+    def _settle(self, key: str, state: _PutState, data: Any = None) -> PutResult:
+        """Run ``state``'s put to its end; on failure withdraw it, or remember it when even that is not possible."""
 
         def step(link: Link) -> None:
             try:
@@ -197,11 +223,17 @@ class RedisConnector(Connector):
                 raise
 
         try:
-            self._client.run(keys.slot, step, what="put", key=key)
+            self._client.run(state.keys.slot, step, what="put", key=key)
         except (ConnectorError, ConnectorClosedError):
-            self._abandon(state)
+            if not self._abandon(state) and state.attempts and not self.closed:
+                state.data = data if data is not None else state.data
+                with self._unsettled_lock:
+                    if len(self._unsettled) >= MAX_UNSETTLED:
+                        self._unsettled.pop(next(iter(self._unsettled)))  # the oldest expires by TTL
+                    self._unsettled[key] = state
             raise
-        return PutResult(True, total, {"parts": manifest.nparts})
+        state.data = None
+        return PutResult(True, state.manifest.total, {"parts": state.manifest.nparts})
 
     def _put_step(self, link: Link, state: _PutState) -> None:
         keys, manifest = state.keys, state.manifest
@@ -384,14 +416,14 @@ class RedisConnector(Connector):
             if isinstance(reply, RedisError):
                 raise reply
 
-    def _abandon(self, state: _PutState) -> None:
+    def _abandon(self, state: _PutState) -> bool:
         """Best effort after a failed put: withdraw its manifest (if a lost reply hid a commit) and parts.
 
-        The caller was told the put failed, so nothing of it may stay visible.
-        Whatever this cannot reach expires by TTL.
+        The caller was told the put failed, so nothing of it may stay visible. False when the
+        server could not be reached (what is left expires by TTL, unless a retry settles it).
         """
         if state.withdrawn:
-            return
+            return True
         commands = self._abandon_commands(state)
 
         def step(link: Link) -> None:
@@ -402,6 +434,8 @@ class RedisConnector(Connector):
             self._client.run(state.keys.slot, step, what="put cleanup", key=state.keys.key, retries=1)
         except (ConnectorError, ConnectorClosedError) as exc:
             log.debug("could not withdraw a failed put: %s", exc)
+            return False
+        return True
 
     @staticmethod
     def _element_bytes(state: _PutState) -> bytes:
@@ -645,6 +679,12 @@ class RedisConnector(Connector):
 
     # -- cleanup / health / close ------------------------------------------------
     def _cleanup(self, key: str) -> bool:
+        if self._unsettled:  # a put of this key that failed unsettled: nobody retries it now, withdraw it (marker too)
+            with self._unsettled_lock:
+                prior = self._unsettled.pop(key, None)
+            if prior is not None and not self._abandon(prior):
+                with self._unsettled_lock:
+                    self._unsettled.setdefault(key, prior)
         keys = self._keys(key)
         # only the claim list of an interrupted get can still hold a payload; others are consumed
         lists = [keys.manifest]
@@ -704,6 +744,10 @@ class RedisConnector(Connector):
         return status
 
     def _close(self) -> None:
+        with self._unsettled_lock:
+            unsettled, self._unsettled = list(self._unsettled.values()), {}
+        for state in unsettled:  # nobody retries them any more: withdraw what may have gone in
+            self._abandon(state)
         self._client.close(wait_replicas=self._wait[1:] if self._wait is not None else None)
 
 

@@ -279,3 +279,48 @@ def test_retired_parts_are_handed_back_if_the_connection_dies(redis_server: Redi
         assert raw.exists(*parts) == 0
     finally:
         client.close()
+
+
+def _no_withdrawal(monkeypatch: pytest.MonkeyPatch, conn: Any) -> None:
+    """The server is unreachable for the withdrawal of a failed put (a partition): it does not run."""
+    monkeypatch.setattr(conn, "_abandon", lambda state: False)
+
+
+def test_a_retried_put_whose_outcome_was_unknown_is_committed_once(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, server_config: dict[str, Any]
+) -> None:
+    """The commit ran, its reply was lost and the withdrawal could not run: the caller's retry of that payload
+    continues the same put (its commit marker shows it went in) instead of committing a second copy."""
+    data = {"v": torch.arange(1000)}
+    with create_connector("redis", {**server_config, "retry_attempts": 0}) as conn:
+        fired = _lose_reply(monkeypatch, "EXEC")
+        with monkeypatch.context() as m:
+            _no_withdrawal(m, conn)
+            with pytest.raises(ConnectorError):
+                conn.put(0, 1, "unsure", data)
+        assert fired
+        assert conn.put(0, 1, "unsure", data).ok  # the runtime's send thread retries with the same payload
+        assert redis_server.client().llen(PayloadKeys(PREFIX, "unsure").manifest) == 1
+        got = conn.get(0, 1, "unsure")
+        assert got is not None and torch.equal(got.data["v"], data["v"])
+        assert conn.get(0, 1, "unsure") is None
+    assert redis_server.keys(PREFIX + "*") == []
+
+
+def test_another_put_of_the_key_or_close_withdraws_an_unsettled_put(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, server_config: dict[str, Any]
+) -> None:
+    for then in ("other payload", "close"):
+        with create_connector("redis", {**server_config, "retry_attempts": 0}) as conn:
+            _lose_reply(monkeypatch, "EXEC")
+            with monkeypatch.context() as m:
+                _no_withdrawal(m, conn)
+                with pytest.raises(ConnectorError):
+                    conn.put(0, 1, "stale", {"v": 1})
+            monkeypatch.undo()
+            if then == "other payload":
+                assert conn.put(0, 1, "stale", {"v": 2}).ok
+                got = conn.get(0, 1, "stale")
+                assert got is not None and got.data == {"v": 2}  # the unsettled commit was withdrawn first
+                assert conn.get(0, 1, "stale") is None
+        assert redis_server.keys(PREFIX + "*") == [], then

@@ -4,9 +4,10 @@ Frame: 4-byte big-endian length, then a body (at most 64 KiB).
 
 Every connection starts with a handshake that proves, both ways, knowledge of a
 shared secret (HMAC-SHA256 over two fresh nonces; the secret itself never
-crosses the wire). The server sends nothing but the challenge and its verdict,
-and serves nothing, before a valid proof; a bad one gets a refusal and the
-connection is closed::
+crosses the wire; the core's :class:`omni_plugins.channel.SecretHandshake`
+under the protocol name ``omni-plugins mooncake-te control v2``). The server
+sends nothing but the challenge and its verdict, and serves nothing, before a
+valid proof; a bad one gets a refusal and the connection is closed::
 
     server -> 0x10 version:u8 server_nonce(32)                      (challenge, on accept)
     client -> 0x11 client_nonce(32) HMAC(secret, "client" | Ns | Nc)  (proof)
@@ -44,10 +45,7 @@ with small limits.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
-import os
 import socket
 import struct
 import threading
@@ -57,24 +55,17 @@ from typing import Any, NamedTuple, TypeVar
 
 import msgpack
 
+from omni_plugins.channel import Channel, FrameError, HandshakeError, Listener, SecretHandshake, set_io_timeout
 from omni_plugins.errors import ConnectorError
 from omni_plugins_mooncake.config import parse_host_port
 
 logger = logging.getLogger(__name__)
 
-_LEN = struct.Struct(">I")
 _T = TypeVar("_T")
-_TIMEVAL = struct.Struct("@ll")  # struct timeval
-_RECV_SIZE = 4096  # a reply or request fits; bigger frames take more calls
 MAX_FRAME = 64 * 1024
 PROTOCOL_VERSION = 2  # 2: every connection starts with the secret handshake
-
-HELLO_CHALLENGE, HELLO_PROOF, HELLO_ACCEPTED, HELLO_REFUSED = 0x10, 0x11, 0x12, 0x13
-_NONCE = 32  # bytes of each side's nonce; the MACs are SHA-256 (32 bytes)
-_PROOF_SIZE = 1 + _NONCE + 32
-_HELLO_MAX = 1024  # the longest frame read before a connection is authenticated
-_CLIENT_LABEL = b"omni-plugins mooncake-te control v2 client\0"
-_SERVER_LABEL = b"omni-plugins mooncake-te control v2 server\0"
+#: the handshake's protocol name (its MACs are over "<this> client\0" / "<this> server\0")
+_PROTOCOL = b"omni-plugins mooncake-te control v2"
 
 Handler = Callable[[dict[str, Any]], dict[str, Any]]
 FastHandler = Callable[[bytes], "bytes | None"]  # a binary request body -> reply body, or None (one-way)
@@ -96,7 +87,7 @@ class Claim(NamedTuple):
     claim_ttl: float
 
 
-class ProtocolError(ConnectorError):
+class ProtocolError(ConnectorError, FrameError):
     """A peer sent something that is not a valid control frame."""
 
 
@@ -111,24 +102,6 @@ class PeerUnreachableError(ConnectorError):
 
 class AuthenticationError(PeerUnreachableError):
     """The handshake failed: no secret for the peer, the peer refused ours, or it could not prove it knows it."""
-
-
-def _mac(secret: bytes, label: bytes, server_nonce: bytes, client_nonce: bytes) -> bytes:
-    return hmac.new(secret, label + server_nonce + client_nonce, hashlib.sha256).digest()
-
-
-def set_io_timeout(sock: socket.socket, seconds: float) -> None:
-    """Make ``sock`` blocking, with every send/receive bounded by the kernel (``SO_SNDTIMEO``/``SO_RCVTIMEO``).
-
-    Not ``socket.settimeout``: Python then polls before every call, an extra
-    system call each way, a large part of a loopback round trip. A call that runs
-    out of time raises ``BlockingIOError`` (an ``OSError``).
-    """
-    sock.settimeout(None)
-    micros = max(1, round(seconds * 1e6))  # 0 would mean "forever"
-    value = _TIMEVAL.pack(micros // 1_000_000, micros % 1_000_000)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
 def _pack(message: dict[str, Any]) -> bytes:
@@ -194,56 +167,8 @@ def parse_claim_reply(body: bytes, peer: str) -> Claim | None:
     raise ProtocolError(f"peer {peer} sent a malformed claim reply ({len(body)} bytes)")
 
 
-class Channel:
-    """One control connection: frames out, frames in, read with as few ``recv`` calls as possible.
-
-    Received bytes are buffered, so a frame usually costs one ``recv`` (not one
-    for the length and one for the body), and two frames that arrive together
-    (a one-way ``finish`` followed by the next ``claim``) are both kept.
-    """
-
-    __slots__ = ("_pending", "sock")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self._pending = b""
-
-    def send(self, message: dict[str, Any]) -> None:
-        self.send_body(_pack(message))
-
-    def send_body(self, body: bytes) -> None:
-        if len(body) > MAX_FRAME:
-            raise ProtocolError(f"control message of {len(body)} bytes exceeds {MAX_FRAME}")
-        self.sock.sendall(_LEN.pack(len(body)) + body)
-
-    def receive(self) -> dict[str, Any]:
-        """The next frame as a map; ``ConnectionError`` when the peer hung up, ``ProtocolError`` for a bad frame."""
-        return _unpack(self.receive_body())
-
-    def receive_body(self, limit: int = MAX_FRAME) -> bytes:
-        """The next frame's body (not empty, at most ``limit`` bytes)."""
-        buf = self._pending
-        while len(buf) < _LEN.size:
-            buf += self._recv()
-        (length,) = _LEN.unpack_from(buf)
-        if length > limit:
-            raise ProtocolError(f"control frame of {length} bytes exceeds {limit}")
-        if length == 0:
-            raise ProtocolError("empty control frame")
-        end = _LEN.size + length
-        while len(buf) < end:
-            buf += self._recv()
-        self._pending = buf[end:]
-        return buf[_LEN.size : end]
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def _recv(self) -> bytes:
-        data = self.sock.recv(_RECV_SIZE)
-        if not data:
-            raise ConnectionError("connection closed by peer")
-        return data
+def _channel(sock: socket.socket) -> Channel:
+    return Channel(sock, max_frame=MAX_FRAME, error=ProtocolError)
 
 
 class ControlServer:
@@ -272,21 +197,15 @@ class ControlServer:
         host, _, port = address.rpartition(":")
         self._handler = handler
         self._fast = fast
-        self._secret = secret
+        self._auth = SecretHandshake(secret, _PROTOCOL, PROTOCOL_VERSION)
         self._idle_timeout = idle_timeout
         self._handshake_timeout = handshake_timeout
-        self._max_pending = max_pending
-        self._pending = 0
         self._name = name
-        self._listener = socket.create_server((host.strip("[]"), int(port)), backlog=64)
-        self._listener.settimeout(0.25)  # lets the accept loop notice close()
-        bound_host, bound_port = self._listener.getsockname()[:2]
-        self.address = f"{bound_host}:{bound_port}"
         self._stopping = threading.Event()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
-        self._acceptor = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
-        self._acceptor.start()
+        self._listener = Listener(host, int(port), self._serve, max_pending=max_pending, name=name)
+        self.address = self._listener.address
 
     def close(self) -> None:
         self._stopping.set()
@@ -298,41 +217,20 @@ class ControlServer:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._acceptor.join(5)
 
-    def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                conn, peer = self._listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # listener closed
-            with self._lock:
-                full = self._pending >= self._max_pending
-                if not full:
-                    self._pending += 1
-                    self._conns.add(conn)
-            if full:
-                logger.warning(
-                    "%s %s: %d connections already in the handshake; closing one from %s", self._name, self.address, self._max_pending, peer
-                )
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn, peer), name=f"{self._name}-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket, peer: object = None) -> None:
-        channel = Channel(conn)
+    def _serve(self, conn: socket.socket, peer: str, admitted: Callable[[], None]) -> None:
+        channel = _channel(conn)
+        with self._lock:
+            self._conns.add(conn)
         try:
             try:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 set_io_timeout(conn, self._handshake_timeout)  # an unauthenticated client holds this thread at most this long
-                accepted = self._handshake(channel, peer)
+                accepted = not self._stopping.is_set() and self._handshake(channel, peer)
             except OSError:
                 accepted = False
             finally:
-                with self._lock:
-                    self._pending -= 1
+                admitted()
             if not accepted:
                 return
             set_io_timeout(conn, self._idle_timeout)  # bounds both waiting for a request and sending a reply
@@ -358,29 +256,16 @@ class ControlServer:
             conn.close()
 
     def _handshake(self, channel: Channel, peer: object) -> bool:
-        """Challenge the client and check its proof (constant time); True when it knows the secret."""
-        server_nonce = os.urandom(_NONCE)
+        """Challenge the client and check its proof (constant time, :mod:`omni_plugins.channel`); True when it knows the secret."""
         try:
-            channel.send_body(bytes((HELLO_CHALLENGE, PROTOCOL_VERSION)) + server_nonce)
-            proof = channel.receive_body(_HELLO_MAX)
-        except (OSError, ConnectionError, ProtocolError) as exc:
+            ok = self._auth.accept(channel)
+        except (OSError, ConnectionError, FrameError) as exc:
             level = logging.DEBUG if isinstance(exc, ConnectionError) else logging.WARNING  # a client that just hung up is no news
             logger.log(level, "%s %s: closing a connection from %s without a valid handshake: %s", self._name, self.address, peer, exc)
             return False
-        client_nonce = proof[1 : 1 + _NONCE]
-        expected = _mac(self._secret, _CLIENT_LABEL, server_nonce, client_nonce)
-        # compare even a malformed proof (against a digest it cannot match), so timing says nothing about the secret
-        ok = hmac.compare_digest(proof[1 + _NONCE :] if len(proof) == _PROOF_SIZE else b"", expected)
-        ok = ok and proof[0] == HELLO_PROOF
-        try:
-            if ok:
-                channel.send_body(bytes((HELLO_ACCEPTED,)) + _mac(self._secret, _SERVER_LABEL, server_nonce, client_nonce))
-                return True
+        if not ok:
             logger.warning("%s %s: refusing a connection from %s: bad handshake (wrong secret?)", self._name, self.address, peer)
-            channel.send_body(bytes((HELLO_REFUSED,)) + b"authentication failed")
-        except OSError:
-            pass
-        return False
+        return ok
 
     def _answer(self, request: dict[str, Any]) -> bytes | None:
         try:
@@ -505,7 +390,7 @@ class ControlClient:
             sock = socket.create_connection((self._host, self._port), timeout=self._timeout)
         except OSError as exc:
             raise self._unreachable(exc) from exc
-        channel = Channel(sock)
+        channel = _channel(sock)
         try:
             secret = self._secret() if callable(self._secret) else self._secret
             if not secret:  # checked once connected, so a peer that is down is reported as down
@@ -526,25 +411,21 @@ class ControlClient:
 
     def _handshake(self, channel: Channel, secret: bytes) -> None:
         """Answer the server's challenge and check its proof: both sides show they know ``secret``."""
-        challenge = channel.receive_body(_HELLO_MAX)
-        if len(challenge) != 2 + _NONCE or challenge[0] != HELLO_CHALLENGE:
-            raise ProtocolError(
-                f"mooncake-te peer {self.address} did not open with a control-channel challenge (not a mooncake-te producer?)"
-            )
-        if challenge[1] != PROTOCOL_VERSION:
-            raise ProtocolError(f"mooncake-te peer {self.address} speaks control protocol {challenge[1]}, this instance {PROTOCOL_VERSION}")
-        server_nonce, client_nonce = challenge[2:], os.urandom(_NONCE)
-        channel.send_body(bytes((HELLO_PROOF,)) + client_nonce + _mac(secret, _CLIENT_LABEL, server_nonce, client_nonce))
-        verdict = channel.receive_body(_HELLO_MAX)
-        if verdict[0] == HELLO_REFUSED:
-            reason = verdict[1:].decode(errors="replace")
-            raise AuthenticationError(self.address, f"mooncake-te peer {self.address} refused this instance's secret ({reason})")
-        if verdict[0] != HELLO_ACCEPTED or len(verdict) != 33:
-            raise ProtocolError(f"mooncake-te peer {self.address} sent a malformed handshake verdict ({len(verdict)} bytes)")
-        if not hmac.compare_digest(verdict[1:], _mac(secret, _SERVER_LABEL, server_nonce, client_nonce)):
-            raise AuthenticationError(
-                self.address, f"mooncake-te peer {self.address} does not know the secret (not the producer configured for that address?)"
-            )
+        try:
+            SecretHandshake(secret, _PROTOCOL, PROTOCOL_VERSION).prove(channel)
+        except HandshakeError as exc:
+            peer = f"mooncake-te peer {self.address}"
+            if exc.kind == "not-a-server":
+                raise ProtocolError(f"{peer} did not open with a control-channel challenge (not a mooncake-te producer?)") from None
+            if exc.kind == "version":
+                raise ProtocolError(f"{peer} speaks control protocol {exc.theirs}, this instance {PROTOCOL_VERSION}") from None
+            if exc.kind == "refused":
+                raise AuthenticationError(self.address, f"{peer} refused this instance's secret ({exc.reason})") from None
+            if exc.kind == "impostor":
+                raise AuthenticationError(
+                    self.address, f"{peer} does not know the secret (not the producer configured for that address?)"
+                ) from None
+            raise ProtocolError(f"{peer}: {exc}") from None
 
     def _unreachable(self, exc: BaseException, during: str = "") -> PeerUnreachableError:
         what = f"no answer within {self._timeout} s" if isinstance(exc, BlockingIOError) else f"{type(exc).__name__}: {exc}"
