@@ -90,8 +90,9 @@ class ShmConfig(ConnectorSettings):
     slot_idle_seconds: float = Field(
         default=5.0,
         ge=0,
-        description="a free slot of a larger class left unused this long gives its memory back (puts check a few times "
-        "per period; the next payload in it faults its pages in again); 0 = keep it until the table goes",
+        description="a free slot of a larger class left unused this long gives its memory back (puts, waits that run out "
+        "and gc check a few times per period; the next payload in it faults its pages in again); 0 = keep it until the "
+        "table goes",
     )
     reclaim_on_start: bool = Field(default=True, description="free segments of dead producers in this namespace when an instance starts")
 

@@ -529,6 +529,9 @@ class ShmConnector(Connector):
             # a sleep or poll that ran out its time without a ring: look at the file path once more
             files_anyway = not (wake.spin if spin else wake.sleep)(WAKE_ANY_SLOT, seen, remaining)
             slots = self._current_slots(slots)
+            if files_anyway and not spin:
+                with contextlib.suppress(ValueError):  # closed by another thread meanwhile: the next look returns
+                    slots.trim_due()  # a quiet namespace: idle slots give their memory back
 
     def _interrupt_wait(self) -> None:
         """End this instance's blocked ``wait_any`` (or its next one): set the flag, then ring the namespace-wide slot.
@@ -770,6 +773,7 @@ class ShmConnector(Connector):
             **self._pool.stats(),
             **self._maps.stats(),
             **self._private.stats(),
+            "slot_table_bytes": self._slots.committed_bytes() if self._slots is not None else 0,
             "ttl_seconds": self.config.ttl_seconds,
             "expired": self._expiry.expired if self._expiry is not None else 0,
         }

@@ -17,8 +17,9 @@ transparently.
 
 Memory: the file is sparse, so a slot costs memory once used, and never more than the table's geometry.
 A slot of a larger class that stays FREE for ``slot_idle_seconds`` gives its pages back
-(``MADV_REMOVE``; a put checks at most a few times per ``slot_idle_seconds``): a burst of large payloads
-does not keep its memory. The small class is not trimmed (its slots are small and spread by hash).
+(``MADV_REMOVE``; puts, waits that run out and gc check at most a few times per ``slot_idle_seconds``): a
+burst of large payloads does not keep its memory. The small class is not trimmed. A put makes sure the
+pages it writes exist first (``MADV_POPULATE_WRITE``), so a full tmpfs is an error, not a SIGBUS.
 
 Creation is race-free: the first instance writes the header into a private temporary file and
 ``link``\\ s it to the final name (an existing one wins; its geometry rules). Lifecycle as the wake
@@ -56,6 +57,7 @@ PAGE = mmap.PAGESIZE
 #: header layout (see the C extension): u32 slots at 12, u32 classes at 16, u64 idle ns at 24, class table at 128
 _CLASS_OFF = 128
 _CLASS = struct.Struct("<IIQQQ")  # slots, first index, slot bytes, stride, offset
+_COUNT_OFF = 512  # a u64 per class (64 bytes apart): its READY slots, an upper bound
 FREE, WRITING, READY, CLAIMED = 0, 1, 2, 3
 #: added to the seq :meth:`SlotTable.take` returns when file-path payloads may be waiting (the table's hint is not 0)
 FILES = 1 << 32
@@ -240,6 +242,14 @@ class SlotTable:
             if index < first + count:
                 return offset + (index - first) * stride
         raise IndexError(f"slot {index} of a table of {self.nslots}")
+
+    def trim_due(self) -> None:
+        """Give back the memory of idle larger slots if the table's trim is due (a wait that ran out calls it)."""
+        self._native.slot_trim_due(self.mm, self.writing)
+
+    def ready_counts(self) -> list[int]:
+        """Each larger class's count of READY slots (an upper bound: a look skips a class whose count is 0)."""
+        return [int.from_bytes(self.mm[_COUNT_OFF + 64 * c : _COUNT_OFF + 64 * c + 8], "little") for c in range(1, len(self.classes))]
 
     def committed_bytes(self) -> int:
         """Memory the table holds now (its tmpfs pages)."""

@@ -147,6 +147,7 @@ def test_two_producer_processes_with_mixed_sizes_and_a_consumer_holding_views(na
             del held, got
             pygc.collect()
             assert _busy(consumer) == []
+            assert table.ready_counts() == [0, 0], "every READY slot counted in was counted out"
         finally:
             hold.set()
             for proc in procs:
@@ -248,6 +249,24 @@ def test_idle_larger_slots_give_their_memory_back(namespace: str) -> None:
         time.sleep(0.5)
         report = gc.collect(namespace)  # gc trims too (an idle namespace gets its memory back without a put)
         assert report.bytes_freed >= 3 * MIB and table.committed_bytes() <= before + 64 * KIB
+
+
+@pytest.mark.parametrize("wait", ["get", "wait_any"])
+def test_a_quiet_namespace_gives_idle_memory_back_while_its_consumers_wait(namespace: str, wait: str) -> None:
+    """No put, no gc: a wait whose 0.5 s slice runs out trims what is due."""
+    config = {"namespace": namespace, "slot_idle_seconds": 0.1}
+    with create_connector("shm", config) as a, create_connector("shm", config) as b:
+        table = _table(a)
+        before = table.committed_bytes()
+        a.put(0, 1, "big", make_payload(1, 3 * MIB))
+        assert b.get(0, 1, "big", timeout=5) is not None
+        assert table.committed_bytes() >= before + 3 * MIB
+        time.sleep(0.3)  # longer than slot_idle_seconds: the slot is due once a check runs
+        if wait == "get":
+            assert b.get(0, 1, "never", timeout=0.7) is None  # a 0.5 s slice runs out
+        else:
+            assert b.wait_any(["never"], 0.7) == []
+        assert table.committed_bytes() <= before + 64 * KIB
 
 
 def test_slot_idle_seconds_zero_keeps_the_pages(namespace: str) -> None:
