@@ -28,6 +28,4 @@ def omni_register_connectors(registry: RegistrationSink) -> None:
 
 @hookimpl
 def omni_register_commands(commands: CommandSink) -> None:
-    commands.register(
-        "shm", main="omni_plugins_shm.cli:main", help="shared-memory maintenance: 'shm gc' frees segments of crashed processes"
-    )
+    commands.register("shm", main="omni_plugins_shm.cli:main", help="shared-memory maintenance: 'shm gc' frees segments of crashed processes")
