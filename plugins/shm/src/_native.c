@@ -961,7 +961,7 @@ native_slot_put_obj(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (s != NULL && back(s, t.cls[0].slot_bytes) < 0) {
         free_slot(0, s);
         result = -2; /* tmpfs full: the file path reports it */
-        goto out;
+        goto declined;
     }
     if (s != NULL) {
         nbytes = api->encode_into(payload, limits, (unsigned char *)s + SLOT_HDR, (Py_ssize_t)t.cls[0].slot_bytes);
