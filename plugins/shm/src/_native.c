@@ -1283,6 +1283,22 @@ native_slot_present(PyObject *self, PyObject *args)
         return NULL;
     if (table_open(obj, &t) < 0)
         return NULL;
+    /* the hot windows are the same for every key: read them once, then compare each key's hash with theirs */
+    char *hot[MAX_CLASSES * PROBES];
+    uint64_t hot_hash[MAX_CLASSES * PROBES];
+    int nhot = 0;
+    for (uint32_t c = 0; c < t.nclasses; c++) {
+        if (!class_live(&t, c))
+            continue;
+        int window = probe_total(&t, c) < PROBES ? probe_total(&t, c) : PROBES;
+        for (int p = 0; p < window; p++) {
+            char *s = probe_slot(&t, c, 0, p);
+            if ((__atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE) & 0xFF) == S_READY) {
+                hot[nhot] = s;
+                memcpy(&hot_hash[nhot++], s + SLOT_HASH_OFF, 8);
+            }
+        }
+    }
     PyObject *out = PyList_New(0);
     for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(keys); i++) {
         Py_ssize_t n;
@@ -1295,10 +1311,12 @@ native_slot_present(PyObject *self, PyObject *args)
             continue;
         uint64_t h = fnv1a(k, n);
         int found = 0;
+        for (int j = 0; !found && j < nhot; j++)
+            found = hot_hash[j] == h && slot_has_key(hot[j], h, k, n);
         for (uint32_t c = 0; !found && c < t.nclasses; c++) {
             if (!class_live(&t, c))
                 continue;
-            for (int p = 0; !found && p < probe_total(&t, c); p++) {
+            for (int p = PROBES; !found && p < probe_total(&t, c); p++) { /* a large class's buckets from the hash */
                 char *s = probe_slot(&t, c, h, p);
                 uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
                 found = (w & 0xFF) == S_READY && slot_has_key(s, h, k, n);
