@@ -46,8 +46,7 @@ class ShmConfig(ConnectorSettings):
         default=4 * GIB, ge=0, description="address space a consumer keeps mapped for pooled segments it has read before"
     )
     hugepage_copies: bool = Field(
-        default=True,
-        description="back owned copies of large payloads with transparent huge pages (one page fault per 2 MiB instead of per 4 KiB)",
+        default=True, description="back owned copies of large payloads with transparent huge pages (one page fault per 2 MiB instead of per 4 KiB)"
     )
     recycle_bytes: int = Field(
         default=1 * GIB,
@@ -84,8 +83,8 @@ class ShmConfig(ConnectorSettings):
         max_length=MAX_LARGER_CLASSES,
         description="the table's classes of larger slots as [count, bytes] pairs, ascending above slot_bytes: a payload "
         "takes a free slot of the smallest class that holds it (else of a larger one), and only payloads larger than "
-        "the largest slot (or finding every class full) take the file path. A class of at most 16 slots reuses its "
-        "lowest free slot first, so only as many slots hold memory as payloads are in flight at once",
+        "the largest slot (or finding every class full) take the file path. Puts take a class's lowest free slot, so "
+        "only about as many slots hold memory as payloads are in flight at once",
     )
     slot_idle_seconds: float = Field(
         default=5.0,

@@ -145,8 +145,9 @@ class ShmConnector(Connector):
         pids = modes.others(self._pubdir, self._names, self._marker, mode)
         if not pids:
             return
-        why = f"slot_count={self.config.slot_count}, futex_wait={self.config.futex_wait}" + (
-            "" if wake.futex_waits or not self.config.futex_wait else ", C extension omni_plugins_shm._native not built"
+        why = (
+            f"slot_count={self.config.slot_count}, futex_wait={self.config.futex_wait}"
+            + ("" if wake.futex_waits or not self.config.futex_wait else ", C extension omni_plugins_shm._native not built")
         )
         raise ConfigError(
             f"shm namespace {self.config.namespace!r}: this instance {'uses' if with_table else 'does not use'} the slot table "
@@ -446,9 +447,7 @@ class ShmConnector(Connector):
         """A ``take`` that raised: the error, unless another thread closed the connector (and its mappings) meanwhile."""
         if self._closed:
             return None
-        raise CorruptPayloadError(
-            f"shm slot for key {key!r} in {self._pubdir} (namespace {self.config.namespace!r}) is invalid: {exc}"
-        ) from exc
+        raise CorruptPayloadError(f"shm slot for key {key!r} in {self._pubdir} (namespace {self.config.namespace!r}) is invalid: {exc}") from exc
 
     def _current_slots(self, slots: SlotTable) -> SlotTable:
         """``slots``, or a freshly opened table if ``gc --all`` removed it while we waited (checked after each sleep).
@@ -729,9 +728,7 @@ class ShmConnector(Connector):
             try:
                 table.free_mine()
             except ValueError as exc:  # a damaged table header: release the rest regardless
-                log.warning(
-                    "shm namespace %r: slot table is damaged (%s); this instance's slots were not freed", self.config.namespace, exc
-                )
+                log.warning("shm namespace %r: slot table is damaged (%s); this instance's slots were not freed", self.config.namespace, exc)
             table.close()  # removes the table if no other live instance holds it
         self._pool.close()
         self._maps.clear()

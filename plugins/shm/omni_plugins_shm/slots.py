@@ -164,9 +164,7 @@ class SlotTable:
         self.lend = functools.partial(native.slot_take, mm, self.claimer, wake, True)
         self.lend_wait = functools.partial(native.slot_take_wait, mm, self.claimer, wake, True)
         self.lend_or_wait = functools.partial(native.slot_take_or_wait, mm, self.claimer, wake, True)
-        self.put_obj = functools.partial(
-            native.slot_put_obj, mm, self.writing, self.ready, self.claimer, self.tag, self.start, wake, DEFAULT_LIMITS
-        )
+        self.put_obj = functools.partial(native.slot_put_obj, mm, self.writing, self.ready, self.claimer, self.tag, self.start, wake, DEFAULT_LIMITS)
 
     @classmethod
     def open(
@@ -204,9 +202,7 @@ class SlotTable:
         (too big, key longer than :data:`KEY_MAX` bytes or not UTF-8 encodable, no free slot among the key's buckets)."""
         try:
             return int(
-                self._native.slot_put(
-                    self.mm, key, self.writing, self.ready, self.claimer, self.tag, self.start, buffers, nbytes, self._wake
-                )
+                self._native.slot_put(self.mm, key, self.writing, self.ready, self.claimer, self.tag, self.start, buffers, nbytes, self._wake)
             )
         except UnicodeEncodeError:
             return -1
