@@ -666,7 +666,7 @@ reserve(table_t *t, uint32_t c, uint64_t h, uint64_t writing)
  * payload than before. 0, or -1 if the pages cannot be had (the caller frees the slot). Kernels before 5.14
  * lack the call (EINVAL): then writes go ahead as into any shared mapping. */
 static int
-back(char *s, uint64_t need)
+back(char *s, uint64_t need, uint64_t stride)
 {
     uint32_t have;
     memcpy(&have, s + SLOT_BACKED_OFF, 4);
@@ -675,10 +675,14 @@ back(char *s, uint64_t need)
     uintptr_t from = ((uintptr_t)s + SLOT_HDR + have) & ~(uintptr_t)(PAGE - 1);
     uintptr_t to = ((uintptr_t)s + SLOT_HDR + need + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
     if (madvise((void *)from, to - from, MADV_POPULATE_WRITE) != 0 && errno != EINVAL) {
-        /* give back what it allocated before it failed: an unused slot is never trimmed */
+        /* give back what it allocated before it failed (an unused slot is never trimmed): whole pages of this
+         * slot only, never the page it may share with the next slot's header */
         uintptr_t kept = ((uintptr_t)s + SLOT_HDR + have + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
-        if (to > kept)
-            madvise((void *)kept, to - kept, MADV_REMOVE);
+        uintptr_t end = ((uintptr_t)s + stride) & ~(uintptr_t)(PAGE - 1);
+        if (end > to)
+            end = to;
+        if (end > kept)
+            madvise((void *)kept, end - kept, MADV_REMOVE);
         return -1;
     }
     uint32_t n32 = (uint32_t)need;
@@ -698,7 +702,7 @@ reserve_for(table_t *t, uint64_t h, uint64_t nbytes, uint64_t writing, uint32_t 
         char *s = reserve(t, k, h, writing);
         if (s == NULL)
             continue;
-        if (back(s, k == 0 ? t->cls[0].slot_bytes : nbytes) < 0) {
+        if (back(s, k == 0 ? t->cls[0].slot_bytes : nbytes, t->cls[k].stride) < 0) {
             free_slot(k, s);
             return NULL; /* tmpfs full: the file path reports it (ENOSPC) */
         }
@@ -958,7 +962,7 @@ native_slot_put_obj(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     /* most payloads fit the smallest class: encode straight into one of its slots; one that does not was
      * only measured (the encoder writes nothing that does not fit) and is encoded again into a larger slot */
     char *s = reserve(&t, 0, h, writing);
-    if (s != NULL && back(s, t.cls[0].slot_bytes) < 0) {
+    if (s != NULL && back(s, t.cls[0].slot_bytes, t.cls[0].stride) < 0) {
         free_slot(0, s);
         result = -2; /* tmpfs full: the file path reports it */
         goto declined;
