@@ -93,7 +93,8 @@ def test_flat_means_highest_over_lowest() -> None:
 
 def test_flatness_notes_the_connector_alones_spread_between_the_same_stream_counts() -> None:
     rows = [
-        {"streams": n, "runtime_cpu_us_per_chunk": c, "connector_cpu_us_per_chunk": k} for n, c, k in ((16, 100.0, 20.0), (1024, 110.0, 30.0))
+        {"streams": n, "runtime_cpu_us_per_chunk": c, "connector_cpu_us_per_chunk": k}
+        for n, c, k in ((16, 100.0, 20.0), (1024, 110.0, 30.0))
     ]
     t = flatness_target(rows)
     assert t.measured == pytest.approx(1.1) and t.met is True and "1.5x" in t.note
