@@ -96,8 +96,6 @@ def produce_stage(
                 out["meta"] = {"finished": last, "override_keys": ["chunk"]}
                 for edge in topo.outputs:
                     conn.put(stage, edge.to_stage, f"{req.request_id}_{edge.key_stage}_{step}", out)
-            if rt is not None:
-                rt.collect_signals()  # a model runner's end of step
             next_step += traffic.interval_s
             _sleep_until(next_step)
         if rt is not None:

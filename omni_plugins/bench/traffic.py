@@ -13,8 +13,7 @@ wait -- delays its chunks, and that delay is part of their hand-off. (Timing fro
 instead would hide an overload wherever the producer is held back rather than queued.)
 
 - ``runtime``: :class:`~omni_plugins.runtime.StageTransferRuntime` on both sides; the producer's
-  model thread calls ``send_chunk`` for each stream and ``collect_signals`` once per step (as a
-  model runner does), the consumer's ``wait_ready`` / ``recv_chunk`` /
+  model thread calls ``send_chunk``, the consumer's ``wait_ready`` / ``recv_chunk`` /
   ``collect_signals`` and registers each request one request ahead of its chunks.
 - ``connector``: no runtime. The producer's model thread ``put``\\ s each chunk as soon as it is
   made; one consumer thread waits on every stream's next key at once (``wait_any``) and ``get``\\ s
@@ -193,8 +192,6 @@ def produce(
                     assert conn is not None
                     out["meta"] = {"finished": last, "override_keys": ["chunk"]}
                     conn.put(0, 1, f"{req.request_id}_0_{index}", out)
-            if rt is not None:
-                rt.collect_signals()  # a model runner's end of step
             next_step += traffic.interval_s
             _sleep_until(next_step)
         if rt is not None:

@@ -251,8 +251,6 @@ class StageTransferRuntime:
                 max_retries=self.tuning.max_send_retries,
                 retry_backoff_s=self.tuning.retry_backoff_s,
                 handoff_s=self.tuning.send_handoff_s,
-                batch=self.tuning.send_batch,
-                batch_s=self.tuning.send_batch_s,
                 name=f"omni-send-{tag}",
                 cleanup_backlog=self._cleanup_backlog,
             )
@@ -498,14 +496,13 @@ class StageTransferRuntime:
             sent[route.index] = index + 1
             if not index:
                 route.observer.started()
-            sender.enqueue_locked(state, route, f"{state.external_id}_{route.key_stage}_{index}", payload)
+            signal = sender.enqueue_locked(state, route, f"{state.external_id}_{route.key_stage}_{index}", payload, hand_over=True)
             for route in routes[1:]:  # fan-out: the same payload to the other destinations
                 index = sent[route.index]
                 sent[route.index] = index + 1
                 if not index:
                     route.observer.started()
                 sender.enqueue_locked(state, route, f"{state.external_id}_{route.key_stage}_{index}", payload)
-            signal = sender.due_locked()
         sender.hand_over(signal)
 
     def _send(self, rid: str, state: RequestState, request: Any, output: Any, is_finished: bool, *, raw: bool) -> int:
@@ -595,7 +592,6 @@ class StageTransferRuntime:
                 sent.append(rid)
             elif got == 0:
                 logger.debug("stage %s: nothing to send for %s", self.stage_id, rid)
-        self._sender.flush()
         return sent
 
     def send_stage_outputs(self, scheduler_output: Any, outputs: Mapping[str, Any]) -> list[str]:
@@ -629,7 +625,7 @@ class StageTransferRuntime:
 
     def wait_ready(self, timeout: float) -> bool:
         """Block up to ``timeout`` s until something arrived for the model thread (an idle runner's sleep)."""
-        return self._delivery.wait_ready(timeout)
+        return self._delivery.ready.wait(timeout)
 
     def recv_chunk(self) -> dict[str, Any]:
         """Streaming mode: copies of the payloads of requests woken since the last :meth:`collect_signals`.
@@ -690,8 +686,6 @@ class StageTransferRuntime:
         With TP > 1 in streaming mode this is collective: rank 0 packs signals and
         staged payloads into one packet, the other ranks apply it.
         """
-        if self._sender is not None:
-            self._sender.flush()  # the step's last chunks go now, not with the next step's
         packet: dict[str, Any] | None = None
         if self.async_chunk and self.tp.world_size > 1:
             leader = self.is_data_transfer_rank()

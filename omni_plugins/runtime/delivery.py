@@ -16,9 +16,7 @@ is finished once every source's stream is.
 
 from __future__ import annotations
 
-import _thread
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,10 +66,6 @@ class Delivery:
         #: requests whose full payloads all arrived and are not yet published (read without the lock for a fast path)
         self.unpublished = 0
         self._ready_due = False  # something was delivered since the last publish()
-        #: idents of the model threads blocked in ``wait_ready`` (a set: add and discard are atomic)
-        self.readers: set[int] = set()
-        #: the lock a receive thread waits on until a woken reader is back in ``wait_ready`` (see :meth:`publish`)
-        self._reader_back: Any = None
 
     # -- keys -------------------------------------------------------------------
     def recv_key(self, entry: InputState) -> str:
@@ -127,60 +121,15 @@ class Delivery:
         self._ready_due = True
         return keys
 
-    def publish(self, *, hand_over: bool = False) -> Any:
-        """Wake the model thread once for everything delivered since the last call (lock held).
+    def publish(self) -> None:
+        """Wake the model thread once for everything delivered since the last call (lock held)."""
+        if self._ready_due:
+            self._ready_due = False
+            self.ready.set()
 
-        ``hand_over``: when a model thread waits in ``wait_ready`` for this, also
-        return a signal for the receive thread to wait on (:meth:`wait_reader`)
-        until that thread has read and is back in ``wait_ready``; else None.
-        """
-        if not self._ready_due:
-            return None
-        self._ready_due = False
-        signal = None
-        if hand_over and self.readers and self._reader_back is None:
-            signal = _thread.allocate_lock()
-            signal.acquire()  # released by the reader when it next waits (``reader_back``)
-            self._reader_back = signal
-        self.ready.set()
-        return signal
-
-    def wait_reader(self, signal: Any, timeout: float) -> None:
-        """Receive thread, no lock held: wait up to ``timeout`` until the reader woken by :meth:`publish` is
-        back in ``wait_ready`` (``signal`` None: no wait).
-
-        An idle runner woken for a delivery reads it under the GIL; a receive
-        thread that went on taking arrivals meanwhile would take turns on the
-        GIL with it at every system call of its gets, each turn a thread switch
-        or two. Arrivals meanwhile wait in the connector and are taken together
-        afterwards.
-        """
-        if signal is None or signal.acquire(True, timeout):
-            return
-        if self._reader_back is signal:  # no reader came back in time (a runner that went on to compute)
-            self._reader_back = None
-
-    def reader_back(self) -> None:
-        """Model thread, about to wait for news: release the receive thread waiting for it (if any)."""
-        signal = self._reader_back
-        if signal is not None:
-            self._reader_back = None
-            try:
-                signal.release()
-            except RuntimeError:  # another reader released it first
-                pass
-
-    def wait_ready(self, timeout: float) -> bool:
-        """Model thread: block up to ``timeout`` s until something was published (an idle runner's sleep)."""
-        self.reader_back()
-        if self.ready.is_set():
-            return True
-        me = threading.get_ident()
-        self.readers.add(me)
-        try:
-            return self.ready.wait(timeout)
-        finally:
-            self.readers.discard(me)
+    def unread(self) -> bool:
+        """The model thread has not collected everything published yet (``collect_signals`` clears it)."""
+        return self.ready.is_set()
 
     def _on_chunk(self, entry: InputState, chunk: Any) -> None:
         # runs for every chunk on the receive thread: each type test once, both predicates in one pass

@@ -47,7 +47,6 @@ from omni_plugins.runtime.rhythm import ArrivalRhythm
 from omni_plugins.runtime.state import InputState, RequestRegistry
 from omni_plugins.runtime.threads import preemptions, thread_cpu_seconds
 from omni_plugins.runtime.tuning import RuntimeTuning
-from omni_plugins.runtime.wakeflag import WakeFlag
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +65,6 @@ _SAFETY_SWEEP_S = 1.0
 _QUIET_S = 0.5
 #: wait-any mode: an arrival after this much silence starts a new burst (see :mod:`rhythm`)
 _BURST_GAP_S = 0.002
-#: wait-any mode: most arrivals handed to the model thread in one delivery
-_DELIVER_BATCH = 16
 
 
 #: keys to free, per connector (a fan-in request's inputs may come over different connectors)
@@ -87,18 +84,12 @@ class ArrivalHandler(Protocol):
         """Drop the request; return connector keys to clean (outside the lock)."""
         ...
 
-    def publish(self, *, hand_over: bool = False) -> Any:
-        """Wake the model thread for what ``on_payload``/``on_failure`` delivered (once per batch); with
-        ``hand_over``, a signal for :meth:`wait_reader` when a model thread was waiting for it (else None)."""
+    def publish(self) -> None:
+        """Wake the model thread for what ``on_payload``/``on_failure`` delivered (once per batch)."""
         ...
 
-    def wait_reader(self, signal: Any, timeout: float) -> None:
-        """No lock held: wait (bounded) until the model thread woken by :meth:`publish` has read."""
-        ...
-
-    @property
-    def ready(self) -> WakeFlag:
-        """Set while something published is still waiting for the model thread (read without the lock)."""
+    def unread(self) -> bool:
+        """Something delivered earlier is still waiting for the model thread (read without the lock)."""
         ...
 
 
@@ -128,7 +119,6 @@ class Receiver:
         #: the input routes (``InputRoute.index``) this thread serves
         self._routes = tuple(routes)
         self._tuning = tuning
-        self._reader_wait_s = tuning.recv_handoff_s
         mode = tuning.arrival
         if mode == "auto":
             mode = "block" if connector.capabilities.blocking_get else "poll"
@@ -405,18 +395,16 @@ class Receiver:
     def _take_reported(self, keys: list[str], pending: dict[str, tuple[InputState, int]]) -> bool:
         """Take the keys a wait reported and deliver them; True if any was there.
 
-        The first chunk taken goes to the model thread at once if it has read
-        everything delivered before (it is idle, waiting for news) -- not after
-        the gets of the other reported keys, which would hold it back by one
-        ``get`` each. The others gather and go over together (at most
-        ``_DELIVER_BATCH`` per delivery), one wake-up for the lot rather than
-        one per chunk; see :meth:`_deliver` for what happens while the woken
-        model thread reads.
+        A chunk is handed over as soon as the model thread has read everything
+        delivered before it (it is idle, waiting for news) -- not after the gets
+        of the other reported keys, which would hold it back by one ``get``
+        each; chunks taken while the model thread is still busy with an earlier
+        delivery gather and go over together when it is done or at the end.
         """
         taken: list[tuple[InputState, int, str, Any]] = []
         found = False
+        unread = self._handler.unread
         stop = self._stop
-        ready = self._handler.ready
         for key in keys:
             item = pending.get(key)
             if item is None or stop.is_set():
@@ -424,11 +412,11 @@ class Receiver:
             got = self._take(item[0], item[1], key, timeout=None)
             if got is _ABSENT:
                 continue
+            found = True
             taken.append((item[0], item[1], key, got))
-            if (not found and not ready.is_set()) or len(taken) >= _DELIVER_BATCH:
+            if not unread():
                 self._deliver(taken, pending)
                 taken = []
-            found = True
         if taken:
             self._deliver(taken, pending)
         return found
@@ -488,10 +476,6 @@ class Receiver:
         """Hand taken payloads over under one lock hold, wake the model thread once.
 
         ``pending`` (wait-any mode): move each request's entry to its next key.
-        When the model thread was idle waiting for this, the receive thread then
-        waits (up to ``recv_handoff_s``) until it has read and waits again, so
-        the two do not take turns on the GIL meanwhile; what arrives in the
-        meantime is taken together afterwards.
         """
         if not taken:
             return
@@ -522,10 +506,9 @@ class Receiver:
                 # the epoch moved only by what this hold did (a stream ended, a request dropped), and
                 # ``pending`` already follows it: no re-plan of every receiving request for that
                 self._epoch = registry.epoch
-            signal = handler.publish(hand_over=self._reader_wait_s > 0)
+            handler.publish()
         if cleanup:
             self._cleanup(cleanup)
-        handler.wait_reader(signal, self._reader_wait_s)
 
 
 #: :meth:`Receiver._take` results that are not payloads

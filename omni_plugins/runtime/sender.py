@@ -9,17 +9,12 @@ freed when the last one completes. An aborted request's queued puts are
 dropped and, once its running put (if any) completed, every key it put is
 freed from the connector (nobody will read them).
 
-Hand-over in batches: the model thread keeps the GIL while it builds a step's
-chunks, and two runnable Python threads in one process take turns on the GIL
-only at the other's blocking calls (or after the interpreter's switch
-interval), each turn a thread switch or two. So the model thread queues chunks
-without waking the send thread, and once a batch is due (``batch`` puts queued,
-the oldest queued ``batch_s`` ago, or the step ended: :meth:`Sender.flush`) it
-wakes the send thread and waits -- briefly, see ``RuntimeTuning.send_handoff_s``
--- until it has put them all (:meth:`Sender.hand_over`). The two threads then
-alternate, a batch of builds and a batch of puts, at one thread switch each
-way per batch, instead of one or more per chunk; and a step's first puts start
-after a batch of builds rather than after all of them.
+Hand-over: the model thread keeps the GIL while it builds a step's chunks, so
+a send thread that was merely woken would start the step's puts after the
+last ``send_chunk`` -- a step of n chunks then waits for n builds and up to n
+puts. :meth:`Sender.hand_over` lets ``send_chunk`` wait (briefly, see
+``RuntimeTuning.send_handoff_s``) until the send thread has taken the chunk:
+the put starts at once and the next build overlaps its syscalls.
 """
 
 from __future__ import annotations
@@ -44,13 +39,8 @@ logger = logging.getLogger(__name__)
 
 #: most puts the send thread makes per lock round (their completions are booked together)
 _BATCH = 16
-#: weight of the newest round in the running mean of put durations (hand-over gate)
+#: weight of the newest put in the running mean of put durations (hand-over gate)
 _PUT_EWMA_WEIGHT = 0.2
-#: while puts keep coming, the idle send thread looks for queued puts at least this often (a model
-#: thread that ends its step without :meth:`Sender.flush` leaves its last batch to this) ...
-_TAIL_S = 0.001
-#: ... for this long after it last found any
-_ACTIVE_S = 0.1
 
 
 class Sender:
@@ -64,8 +54,6 @@ class Sender:
         max_retries: int = 3,
         retry_backoff_s: float = 0.002,
         handoff_s: float = 0.0,
-        batch: int = 1,
-        batch_s: float = 0.0,
         name: str = "omni-send",
         cleanup_backlog: CleanupBacklog | None = None,
     ) -> None:
@@ -80,29 +68,25 @@ class Sender:
         self._idle_waiters = 0  # ``wait_idle`` callers (lock held to read/write): completions notify only then
         self._work = WakeFlag()  # set (lock held) to wake the idle send thread; cleared by it (lock held)
         self._handoff_s = handoff_s
-        self._batch = max(1, batch)
-        self._batch_s = batch_s
-        #: puts queued since the last hand-over, and when the first of them was (lock held to read/write)
-        self._unflushed = 0
-        self._unflushed_since = 0.0
-        self._handoff_signal: Any = None  # the lock a ``hand_over`` waits on: released once the send thread is idle
-        self._active_until = 0.0  # the idle send thread looks for unflushed puts every ``_TAIL_S`` until then
+        self._handoff: SendTask | None = None  # the task a ``hand_over`` waits for (lock held to read/write)
+        self._handoff_signal: Any = None  # that wait's lock: held by the waiter's side, released once the task was taken
         self.put_mean_s = 0.0  # running mean of put durations (written by the send thread only)
         self._ring: deque[RequestState] = deque()
         self._stop = False
         self._idle = False  # the send thread waits for work (lock held to read/write): enqueue wakes it only then
         #: ``rounds``: lock rounds that took tasks; ``sleeps``: waits for work (each ends in a thread wake-up);
-        #: ``handoffs``: hand-overs a model thread waited for (until every queued put was made),
-        #: ``handoff_timeouts`` of them that ran out of time
+        #: ``handoffs``: ``send_chunk`` calls that waited for their task to be taken, ``handoff_timeouts`` of them in vain
         self.stats = {"puts": 0, "put_failures": 0, "dropped": 0, "rounds": 0, "sleeps": 0, "handoffs": 0, "handoff_timeouts": 0}
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     # -- model thread ---------------------------------------------------------
-    def enqueue_locked(self, state: RequestState, route: OutputRoute, key: str, data: Any) -> None:
+    def enqueue_locked(self, state: RequestState, route: OutputRoute, key: str, data: Any, *, hand_over: bool = False) -> Any:
         """Queue ``data`` under ``key`` on ``route`` for ``state``'s request; the caller holds the registry lock.
 
-        The idle send thread is not woken here: :meth:`due_locked` (or :meth:`flush`) does, once per batch.
+        ``hand_over``: also claim the hand-over slot for this task when a
+        hand-over is due (see :meth:`hand_over`); returns the signal to pass
+        to :meth:`hand_over`, or None (no wait).
         """
         task = SendTask(key, data, route)
         if route.observer is not NO_OBSERVER:
@@ -112,73 +96,43 @@ class Sender:
         if not state.in_send_ring:
             state.in_send_ring = True
             self._ring.append(state)
-        if not self._unflushed:
-            self._unflushed_since = time.monotonic()
-        self._unflushed += 1
-
-    def due_locked(self, *, flush: bool = False) -> Any:
-        """After a caller's enqueues (lock held): hand the queued puts over when a batch is due (or ``flush``).
-
-        Wakes the idle send thread and returns the signal to pass to
-        :meth:`hand_over` when the caller should wait for the puts to be made,
-        else None. A batch is due once ``batch`` puts are queued or the oldest of
-        them was queued ``batch_s`` ago; without a hand-over bound every put is
-        handed over at once. No wait while the queued puts would take longer
-        than the bound (a slow backend: the runner does not wait for it) and
-        while another thread waits for its own hand-over.
-        """
-        count = self._unflushed
-        if not count:
-            return None
-        handoff_s = self._handoff_s
-        if not (flush or handoff_s <= 0 or count >= self._batch or time.monotonic() - self._unflushed_since >= self._batch_s):
-            return None
-        self._release_locked()
-        if handoff_s <= 0 or self._handoff_signal is not None or self._stop or self.put_mean_s * count > handoff_s:
+        if self._idle:  # busy: it takes this task in its next round without a wake-up
+            self._idle = False
+            self._work.set()  # one lock release (a Condition's notify walks its waiter list in Python)
+        if not hand_over or self._handoff is not None or self._handoff_s <= 0 or self.put_mean_s > self._handoff_s or self._stop:
             return None
         signal = _allocate_lock()
-        signal.acquire()  # released by the send thread once it has nothing left to put
-        self._handoff_signal = signal
+        signal.acquire()  # released by the send thread once it took ``task``
+        self._handoff, self._handoff_signal = task, signal
         self.stats["handoffs"] += 1
         return signal
 
-    def _release_locked(self) -> None:
-        """Lock held: let the send thread take every queued put (waking it when idle)."""
-        self._unflushed = 0
-        if self._idle:  # busy: it takes them in its next rounds without a wake-up
-            self._idle = False
-            self._work.set()  # one lock release (a Condition's notify walks its waiter list in Python)
-
-    def flush(self) -> None:
-        """Model thread, no lock held: hand over whatever is queued now (the end of a step) and wait for it (bounded)."""
-        if self._unflushed:
-            with self._lock:
-                signal = self.due_locked(flush=True)
-            self.hand_over(signal)
-
     def hand_over(self, signal: Any) -> None:
-        """Model thread, no lock held: wait up to ``handoff_s`` until the send thread has made every queued put
-        (``signal`` from :meth:`due_locked`; None: no wait).
+        """Model thread, no lock held: wait up to ``handoff_s`` until the send thread has taken the task
+        whose :meth:`enqueue_locked` returned ``signal`` (None: no wait).
 
-        Waiting lets go of the GIL, so the send thread puts the batch now
-        rather than after the caller's step, and takes no turns on the GIL with
-        the caller's next builds. The signal is a fresh lock, held until the
-        send thread releases it: one futex wait and one wake, and no lock round
-        after a wait that ended in time (the send thread freed the slot).
+        Waiting lets go of the GIL, so the send thread starts the put now
+        rather than after the caller's step. Not claimed while puts take
+        longer than ``handoff_s`` on average (then the caller would mostly
+        wait for other puts, which is what the send thread is there to spare
+        it) and while another thread waits for its own hand-over (one slot).
+        The signal is a fresh lock, held until the send thread releases it:
+        one futex wait and one wake, and no lock round after a wait that
+        ended in time (the send thread freed the slot when it released it).
         """
         if signal is None or signal.acquire(True, self._handoff_s):
             return
         with self._lock:
-            if self._handoff_signal is signal:  # still ours: the puts were not made in time
+            if self._handoff_signal is signal:  # still ours: not taken in time
                 self.stats["handoff_timeouts"] += 1
-                self._handoff_signal = None
+                self._handoff = self._handoff_signal = None
 
     def _signal_handoff_locked(self) -> None:
-        """Send thread (or stop), lock held: wake the ``hand_over`` waiting (once): nothing is left to put."""
-        signal = self._handoff_signal
-        if signal is not None:
-            signal.release()
-            self._handoff_signal = None
+        """Send thread (or stop), lock held: wake the ``hand_over`` waiting for a task that was taken (once)."""
+        task = self._handoff
+        if task is not None and (task.taken or self._stop):
+            self._handoff_signal.release()
+            self._handoff = self._handoff_signal = None
 
     def keys_put(self, state: RequestState) -> list[tuple[Connector, str]]:
         """Every key this stage has put (or is putting) for ``state``, with its route's connector."""
@@ -206,7 +160,6 @@ class Sender:
         """Block until no task is queued or in flight (tests, orderly shutdown)."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            self._release_locked()
             self._idle_waiters += 1
             try:
                 while any(s.in_flight for s in self._registry) or self._ring:
@@ -294,44 +247,37 @@ class Sender:
             if not picked:
                 return  # stopped
             self.stats["rounds"] += 1
-            started = time.monotonic()
-            results = [self._put(task) for _, task in picked]
-            done = time.monotonic()
-            self._active_until = done + _ACTIVE_S
-            self.put_mean_s += _PUT_EWMA_WEIGHT * ((done - started) / len(picked) - self.put_mean_s)
+            results = [self._put(state, task) for state, task in picked]
 
     def _take_locked(self) -> list[tuple[RequestState, SendTask]]:
-        """Lock held: the next due tasks (sleeping until there are some); [] once stopped."""
+        """Lock held: the next due tasks, marked taken (sleeping until there are some); [] once stopped."""
         picked: list[tuple[RequestState, SendTask]] = []
         while not self._stop:
             picked = self._next_tasks()
             if picked:
+                for _, task in picked:
+                    task.taken = True
+                if self._handoff is not None:
+                    self._signal_handoff_locked()
                 return picked
-            if self._handoff_signal is not None:  # nothing left to put: the waiting model thread goes on
-                self._signal_handoff_locked()
             self._sleep_locked()
         return []
 
     def _sleep_locked(self) -> None:
-        """Lock held: wait for work (a hand-over sets ``_work``), a due retry, unflushed puts or stop; the lock is
-        let go meanwhile."""
+        """Lock held: wait for work (an enqueue sets ``_work``), a due retry or stop; the lock is let go meanwhile."""
         self.stats["sleeps"] += 1
         self._idle = True
         lock, work = self._lock, self._work
-        if self._ring:  # only retries waiting for their backoff
-            timeout = self._backoff
-        else:
-            now = time.monotonic()
-            timeout = _TAIL_S if now < self._active_until else 0.1
         lock.release()  # held exactly once here: ``_run`` is the only holder on this thread
         try:
-            work.wait(timeout)
+            work.wait(self._backoff if self._ring else 0.1)
         finally:
             lock.acquire()
         self._idle = False
         work.clear()
 
-    def _put(self, task: SendTask) -> bool:
+    def _put(self, state: RequestState, task: SendTask) -> bool:
+        started = time.monotonic()
         try:
             route = task.route
             result = route.connector.put(*route.edge, task.key, task.data)
@@ -344,6 +290,7 @@ class Sender:
         except Exception as exc:  # retried: one line each, the traceback with -v (INFO)
             logger.warning("put of %s raised %s: %s", task.key, type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.INFO))
             ok = False
+        self.put_mean_s += _PUT_EWMA_WEIGHT * (time.monotonic() - started - self.put_mean_s)
         self.stats["puts" if ok else "put_failures"] += 1
         return ok
 

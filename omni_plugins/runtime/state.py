@@ -46,6 +46,7 @@ class SendTask:
     route: OutputRoute
     attempts: int = 0
     not_before: float = 0.0
+    taken: bool = False  # the send thread picked it up (a handing-over ``send_chunk`` waits for this)
     queued: float = 0.0  # when the model thread handed it over (set only when its route has metrics)
 
 

@@ -29,22 +29,12 @@ class RuntimeTuning:
             from the connector (chunks put but never read).
         snapshot_payloads: copy lists and tensors of outgoing payloads so the
             send thread never races the runner that produced them.
-        send_handoff_s: once a batch of chunks is queued (see ``send_batch``),
-            ``send_chunk`` waits up to this long for the send thread to put
-            them, so a step's puts run between its ``send_chunk`` calls instead
-            of after the last one (the model thread would otherwise keep the GIL
-            until its step ends) and the two threads take turns once per batch.
-            Skipped while the batch's puts would take longer than this (a slow
-            backend: the runner does not wait for it). 0 turns it off (and
-            every chunk goes to the send thread at once).
-        send_batch / send_batch_s: a hand-over is due once ``send_batch`` puts
-            are queued or the oldest of them was queued ``send_batch_s`` ago;
-            ``collect_signals`` (the end of a step) hands over what is queued.
-            1 hands every chunk over on its own.
-        recv_handoff_s: after waking a model thread that waited in
-            ``wait_ready``, the receive thread waits up to this long until it
-            has read and waits again before taking further arrivals, so the two
-            threads do not take turns on the GIL meanwhile. 0 turns it off.
+        send_handoff_s: ``send_chunk`` waits up to this long for the send
+            thread to take the chunk it enqueued, so a step's puts run between
+            its ``send_chunk`` calls instead of after the last one (the model
+            thread would otherwise keep the GIL until its step ends). Skipped
+            while the connector's puts take longer than this on average (a
+            slow backend: the runner does not wait for it). 0 turns it off.
         anticipate_s / anticipate_after_s: with a connector that has
             ``capabilities.poll_any``, once arrivals come in bursts at a steady
             interval (a model's step rhythm), the receive thread busy-polls from
@@ -68,9 +58,6 @@ class RuntimeTuning:
     abort_scan_limit: int = 256
     snapshot_payloads: bool = True
     send_handoff_s: float = 0.0005
-    send_batch: int = 8
-    send_batch_s: float = 0.0002
-    recv_handoff_s: float = 0.0005
     anticipate_s: float = 0.001
     anticipate_after_s: float = 0.0015
     anticipate_max_duty: float = 0.2
@@ -83,10 +70,8 @@ class RuntimeTuning:
                 raise ValueError(f"{name} must be positive")
         if self.poll_min_s > self.poll_max_s:
             raise ValueError("minimum waits must not exceed maximum waits")
-        if self.send_handoff_s < 0 or self.send_batch_s < 0 or self.recv_handoff_s < 0:
-            raise ValueError("send_handoff_s, send_batch_s and recv_handoff_s must be >= 0")
-        if self.send_batch < 1:
-            raise ValueError("send_batch must be >= 1")
+        if self.send_handoff_s < 0:
+            raise ValueError("send_handoff_s must be >= 0")
         if self.anticipate_s < 0 or self.anticipate_after_s < 0:
             raise ValueError("anticipate_s and anticipate_after_s must be >= 0")
         if not 0 < self.anticipate_max_duty <= 1:
