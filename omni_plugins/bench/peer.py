@@ -190,7 +190,7 @@ def consume_peer(backend: str, traffic: Traffic, tag: str, start: Callable[[], f
         woken.set()
 
     runner.set_omni_connector_output_sink(sink)
-    requests_per_stream = traffic.steps // traffic.per_request
+    requests_per_stream = traffic.chunks_per_stream // traffic.per_request
     lat: list[float] = []
     seen: dict[str, int] = {}
     slot_of: dict[str, tuple[int, int]] = {}
