@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +123,43 @@ def _sleep_until(t: float) -> None:
         time.sleep(delay)
 
 
+@dataclass
+class Emission:
+    """One chunk a producing stage's model thread hands over: its request, its number in it, the payload."""
+
+    request: _Request
+    #: the chunk's number within its request
+    index: int
+    #: the request's last chunk (``request.done`` is set)
+    last: bool
+    payload: dict[str, Any]
+
+
+def emissions(traffic: Traffic, tag: str, chunk: Any, start_at: float) -> Iterator[Emission]:
+    """``traffic``'s chunks step by step from ``start_at``, paced by its interval (no pause once behind).
+
+    Each payload is a fresh copy of ``chunk`` stamped with its step's scheduled moment: the step's
+    outputs exist then, so lag behind the schedule is part of the hand-off.
+    """
+    requests: list[_Request | None] = [None] * traffic.streams
+    counts = [0] * traffic.streams  # chunks each stream has emitted
+    next_step = start_at
+    for step in range(traffic.steps):
+        due = next_step
+        for i in traffic.emitters(step):
+            count = counts[i]
+            counts[i] = count + 1
+            index = count % traffic.per_request
+            last = index == traffic.per_request - 1
+            req = requests[i]
+            if req is None or index == 0:
+                req = requests[i] = _Request(traffic.request_id(tag, i, count))
+            req.done = last
+            yield Emission(req, index, last, {"chunk": {"data": chunk.clone()}, "ts": {"send": [due]}})
+        next_step += traffic.interval_s
+        _sleep_until(next_step)
+
+
 def stage_config(backend: str, config: dict[str, Any]) -> dict[str, Any]:
     return {"name": backend, "extra": config}
 
@@ -164,36 +201,19 @@ def produce(
         )
     else:
         conn = create_connector(backend, config)
-    requests: list[_Request | None] = [None] * traffic.streams
-    counts = [0] * traffic.streams  # chunks each stream has emitted
     try:
         _sleep_until(start())
         cpu0, wall0 = time.process_time(), time.monotonic()
-        next_step = wall0
-        for step in range(traffic.steps):
-            due = next_step
-            for i in traffic.emitters(step):
-                count = counts[i]
-                counts[i] = count + 1
-                index = count % traffic.per_request
-                last = index == traffic.per_request - 1
-                req = requests[i]
-                if req is None or index == 0:
-                    req = requests[i] = _Request(traffic.request_id(tag, i, count))
-                req.done = last
-                x = chunk.clone()
-                t0 = due  # the step's outputs exist at its scheduled moment: lag behind it is part of the hand-off
-                out = {"chunk": {"data": x}, "ts": {"send": [t0]}}
-                if rt is not None:
-                    rt.send_chunk(req, out)
-                    if last:
-                        rt.cleanup_finished_request(req.request_id)
-                else:
-                    assert conn is not None
-                    out["meta"] = {"finished": last, "override_keys": ["chunk"]}
-                    conn.put(0, 1, f"{req.request_id}_0_{index}", out)
-            next_step += traffic.interval_s
-            _sleep_until(next_step)
+        for chunk_out in emissions(traffic, tag, chunk, wall0):
+            req, out = chunk_out.request, chunk_out.payload
+            if rt is not None:
+                rt.send_chunk(req, out)
+                if chunk_out.last:
+                    rt.cleanup_finished_request(req.request_id)
+            else:
+                assert conn is not None
+                out["meta"] = {"finished": chunk_out.last, "override_keys": ["chunk"]}
+                conn.put(0, 1, f"{req.request_id}_0_{chunk_out.index}", out)
         if rt is not None:
             rt.wait_sends(GRACE_S)
         sent_s = time.monotonic() - wall0
