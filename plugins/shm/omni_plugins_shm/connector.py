@@ -433,15 +433,7 @@ class ShmConnector(Connector):
             anchor = np.frombuffer(slots.mm, dtype=np.uint8, count=n, offset=offset)
         except ValueError:  # closed by another thread between the claim and here: its slot goes with this process
             return None
-        fin = weakref.finalize(anchor, slots.release, index)
-        fin.atexit = False
-        try:
-            data = wire.decode(memoryview(anchor.data), copy=False)
-        except WireFormatError as exc:
-            del anchor
-            fin()
-            raise self._payload_error(key, exc) from exc
-        return GetResult(data, n)
+        return self._lend(key, anchor, weakref.finalize(anchor, slots.release, index))
 
     def _slot_invalid(self, key: str, exc: ValueError) -> None:
         """A ``take`` that raised: the error, unless another thread closed the connector (and its mappings) meanwhile."""
@@ -685,15 +677,18 @@ class ShmConnector(Connector):
         self._maps.lease(mapping)
         # every view decoded from `anchor` keeps it alive; when the last one dies the segment goes back
         anchor = np.frombuffer(mapping.mm, dtype=np.uint8, count=n, offset=PAYLOAD_OFFSET)
-        fin = weakref.finalize(anchor, _return_segment, self._dir, self._names, claim, header, mapping, self._maps, True)
-        fin.atexit = False
+        give_back = weakref.finalize(anchor, _return_segment, self._dir, self._names, claim, header, mapping, self._maps, True)
+        return self._lend(key, anchor, give_back)
+
+    def _lend(self, key: str, anchor: np.ndarray, give_back: weakref.finalize) -> GetResult:
+        """Views decoded over ``anchor``; ``give_back`` runs when the last of them is gone (at once when decoding fails)."""
+        give_back.atexit = False
         try:
             data = wire.decode(memoryview(anchor.data), copy=False)
         except WireFormatError as exc:
-            del anchor
-            fin()
+            give_back()
             raise self._payload_error(key, exc) from exc
-        return GetResult(data, n)
+        return GetResult(data, anchor.nbytes)
 
     # -- cleanup / close --------------------------------------------------------------------
     def _cleanup(self, key: str) -> bool:
