@@ -1,4 +1,4 @@
-"""Producer and consumer in separate processes, through both connectors: a 64 MiB payload, a killed producer."""
+"""Producer and consumer in separate processes, through both connectors: a 64 MiB payload, a killed producer, round trips."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import uuid
 from typing import Any
 
 import pytest
+import torch
 from omni_plugins_mooncake.testing import MooncakeMaster
-from omni_plugins_mooncake.testing_processes import BIG, Child, digest, produce
+from omni_plugins_mooncake.testing_processes import BIG, Child, digest, echo_store, produce
 
 from omni_plugins import create_connector
 from omni_plugins.errors import ConnectorError
@@ -66,3 +67,19 @@ def test_te_read_from_a_producer_killed_after_the_claim_fails_fast() -> None:
             assert health["receive_buffers"]["in_use_bytes"] == 0
     assert child.process.exitcode == -signal.SIGKILL
 
+
+def test_store_round_trips_between_two_processes_each_waiting_in_get(master: MooncakeMaster) -> None:
+    """Each side consumes and produces on one ``mooncake-store`` instance, and each is already waiting in ``get``
+    when the other puts: a read that meets the put of its key under way must wait for it, not fail."""
+    prefix, trips = f"rt-{uuid.uuid4().hex}-", 40
+    config = store_config(master)
+    with create_connector("mooncake-store", config) as store, Child(echo_store, config, prefix, trips) as child:
+        assert child.answer() != store.health()["segment"]  # two clients, two segments
+        for i in range(trips):
+            sent = torch.randint(0, 256, (4096,), dtype=torch.uint8)
+            assert store.put(0, 1, f"{prefix}{i}", {"t": sent}).ok
+            back = child.wait_for(lambda: store.get(1, 0, f"{prefix}{i}r", timeout=1.0))  # noqa: B023 (called at once)
+            assert torch.equal(back.data["t"], sent)
+            del back
+        health = child.finish()
+    assert health["gets"] == trips and health["puts"] == trips and health["remove_failures"] == 0
