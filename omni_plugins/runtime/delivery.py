@@ -152,7 +152,9 @@ class Delivery:
             data = chunk
         cached = entry.cached
         if is_dict and entry.has_cached and isinstance(cached, dict):
-            cached.update(data)
+            # merged into a new dict, never in place: the model thread reads a dict it got from the cache
+            # without the lock, and an update would swap its settled sections for ones still pending
+            entry.set_cached({**cached, **data})
         else:
             entry.set_cached(shallow_copy(data))
         state.updated = True

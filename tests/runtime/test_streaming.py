@@ -72,6 +72,24 @@ def test_chunks_merged_while_nobody_reads_are_joined_for_every_reader(runtimes: 
     assert c.pop_local_stage_payload("r")["embed"]["decode"][:, 0].tolist() == [*rows, 4.0, 5.0]
 
 
+def test_a_payload_read_from_the_cache_is_not_changed_by_later_chunks(runtimes: list, namespace: str) -> None:
+    """The runner reads ``get_local_stage_payload`` outside the runtime's lock: a chunk merged after
+    the read must not swap the sections of the dict it holds (they would hold unjoined PendingCats)."""
+    p, c = _pair(runtimes, namespace)
+    c.register_chunk_recv(Req("r"))
+    req = Req("r")
+    state = c._registry.get("r").inputs[0]
+    for step in range(2):
+        p.send_chunk(req, {"trace": {"step": torch.tensor([[step]])}, "embed": {"decode": torch.full((1, 2), float(step))}})
+    wait_until(lambda: state.next_recv_chunk == 2)
+    held = c.get_local_stage_payload("r")
+    p.send_chunk(req, {"trace": {"step": torch.tensor([[2]])}, "embed": {"decode": torch.full((1, 2), 2.0)}})
+    wait_until(lambda: state.next_recv_chunk == 3)
+    assert type(held["trace"]["step"]) is torch.Tensor and held["trace"]["step"][:, 0].tolist() == [0, 1]
+    assert type(held["embed"]["decode"]) is torch.Tensor and held["embed"]["decode"][:, 0].tolist() == [0.0, 1.0]
+    assert c.get_local_stage_payload("r")["trace"]["step"][:, 0].tolist() == [0, 1, 2]  # the next read has the new chunk
+
+
 def test_recv_chunk_returns_copies_of_ready_payloads(runtimes: list, namespace: str) -> None:
     p, c = _pair(runtimes, namespace)
     c.register_chunk_recv(Req("r", "r"))
