@@ -10,11 +10,16 @@ child answers ``("ready", value)`` (or ``("error", text)``), stays until the par
 ``"done"`` or goes away (the pipe's end of file: a killed test run leaves no child behind), then
 answers ``("report", value)`` and exits. The parent waits for each answer or for the child's
 exit, whichever comes first (:class:`Child`).
+
+A child runs with its parent's environment as of its start, as a forked one would: a fork
+server's children otherwise inherit the server's, fixed when the process's first child started
+(so a test's own ``XDG_RUNTIME_DIR``, and with it its private default rendezvous, reaches them).
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from types import TracebackType
@@ -43,7 +48,7 @@ class Child:
     def __init__(self, target: Callable[..., None], *args: Any) -> None:
         ctx = process_context()
         self._conn, theirs = ctx.Pipe()
-        self.process = ctx.Process(target=target, args=(*args, theirs), daemon=True)
+        self.process = ctx.Process(target=_in_environment, args=(dict(os.environ), target, *args, theirs), daemon=True)
         self.process.start()
         theirs.close()
 
@@ -92,6 +97,13 @@ class Child:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def _in_environment(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    """In a child: take the parent's environment ``environ``, then run ``target(*args)``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
 
 
 def held_until_done(conn: Connection) -> bool:

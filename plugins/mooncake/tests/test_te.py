@@ -304,6 +304,33 @@ def test_rendezvous_without_configuration_works_for_the_user_only(tmp_path: Path
     assert list(rdv.glob("*.peer")) == []  # removed on close
 
 
+def test_groups_on_one_rendezvous_read_only_their_own_producers(tmp_path: Path) -> None:
+    """Two groups of instances (two secrets) announce in one directory: each reads only its own producer's payload
+    under a key both hold, a stranger's producer is skipped without failing a get, and nothing is taken from it."""
+    rdv = str(tmp_path / "shared")
+    other = "te-other-group-secret-0123456789"
+    with Child(produce_small, {"secret": other, "rendezvous_dir": rdv, "pool_size": "32MiB"}, "k") as child:
+        theirs = child.answer()  # group "other", in its own process, holds small_payload("k")
+        with create_connector(TE, {"secret": SECRET, "rendezvous_dir": rdv, "pool_size": "32MiB"}) as ours:
+            assert ours.put(0, 1, "k", {"group": "ours"}).ok
+            own = {"listen_address": None, "rendezvous_dir": rdv}
+            with create_connector(TE, {**own, "secret": SECRET}) as consumer:
+                got = consumer.get(0, 1, "k", timeout=10)
+                assert got is not None and got.data == {"group": "ours"}
+                assert consumer.get(0, 1, "k") is None  # the other group's "k" is not ours: no error, nothing read
+                health = consumer.health()
+                assert health["ok"] and health["peers"] == [ours.address] and health["skipped_peers"] == [theirs]  # type: ignore[attr-defined]
+            with create_connector(TE, own) as no_secret:  # knows no secret for the other group's producer
+                assert no_secret.get(0, 1, "k", timeout=0.5) is None
+                assert no_secret.health()["skipped_peers"] == [theirs]
+            with create_connector(TE, {**own, "secret": other}) as member:  # the other group: skips ours, reads theirs
+                _assert_payload(member.get(0, 1, "k", timeout=10), "k")
+                assert member.health()["skipped_peers"] == [ours.address]  # type: ignore[attr-defined]
+            assert ours.health()["staged"] == 0
+        result = child.finish()
+    assert result["health"]["staged"] == 0
+
+
 def test_processes_on_one_host_find_each_other_with_no_configuration() -> None:
     """No peers, no secret, no rendezvous_dir: a consumer process reads from a producer process (the private default directory)."""
     key = f"noconfig-{uuid.uuid4().hex}"
