@@ -109,3 +109,19 @@ def test_a_variant_needs_its_backend_in_the_size_curve(monkeypatch: pytest.Monke
 
 def _never(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("the benchmark ran although an extra it needs is missing")
+
+
+def test_a_failed_round_trip_reports_the_consumers_error() -> None:
+    """The producer's side of a round trip fails by waiting for a reply that never comes; the consumer's own error says why."""
+    import multiprocessing as mp
+
+    from omni_plugins.bench.sizes import consumer_error
+
+    ours, theirs = mp.Pipe()
+    assert consumer_error(ours) is None  # nothing sent
+    theirs.send(("error", "ConnectorError: read of key 'rt-0' failed"))
+    assert consumer_error(ours) == "ConnectorError: read of key 'rt-0' failed"
+    theirs.send(("ok", (1.0, 2.0)))
+    assert consumer_error(ours) is None  # an answer, not an error
+    theirs.close()
+    assert consumer_error(ours) is None  # the consumer is gone without a word
