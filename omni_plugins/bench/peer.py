@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from omni_plugins.bench.schema import Column, Section, TargetResult, Value
 from omni_plugins.bench.targets import check, number
-from omni_plugins.bench.traffic import BUILDER, GRACE_S, Traffic, _Request, _sleep_until, median
+from omni_plugins.bench.traffic import BUILDER, GRACE_S, Traffic, _Request, _sleep_until, emissions, median
 
 if TYPE_CHECKING:
     import torch
@@ -136,32 +136,20 @@ def produce_peer(backend: str, traffic: Traffic, tag: str, start: Callable[[], f
 
     runner = _peer_runtime(peer_name(backend), 0)
     chunk = torch.ones(traffic.chunk_bytes // 4, dtype=torch.float32)
-    requests: list[_Request | None] = [None] * traffic.streams
+    finished: list[str] = []
     try:
         _sleep_until(start())
         cpu0, wall0 = time.process_time(), time.monotonic()
-        next_step = wall0
-        for step in range(traffic.steps):
-            due = next_step
-            index = step % traffic.per_request
-            last = index == traffic.per_request - 1
-            for i in range(traffic.streams):
-                req = requests[i]
-                if req is None or index == 0:
-                    req = requests[i] = _Request(traffic.request_id(tag, i, step))
-                req.done = last
-                x = chunk.clone()
-                t0 = due  # the step's outputs exist at its scheduled moment: lag behind it is part of the hand-off
-                runner.send_chunk(req, {"chunk": {"data": x}, "ts": {"send": [t0]}})
-            next_step += traffic.interval_s
-            _sleep_until(next_step)
+        for chunk_out in emissions(traffic, tag, chunk, wall0):
+            runner.send_chunk(chunk_out.request, chunk_out.payload)
+            if chunk_out.last:
+                finished.append(chunk_out.request.request_id)
         _wait_sends(runner, GRACE_S)
         sent_s = time.monotonic() - wall0
         cpu = time.process_time() - cpu0
         release()
-        for i in range(traffic.streams):
-            for r in range(traffic.steps // traffic.per_request):
-                runner.cleanup_finished_request(traffic.request_id(tag, i, r * traffic.per_request))
+        for rid in finished:
+            runner.cleanup_finished_request(rid)
     finally:
         runner.shutdown_omni_connectors()
     return {"sent_s": sent_s, "cpu_s": cpu}
@@ -190,7 +178,7 @@ def consume_peer(backend: str, traffic: Traffic, tag: str, start: Callable[[], f
         woken.set()
 
     runner.set_omni_connector_output_sink(sink)
-    requests_per_stream = traffic.steps // traffic.per_request
+    requests_per_stream = traffic.chunks_per_stream // traffic.per_request
     lat: list[float] = []
     seen: dict[str, int] = {}
     slot_of: dict[str, tuple[int, int]] = {}

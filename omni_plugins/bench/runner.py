@@ -81,6 +81,8 @@ class BenchOptions:
     quick: bool = False
     #: per backend, a config of the user's (a stage's ``extra``) laid over the plugin's bench config; no server is started for it
     configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: per backend, the size curve's further connector lanes: variant name -> config overlay (``--variant``, an A/B in one run)
+    variants: dict[str, dict[str, dict[str, Any]]] = field(default_factory=dict)
     progress: bool = True
     #: the backend the load, scaling and peer sections run the runtime over (None: the first local backend)
     runtime_backend: str | None = None
@@ -175,7 +177,8 @@ SIZES_ABOUT = (
 )
 
 
-def lanes_of(prepared: Prepared, max_bytes: int) -> list[Any]:
+def lanes_of(prepared: Prepared, max_bytes: int, variants: dict[str, dict[str, Any]] | None = None) -> list[Any]:
+    """The size curve's lanes: the raw baseline, the floor (if offered), the connector, the plugin's variants and ``variants``."""
     from omni_plugins.bench.lanes import LaneSpec
     from omni_plugins.services import offered
 
@@ -184,7 +187,7 @@ def lanes_of(prepared: Prepared, max_bytes: int) -> list[Any]:
     if "floor_baseline" in offered(prepared.services):
         lanes.append(LaneSpec("floor", "floor", name, config, max_bytes))
     lanes.append(LaneSpec("connector", "connector", name, config, max_bytes))
-    for variant, overlay in prepared.services.bench_variants.items():
+    for variant, overlay in {**prepared.services.bench_variants, **(variants or {})}.items():
         lanes.append(LaneSpec(f"connector:{variant}", "connector", name, {**config, **overlay}, max_bytes))
     return lanes
 
@@ -201,7 +204,7 @@ def run_sizes(opts: BenchOptions, doc: BenchDocument, bar: tqdm) -> None:
         started = time.monotonic()
         try:
             with prepared_backend(name, opts.configs, max_bytes) as prepared:
-                lanes = lanes_of(prepared, max_bytes)
+                lanes = lanes_of(prepared, max_bytes, opts.variants.get(name))
                 connectors = sum(lane.kind == "connector" for lane in lanes)
                 bar.total += sizes.planned_ops(len(lanes), connectors + 1, opts.sizes, opts.quick)
                 section.rows += sizes.measure(name, lanes, opts.sizes, opts.quick, tick=bar.update)

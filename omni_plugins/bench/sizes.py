@@ -130,6 +130,18 @@ def _echo(conn: Connection, end: Lane | None, n: int, prefix: str) -> None:
             del got
 
 
+def consumer_error(conn: Connection) -> str | None:
+    """The error the consumer sent, if it sent one: when the producer's side of a round trip fails
+    (a get that found nothing), the consumer's failure is usually why, and the message says so."""
+    if not conn.poll(0):
+        return None
+    try:
+        kind, data = conn.recv()
+    except (EOFError, OSError):
+        return None
+    return str(data) if kind == "error" else None
+
+
 def _recv(conn: Connection, proc: Any, timeout: float) -> tuple[str, Any]:
     if not conn.poll(timeout):
         raise TimeoutError(f"bench consumer did not answer within {timeout:.0f}s (alive: {proc.is_alive()})")
@@ -178,12 +190,18 @@ class _Pair:
                 out.append(time.perf_counter() - t0)
             return out
         end = self.ends[label]
-        for i in range(n):
-            t0 = time.perf_counter()
-            end.put(f"{prefix}{i}", payload)
-            got = end.get(f"{prefix}{i}r", 0, None)
-            out.append(time.perf_counter() - t0)
-            del got
+        try:
+            for i in range(n):
+                t0 = time.perf_counter()
+                end.put(f"{prefix}{i}", payload)
+                got = end.get(f"{prefix}{i}r", 0, None)
+                out.append(time.perf_counter() - t0)
+                del got
+        except Exception as exc:
+            failed = consumer_error(self.conn)
+            if failed is None:
+                raise
+            raise RuntimeError(f"bench consumer failed: {failed}") from exc
         return out
 
     def close(self) -> None:

@@ -3,7 +3,10 @@
 The traffic is ``streams`` concurrent requests; each emits a chunk of ``chunk_bytes`` every
 ``interval_s`` (every stream in the same model step: a burst per step, the hard case for one
 receive thread), and after ``per_request`` chunks it finishes and the next request takes its
-place. A chunk's clock starts at its step's scheduled moment (the model's outputs for every
+place. With ``per_step`` set, only that many streams emit in each step, a window rotating
+through them (requests at different positions of their output, as in a server whose requests
+started at different times): the steps, their size and the chunk rate then stay the same
+whatever the number of streams. A chunk's clock starts at its step's scheduled moment (the model's outputs for every
 stream exist then) and stops when the consumer's model thread holds it: a producer that falls
 behind its schedule -- its earlier ``send_chunk`` or ``put`` calls took long, or the runtime made it
 wait -- delays its chunks, and that delay is part of their hand-off. (Timing from the call
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,28 +50,57 @@ def passthrough(transfer_manager: Any, pooling_output: Any, request: Any, is_fin
 
 @dataclass(frozen=True)
 class Traffic:
-    """One load point: how many streams, how big and how often, for how many steps."""
+    """One load point: how many streams, how big and how often, for how many steps.
+
+    ``per_step``: streams that emit in each step (0: every stream); ``steps`` x ``per_step``
+    must be a multiple of ``streams`` x ``per_request``, so every request ends.
+    """
 
     streams: int
     chunk_bytes: int
     interval_s: float
     steps: int
     per_request: int
+    per_step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.chunks % (self.streams * self.per_request):
+            raise ValueError(f"{self.steps} steps of {self.emitting} chunks do not end every stream's requests")
+
+    @property
+    def emitting(self) -> int:
+        """Streams that emit a chunk in each step."""
+        return self.per_step or self.streams
 
     @property
     def offered_gbps(self) -> float:
-        return self.streams * self.chunk_bytes / self.interval_s / 1e9
+        return self.emitting * self.chunk_bytes / self.interval_s / 1e9
 
     @property
     def chunks(self) -> int:
-        return self.streams * self.steps
+        return self.emitting * self.steps
 
-    def request_id(self, tag: str, stream: int, step: int) -> str:
-        return f"{tag}-{stream}-{step // self.per_request}"
+    @property
+    def chunks_per_stream(self) -> int:
+        return self.chunks // self.streams
+
+    def emitters(self, step: int) -> range | list[int]:
+        """The streams that emit at ``step``: every stream, or a window of ``per_step`` rotating through them."""
+        k = self.emitting
+        if k >= self.streams:
+            return range(self.streams)
+        first = step * k % self.streams
+        return [(first + j) % self.streams for j in range(k)]
+
+    def request_id(self, tag: str, stream: int, count: int) -> str:
+        """The request of ``stream`` that its chunk number ``count`` belongs to."""
+        return f"{tag}-{stream}-{count // self.per_request}"
 
     def label(self) -> str:
         from omni_plugins.bench.units import format_size
 
+        if self.emitting < self.streams:
+            return f"{self.emitting} of {self.streams} x {format_size(self.chunk_bytes)} / {self.interval_s * 1e3:g} ms"
         return f"{self.streams} x {format_size(self.chunk_bytes)} / {self.interval_s * 1e3:g} ms"
 
 
@@ -89,6 +121,43 @@ def _sleep_until(t: float) -> None:
     delay = t - time.monotonic()
     if delay > 0:
         time.sleep(delay)
+
+
+@dataclass
+class Emission:
+    """One chunk a producing stage's model thread hands over: its request, its number in it, the payload."""
+
+    request: _Request
+    #: the chunk's number within its request
+    index: int
+    #: the request's last chunk (``request.done`` is set)
+    last: bool
+    payload: dict[str, Any]
+
+
+def emissions(traffic: Traffic, tag: str, chunk: Any, start_at: float) -> Iterator[Emission]:
+    """``traffic``'s chunks step by step from ``start_at``, paced by its interval (no pause once behind).
+
+    Each payload is a fresh copy of ``chunk`` stamped with its step's scheduled moment: the step's
+    outputs exist then, so lag behind the schedule is part of the hand-off.
+    """
+    requests: list[_Request | None] = [None] * traffic.streams
+    counts = [0] * traffic.streams  # chunks each stream has emitted
+    next_step = start_at
+    for step in range(traffic.steps):
+        due = next_step
+        for i in traffic.emitters(step):
+            count = counts[i]
+            counts[i] = count + 1
+            index = count % traffic.per_request
+            last = index == traffic.per_request - 1
+            req = requests[i]
+            if req is None or index == 0:
+                req = requests[i] = _Request(traffic.request_id(tag, i, count))
+            req.done = last
+            yield Emission(req, index, last, {"chunk": {"data": chunk.clone()}, "ts": {"send": [due]}})
+        next_step += traffic.interval_s
+        _sleep_until(next_step)
 
 
 def stage_config(backend: str, config: dict[str, Any]) -> dict[str, Any]:
@@ -132,33 +201,19 @@ def produce(
         )
     else:
         conn = create_connector(backend, config)
-    requests: list[_Request | None] = [None] * traffic.streams
     try:
         _sleep_until(start())
         cpu0, wall0 = time.process_time(), time.monotonic()
-        next_step = wall0
-        for step in range(traffic.steps):
-            due = next_step
-            index = step % traffic.per_request
-            last = index == traffic.per_request - 1
-            for i in range(traffic.streams):
-                req = requests[i]
-                if req is None or index == 0:
-                    req = requests[i] = _Request(traffic.request_id(tag, i, step))
-                req.done = last
-                x = chunk.clone()
-                t0 = due  # the step's outputs exist at its scheduled moment: lag behind it is part of the hand-off
-                out = {"chunk": {"data": x}, "ts": {"send": [t0]}}
-                if rt is not None:
-                    rt.send_chunk(req, out)
-                    if last:
-                        rt.cleanup_finished_request(req.request_id)
-                else:
-                    assert conn is not None
-                    out["meta"] = {"finished": last, "override_keys": ["chunk"]}
-                    conn.put(0, 1, f"{req.request_id}_0_{index}", out)
-            next_step += traffic.interval_s
-            _sleep_until(next_step)
+        for chunk_out in emissions(traffic, tag, chunk, wall0):
+            req, out = chunk_out.request, chunk_out.payload
+            if rt is not None:
+                rt.send_chunk(req, out)
+                if chunk_out.last:
+                    rt.cleanup_finished_request(req.request_id)
+            else:
+                assert conn is not None
+                out["meta"] = {"finished": chunk_out.last, "override_keys": ["chunk"]}
+                conn.put(0, 1, f"{req.request_id}_0_{chunk_out.index}", out)
         if rt is not None:
             rt.wait_sends(GRACE_S)
         sent_s = time.monotonic() - wall0
@@ -211,7 +266,7 @@ def _consume_runtime(
         stage_config(backend, config),
         tuning=RuntimeTuning(**(tuning or {})),
     )
-    requests_per_stream = traffic.steps // traffic.per_request
+    requests_per_stream = traffic.chunks_per_stream // traffic.per_request
     lat: list[float] = []
     seen: dict[str, int] = {}
     slot_of: dict[str, tuple[int, int]] = {}
@@ -283,8 +338,8 @@ def _consume_connector(backend: str, config: dict[str, Any], traffic: Traffic, t
     conn = create_connector(backend, config)
     lat: list[float] = []
 
-    def key(stream: int, step: int) -> str:
-        return f"{traffic.request_id(tag, stream, step)}_0_{step % traffic.per_request}"
+    def key(stream: int, count: int) -> str:
+        return f"{traffic.request_id(tag, stream, count)}_0_{count % traffic.per_request}"
 
     try:
         pending = {key(i, 0): (i, 0) for i in range(traffic.streams)}
@@ -297,11 +352,11 @@ def _consume_connector(backend: str, config: dict[str, Any], traffic: Traffic, t
                 now = time.monotonic()
                 if got is None:
                     continue
-                i, step = pending.pop(k)
+                i, count = pending.pop(k)
                 lat.append(now - got.data["ts"]["send"][0])
                 last_at = now
-                if step + 1 < traffic.steps:
-                    pending[key(i, step + 1)] = (i, step + 1)
+                if count + 1 < traffic.chunks_per_stream:
+                    pending[key(i, count + 1)] = (i, count + 1)
         cpu = time.process_time() - cpu0
     finally:
         conn.close()

@@ -45,6 +45,15 @@ def add_parser(sub: Any) -> None:
         help="load: also measure the runtime with these RuntimeTuning fields, as mode runtime:NAME in the same run (A/B; "
         "repeatable), e.g. noanticipate='{\"anticipate_s\": 0}'",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="BACKEND:NAME=JSON",
+        help="sizes: also measure BACKEND's connector with this config overlay on the benchmark's config, as variant NAME "
+        "interleaved with the others in the same run (A/B; repeatable; the overlay shares what it does not set, such as "
+        'a namespace), e.g. shm:nofiles=\'{"namespace": "bench-nofiles", "slot_count": 0}\'',
+    )
     p.add_argument("--json", metavar="FILE", help="write the results document (one JSON format for every section)")
     p.add_argument("--plot", metavar="FILE.png", help="write a plot (needs matplotlib: pip install 'omni-plugins[plot]')")
     p.add_argument("--quick", action="store_true", help="a short run that checks the harness (its document says so)")
@@ -76,6 +85,21 @@ def _configs(items: list[str], option: str = "--config") -> dict[str, dict[str, 
                 + ('redis=\'{"url": "redis://127.0.0.1:6379/0"}\'' if option == "--config" else "noanticipate='{\"anticipate_s\": 0}'")
             )
         out[name.strip()] = value
+    return out
+
+
+def _variants(items: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``--variant BACKEND:NAME=JSON`` items as backend -> variant name -> config overlay."""
+    from omni_plugins.errors import ConfigError
+
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for item in items:
+        target, sep, _ = item.partition("=")
+        backend, colon, name = target.partition(":")
+        if not (sep and colon and backend.strip() and name.strip()):
+            raise ConfigError(f"--variant {item!r}: expected BACKEND:NAME=JSON-OBJECT, e.g. shm:nofiles='{{\"slot_count\": 0}}'")
+        overlay = _configs([f"{name.strip()}={item.partition('=')[2]}"], "--variant")
+        out.setdefault(backend.strip(), {}).update(overlay)
     return out
 
 
@@ -126,6 +150,10 @@ def options(args: argparse.Namespace) -> Any:
     stray = sorted(set(configs) - set(chosen or available) - {runtime})
     if stray:
         raise ConfigError(f"--config for {stray}, which this run does not measure")
+    variants = _variants(args.variant)
+    stray = sorted(set(variants) - set(chosen or available)) if "sizes" in sections else sorted(variants)
+    if stray:
+        raise ConfigError(f"--variant for {stray}, whose size curve this run does not measure")
     try:
         sizes = parse_sizes(args.sizes) if args.sizes else list(QUICK_SIZES if args.quick else DEFAULT_SIZES)
     except ValueError as exc:
@@ -136,6 +164,7 @@ def options(args: argparse.Namespace) -> Any:
         sizes=sizes,
         quick=args.quick,
         configs=configs,
+        variants=variants,
         progress=not args.no_progress,
         runtime_backend=runtime,
     )

@@ -878,6 +878,8 @@ class StageTransferRuntime:
         snap["arrival_mode"] = self.arrival_mode
         snap["arrival_waits_any"] = first.waits_any if first else None
         snap["arrival_wait_interruptible"] = first.interrupts if first else None
+        #: whether the receive thread polls right before bursts it expects (``anticipate_s`` and ``poll_any``)
+        snap["arrival_anticipates"] = first.rhythm is not None if first else None
         return snap
 
     # ------------------------------------------------------------------ KV

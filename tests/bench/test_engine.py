@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,8 @@ def test_every_section_measures_and_checks_its_targets(tmp_path: Path, capsys: p
         "2,4",
         "--tuning",
         'quiet={"anticipate_s": 0}',
+        "--variant",
+        f'shm:nolarger={{"namespace": "bench-{uuid.uuid4().hex[:8]}", "slot_classes": []}}',
         "--json",
         str(out),
         "--plot",
@@ -47,7 +50,7 @@ def test_every_section_measures_and_checks_its_targets(tmp_path: Path, capsys: p
     assert set(doc.sections) == {"sizes", "load", "scaling", "topology"}
 
     sizes = {(r["variant"], r["size"]): r for r in doc.sections["sizes"].rows}
-    assert set(sizes) == {("", 4096), ("", 65536), ("views", 4096), ("views", 65536)}
+    assert set(sizes) == {(v, n) for v in ("", "views", "nolarger") for n in (4096, 65536)}
     for row in sizes.values():
         assert row["raw_transfer_us"] > 0 and row["connector_transfer_us"] > 0 and row["ratio"] > 0  # type: ignore[operator]
     assert sizes[("", 4096)]["round_trip_vs_pipe"] is not None
@@ -94,5 +97,31 @@ def test_the_peer_section_outside_its_venv_says_how_to_run_it(monkeypatch: pytes
     assert "bash scripts/setup.sh vllm-omni" in capsys.readouterr().err
 
 
+def test_a_variant_needs_its_backend_in_the_size_curve(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import omni_plugins.bench
+
+    monkeypatch.setattr(omni_plugins.bench, "run_bench", _never)
+    assert main(["bench", "--backends", "shm", "--variant", "shm:x", "--no-progress"]) == 1
+    assert "BACKEND:NAME=JSON-OBJECT" in capsys.readouterr().err
+    assert main(["bench", "--sections", "load", "--variant", "shm:x={}", "--no-progress"]) == 1
+    assert "whose size curve this run does not measure" in capsys.readouterr().err
+
+
 def _never(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("the benchmark ran although an extra it needs is missing")
+
+
+def test_a_failed_round_trip_reports_the_consumers_error() -> None:
+    """The producer's side of a round trip fails by waiting for a reply that never comes; the consumer's own error says why."""
+    import multiprocessing as mp
+
+    from omni_plugins.bench.sizes import consumer_error
+
+    ours, theirs = mp.Pipe()
+    assert consumer_error(ours) is None  # nothing sent
+    theirs.send(("error", "ConnectorError: read of key 'rt-0' failed"))
+    assert consumer_error(ours) == "ConnectorError: read of key 'rt-0' failed"
+    theirs.send(("ok", (1.0, 2.0)))
+    assert consumer_error(ours) is None  # an answer, not an error
+    theirs.close()
+    assert consumer_error(ours) is None  # the consumer is gone without a word

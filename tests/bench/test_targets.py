@@ -88,6 +88,16 @@ def test_without_saturation_the_throughput_target_is_not_measured() -> None:
 def test_flat_means_highest_over_lowest() -> None:
     t = flatness_target([{"streams": n, "runtime_cpu_us_per_chunk": c} for n, c in ((16, 100.0), (64, 80.0), (256, 120.0))])
     assert t.measured == pytest.approx(1.5) and t.met is False and "256 streams over 64 streams" in t.at
+    assert t.note == ""
+
+
+def test_flatness_notes_the_connector_alones_spread_between_the_same_stream_counts() -> None:
+    rows = [
+        {"streams": n, "runtime_cpu_us_per_chunk": c, "connector_cpu_us_per_chunk": k}
+        for n, c, k in ((16, 100.0, 20.0), (1024, 110.0, 30.0))
+    ]
+    t = flatness_target(rows)
+    assert t.measured == pytest.approx(1.1) and t.met is True and "1.5x" in t.note
 
 
 def test_the_peer_targets_are_ours_over_theirs() -> None:

@@ -2,9 +2,12 @@
 
 Unit level: a memory connector that counts ``poll_any`` calls. Real shm: two
 runtimes over one namespace, the producer sending bursts at a steady interval.
-The schedules are generous (a 25 ms rhythm, a quarter of it as tolerance), and
-only "polled at least once" is asserted: whether a given burst was caught in
-its window depends on the machine's timing, which the tests do not assert.
+Whether a burst is polled for depends on the machine's timing (a rhythm is
+only learnt from steady arrivals, and polling backs off on busy cores), which
+the tests do not assert: they check that anticipation is switched on exactly
+when the capability and the knob are, that it never polls when it is off, and
+that nothing is lost either way. When it polls is ``test_rhythm``'s
+deterministic-clock business.
 """
 
 from __future__ import annotations
@@ -69,9 +72,9 @@ def _steady_bursts(producer: StageTransferRuntime, consumer: StageTransferRuntim
     return got
 
 
-@pytest.mark.parametrize("claims_poll, anticipate_s, polled", [(True, 0.001, True), (True, 0.0, False), (False, 0.001, False)])
-def test_polls_only_with_the_capability_and_the_knob_on(
-    runtimes: list, namespace: str, claims_poll: bool, anticipate_s: float, polled: bool
+@pytest.mark.parametrize("claims_poll, anticipate_s, anticipates", [(True, 0.001, True), (True, 0.0, False), (False, 0.001, False)])
+def test_anticipates_only_with_the_capability_and_the_knob_on(
+    runtimes: list, namespace: str, claims_poll: bool, anticipate_s: float, anticipates: bool
 ) -> None:
     conn = PollCountingConnector(namespace, claims_poll=claims_poll)
     tuning = dataclasses.replace(FAST, anticipate_s=anticipate_s)
@@ -81,9 +84,12 @@ def test_polls_only_with_the_capability_and_the_knob_on(
     assert (c.debug_state()["receiver"]["polls"], conn.polls) == (0, 0)
     got = _steady_bursts(p, c, streams=3, bursts=16)
     assert got == {f"s{i}": list(range(16)) for i in range(3)}  # nothing lost, in order, either way
-    stats = c.debug_state()["receiver"]
-    assert (stats["polls"] > 0) is polled
-    assert (conn.polls > 0) is polled
+    state = c.debug_state()
+    stats = state["receiver"]
+    assert state["arrival_anticipates"] is anticipates
+    assert stats["polls"] == conn.polls
+    if not anticipates:
+        assert conn.polls == 0
     assert stats["poll_hits"] <= stats["polls"]
 
 
@@ -117,8 +123,9 @@ def test_shm_consumer_polls_for_steady_bursts_and_loses_nothing() -> None:
         assert c.connector is not None and c.connector.capabilities.poll_any
         got = _steady_bursts(p, c, streams=4, bursts=16)
         assert got == {f"s{i}": list(range(16)) for i in range(4)}
-        stats = c.debug_state()["receiver"]
-        assert stats["polls"] > 0
+        state = c.debug_state()
+        assert state["arrival_anticipates"] is True
+        assert state["receiver"]["poll_hits"] <= state["receiver"]["polls"]
         assert c.active_request_count() == 0
     finally:
         c.shutdown()

@@ -93,7 +93,8 @@ def test_shm_files_stay_0600_under_umask_0(shm_namespace: str) -> None:
     from omni_plugins_shm.naming import publish_dir_name
     from omni_plugins_shm.testing import namespace_segments, segment_path
 
-    conn = {"name": "shm", "extra": {"namespace": shm_namespace, "pool_bytes": 8 << 20}}
+    # no larger slot classes: the 1.2 MiB chunks take the file path (pooled, published and claimed files)
+    conn = {"name": "shm", "extra": {"namespace": shm_namespace, "pool_bytes": 8 << 20, "slot_classes": []}}
     modes: dict[str, int] = {}
     stop = threading.Event()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 BUFFER_TOO_SMALL = -600
+REPLICA_IS_NOT_READY = -703
 OBJECT_NOT_FOUND = -704
 LEASE_EXPIRED = -707
 
@@ -10,6 +11,7 @@ _NAMES = {
     -1: "transfer failed",
     -200: "segment not mounted / client not ready",
     -600: "buffer too small",
+    -703: "replica not ready: a put of the key is still under way",
     -704: "object not found",
     -706: "object has a lease (remove with force)",
     -707: "lease expired during the read: the transfer took longer than the master's default_kv_lease_ttl",

@@ -29,12 +29,15 @@ from omni_plugins_mooncake._env import prepare_environment
 from omni_plugins_mooncake._import import import_mooncake
 from omni_plugins_mooncake._remover import Remover
 from omni_plugins_mooncake.config import MooncakeStoreConfig, parse_host_port
-from omni_plugins_mooncake.errors import BUFFER_TOO_SMALL, LEASE_EXPIRED, OBJECT_NOT_FOUND, describe
+from omni_plugins_mooncake.errors import BUFFER_TOO_SMALL, LEASE_EXPIRED, OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, describe
 from omni_plugins_mooncake.memory import Slab, SlabPool
 
 logger = logging.getLogger(__name__)
 
 _READ_ATTEMPTS = 3  # reads of one key that outlived the master's lease, at least, before a get gives up
+#: codes of a read that found no payload (yet): absent, consumed or cleaned up in between, or its put is still
+#: under way (the master knows the key from the put's start but serves it only once the put has ended)
+_NOT_THERE_YET = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY})
 
 
 def check_master_reachable(address: str, timeout: float) -> None:
@@ -154,7 +157,7 @@ class MooncakeStoreConnector(Connector):
             raise
         if got < 0:
             self._pool.release(slab)
-            if got == OBJECT_NOT_FOUND:  # absent, or consumed / cleaned up in between
+            if got in _NOT_THERE_YET:
                 return None
             raise ConnectorError(f"mooncake store (master {self.config.master_address}): read of key {key!r} failed: {describe(got)}")
         self._size_hint = got

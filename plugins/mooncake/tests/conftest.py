@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psutil
 import pytest
@@ -28,6 +29,16 @@ def count_objects(master: MooncakeMaster) -> int:
         return int(probe.remove_all(True))
     finally:
         probe.close()
+
+
+@pytest.fixture(autouse=True)
+def private_rendezvous(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's own ``XDG_RUNTIME_DIR`` (its child processes get it too), so its own default ``mooncake-te``
+    rendezvous directory: tests running at once (pytest-xdist workers) never find each other's producers."""
+    runtime = tmp_path_factory.mktemp("xdg-runtime")
+    runtime.chmod(0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    return runtime
 
 
 def _assert_gone(pids: list[int]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Any
@@ -82,6 +83,58 @@ def test_consumed_object_is_removed_in_the_background(master: MooncakeMaster) ->
         assert producer.health()["pending_removals"] == 0 and consumer.health()["pending_removals"] == 0
         assert producer.health()["remove_failures"] == 0 and consumer.health()["remove_failures"] == 0
         assert producer.get(0, 1, key) is None and consumer.get(0, 1, key) is None
+
+
+class _RecordedReads:
+    """Around the real store client: ``get_into``'s return codes are recorded; ``seen`` is set by the first of ``code``."""
+
+    def __init__(self, store: Any, code: int) -> None:
+        self._store, self._code = store, code
+        self.codes: list[int] = []
+        self.seen = threading.Event()
+
+    def get_into(self, key: str, address: int, capacity: int) -> int:
+        got = int(self._store.get_into(key, address, capacity))
+        self.codes.append(got)
+        if got == self._code:
+            self.seen.set()
+        return got
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_a_get_that_meets_the_put_of_its_key_under_way_waits_for_it(master: MooncakeMaster) -> None:
+    """The master knows a key from the start of its put and serves it from the put's end; a read in between
+    is answered "replica not ready". That is a payload not there yet: ``None``, and a blocking get waits on."""
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    from omni_plugins_mooncake.errors import REPLICA_IS_NOT_READY
+
+    key = f"underway-{uuid.uuid4().hex}"
+    writer = MooncakeDistributedStore()  # a put held open between its start and its end
+    assert writer.setup("127.0.0.1", "P2PHANDSHAKE", 16 << 20, 16 << 20, "tcp", "", master.address) == 0
+    with (
+        create_connector("mooncake-store", store_config(master)) as producer,
+        create_connector("mooncake-store", store_config(master, global_segment_size=0)) as consumer,
+    ):
+        try:
+            assert writer.batch_put_session_start([key], [4096], ReplicateConfig()) == [0]
+            reads = _RecordedReads(consumer._store, REPLICA_IS_NOT_READY)  # type: ignore[attr-defined]
+            consumer._store = reads  # type: ignore[attr-defined]
+            assert consumer.get(0, 1, key) is None
+            assert reads.codes == [REPLICA_IS_NOT_READY]
+            reads.seen.clear()
+            waiting: list[Any] = []
+            getter = threading.Thread(target=lambda: waiting.append(consumer.get(0, 1, key, timeout=120)))
+            getter.start()
+            assert reads.seen.wait(120), "the blocking get never read"  # it met the put under way at least once
+        finally:
+            assert writer.batch_put_session_revoke([key]) == [0]
+            writer.close()
+        assert producer.put(0, 1, key, {"v": torch.arange(16)}).ok  # the put that gets through
+        getter.join()
+        (got,) = waiting
+        assert got is not None and torch.equal(got.data["v"], torch.arange(16))
 
 
 def test_master_key_count_counts_objects_without_removing_them(own_master: MooncakeMaster) -> None:

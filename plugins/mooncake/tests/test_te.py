@@ -17,13 +17,13 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+from omni_plugins_mooncake.testing_processes import Child, produce_small, small_payload
 
 from omni_plugins import create_connector
 from omni_plugins.contract import Connector
 from omni_plugins.errors import ConnectorError
-from omni_plugins.testing.processes import process_context
 
-from . import _children
+from . import _users
 
 TE = "mooncake-te"
 SECRET = "te-test-secret-" + "0123456789abcdef"
@@ -226,7 +226,7 @@ ATTACKS = ("no-hello", "garbage-hello", "wrong-secret")
 
 def _other_user(argv: list[str]) -> list[str]:
     """``argv`` run as uid/gid 65534 (nobody) when the tests run as root, else as this user (who has no secret either)."""
-    if _children.other_user_available() and shutil.which("setpriv"):
+    if _users.other_user_available() and shutil.which("setpriv"):
         return ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *argv]
     return argv
 
@@ -249,35 +249,16 @@ def _assert_refused(out: dict[str, Any]) -> None:
     assert out["closed"] is True, out  # and it hangs up
 
 
-def _start_producer(config: dict[str, Any], key: str) -> tuple[Any, str, Any, Any]:
-    ctx = process_context()
-    ready, report, done = ctx.Queue(), ctx.Queue(), ctx.Event()
-    child = ctx.Process(target=_children.produce_small, args=(config, key, ready, done, report))
-    child.start()
-    address = ready.get(timeout=180)
-    if address.startswith("error"):
-        child.join(30)
-        raise AssertionError(f"producer process failed: {address}")
-    return child, address, done, report
-
-
-def _stop_producer(child: Any, done: Any, report: Any) -> dict[str, Any]:
-    done.set()
-    result: dict[str, Any] = report.get(timeout=60)
-    child.join(60)
-    assert child.exitcode == 0
-    return result
-
-
 def _assert_payload(got: Any, key: str) -> None:
-    assert got is not None and torch.equal(got.data["v"], torch.arange(1000)) and got.data["key"] == key
+    expected = small_payload(key)
+    assert got is not None and torch.equal(got.data["v"], expected["v"]) and got.data["key"] == key
 
 
 def test_explicit_peers_need_the_configured_secret_and_strangers_are_refused() -> None:
     """Producer and consumer in two processes share a configured secret; nobody else can claim or discard."""
     key = f"private-{uuid.uuid4().hex}"
-    child, address, done, report = _start_producer({"secret": SECRET, "pool_size": "32MiB"}, key)
-    try:
+    with Child(produce_small, {"secret": SECRET, "pool_size": "32MiB"}, key) as child:  # holds the payload until finish()
+        address = child.answer()
         for variant in ATTACKS:
             _assert_refused(_attack(address, variant, key))
         with consumer_of(address) as stranger, pytest.raises(ConnectorError, match="no secret for peer"):
@@ -290,8 +271,7 @@ def test_explicit_peers_need_the_configured_secret_and_strangers_are_refused() -
         with consumer_of(address, secret=SECRET) as consumer:  # the payload survived all of that
             _assert_payload(consumer.get(0, 1, key, timeout=10), key)
             assert consumer.get(0, 1, key) is None
-    finally:
-        result = _stop_producer(child, done, report)
+        result = child.finish()
     assert result["health"]["staged"] == 0 and result["health"]["control_secret"] == "configured"
     for text in [*result["texts"], json.dumps(result["health"])]:
         assert SECRET not in text
@@ -301,8 +281,8 @@ def test_rendezvous_without_configuration_works_for_the_user_only(tmp_path: Path
     """No secret configured: the producer's generated one sits in its 0600 announcement, readable by this user only."""
     rdv = tmp_path / "peers"
     key = f"private-{uuid.uuid4().hex}"
-    child, address, done, report = _start_producer({"rendezvous_dir": str(rdv), "pool_size": "32MiB"}, key)
-    try:
+    with Child(produce_small, {"rendezvous_dir": str(rdv), "pool_size": "32MiB"}, key) as child:
+        address = child.answer()
         for variant in ATTACKS:
             out = _attack(address, variant, key, rendezvous=str(rdv))
             if out["uid"] != os.getuid():
@@ -317,24 +297,49 @@ def test_rendezvous_without_configuration_works_for_the_user_only(tmp_path: Path
             stranger.get(0, 1, key)  # the address alone is not enough
         with create_connector(TE, {"rendezvous_dir": str(rdv), "listen_address": None}) as consumer:
             _assert_payload(consumer.get(0, 1, key, timeout=10), key)
-    finally:
-        result = _stop_producer(child, done, report)
+        result = child.finish()
     assert result["health"]["staged"] == 0 and result["health"]["control_secret"] == "generated"
     for text in [*result["texts"], json.dumps(result["health"])]:
         assert generated not in text
     assert list(rdv.glob("*.peer")) == []  # removed on close
 
 
+def test_groups_on_one_rendezvous_read_only_their_own_producers(tmp_path: Path) -> None:
+    """Two groups of instances (two secrets) announce in one directory: each reads only its own producer's payload
+    under a key both hold, a stranger's producer is skipped without failing a get, and nothing is taken from it."""
+    rdv = str(tmp_path / "shared")
+    other = "te-other-group-secret-0123456789"
+    with Child(produce_small, {"secret": other, "rendezvous_dir": rdv, "pool_size": "32MiB"}, "k") as child:
+        theirs = child.answer()  # group "other", in its own process, holds small_payload("k")
+        with create_connector(TE, {"secret": SECRET, "rendezvous_dir": rdv, "pool_size": "32MiB"}) as ours:
+            assert ours.put(0, 1, "k", {"group": "ours"}).ok
+            own = {"listen_address": None, "rendezvous_dir": rdv}
+            with create_connector(TE, {**own, "secret": SECRET}) as consumer:
+                got = consumer.get(0, 1, "k", timeout=10)
+                assert got is not None and got.data == {"group": "ours"}
+                assert consumer.get(0, 1, "k") is None  # the other group's "k" is not ours: no error, nothing read
+                health = consumer.health()
+                assert health["ok"] and health["peers"] == [ours.address] and health["skipped_peers"] == [theirs]  # type: ignore[attr-defined]
+            with create_connector(TE, own) as no_secret:  # knows no secret for the other group's producer
+                assert no_secret.get(0, 1, "k", timeout=0.5) is None
+                assert no_secret.health()["skipped_peers"] == [theirs]
+            with create_connector(TE, {**own, "secret": other}) as member:  # the other group: skips ours, reads theirs
+                _assert_payload(member.get(0, 1, "k", timeout=10), "k")
+                assert member.health()["skipped_peers"] == [ours.address]  # type: ignore[attr-defined]
+            assert ours.health()["staged"] == 0
+        result = child.finish()
+    assert result["health"]["staged"] == 0
+
+
 def test_processes_on_one_host_find_each_other_with_no_configuration() -> None:
     """No peers, no secret, no rendezvous_dir: a consumer process reads from a producer process (the private default directory)."""
     key = f"noconfig-{uuid.uuid4().hex}"
-    child, address, done, report = _start_producer({}, key)
-    try:
+    with Child(produce_small, {}, key) as child:
+        address = child.answer()
         with create_connector(TE, {}) as consumer:
             assert address in consumer.health()["peers"]
             _assert_payload(consumer.get(0, 1, key, timeout=10), key)
-    finally:
-        result = _stop_producer(child, done, report)
+        result = child.finish()
     assert result["health"]["staged"] == 0 and result["health"]["control_secret"] == "generated"
 
 

@@ -41,7 +41,7 @@ from omni_plugins_mooncake.te.transfer import DONE, FAILED, TIMED_OUT, Reader
 from omni_plugins import create_connector, wire
 from omni_plugins.errors import ConfigError, ConnectorError, PluginLoadError
 
-from . import _children
+from . import _users
 
 
 def _pool(**kw: object) -> tuple[SlabPool, list[int]]:
@@ -510,7 +510,7 @@ def test_rendezvous_entries_carry_secrets_and_other_users_files_are_ignored(tmp_
     (reader.path / "old.peer").write_text("127.0.0.1:7002")  # an announcement without a secret (configured one)
     peers = reader.peers()
     assert peers["127.0.0.1:7001"].secret == "generated-secret" and peers["127.0.0.1:7002"].secret is None
-    if _children.other_user_available():  # a file another user managed to place is not trusted
+    if _users.other_user_available():  # a file another user managed to place is not trusted
         planted = reader.path / "planted.peer"
         planted.write_text("127.0.0.1:7003\nattacker-chosen\n")
         os.chown(planted, 65534, 65534)

@@ -13,6 +13,7 @@ connection (``Retry(NoBackoff(), 0)``): the connector retries whole steps
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import redis
@@ -97,22 +98,18 @@ def tls_options(config: RedisConfig) -> dict[str, Any]:
     }
 
 
-class Standalone:
-    """One server (TCP, TLS or unix socket) through one ``BlockingConnectionPool``."""
+class OneServer:
+    """A topology of one route: every slot goes to the same pool, and no failure changes that.
 
-    def __init__(self, config: RedisConfig) -> None:
-        self.label = config.server_label()
-        kwargs = auth_and_timeouts(config)
-        kwargs.update(db=config.db, max_connections=config.pool_size, timeout=config.pool_timeout)
-        if config.unix_socket:
-            kwargs.update(connection_class=OmniUnixConnection, path=config.unix_socket)
-            name = f"unix://{config.unix_socket}"
-        else:
-            kwargs.update(host=config.host, port=config.port, connection_class=OmniConnection)
-            name = f"{config.host}:{config.port}"
-            if config.tls:
-                kwargs.update(connection_class=OmniSSLConnection, **tls_options(config))
-        self._route = Route(redis.BlockingConnectionPool(**kwargs), name)
+    A standalone server is such a route; so is Sentinel's primary, whose pool
+    finds the current primary itself when a connection connects. ``on_close``
+    releases what the route's maker holds besides the pool (the Sentinels).
+    """
+
+    def __init__(self, label: str, route: Route, on_close: Callable[[], None] | None = None) -> None:
+        self.label = label
+        self._route = route
+        self._on_close = on_close
 
     def route(self, slot: int) -> Route:
         return self._route
@@ -128,6 +125,23 @@ class Standalone:
 
     def close(self) -> None:
         self._route.pool.disconnect(inuse_connections=False)
+        if self._on_close is not None:
+            self._on_close()
+
+
+def standalone(config: RedisConfig) -> OneServer:
+    """One server (TCP, TLS or unix socket) through one ``BlockingConnectionPool``."""
+    kwargs = auth_and_timeouts(config)
+    kwargs.update(db=config.db, max_connections=config.pool_size, timeout=config.pool_timeout)
+    if config.unix_socket:
+        kwargs.update(connection_class=OmniUnixConnection, path=config.unix_socket)
+        name = f"unix://{config.unix_socket}"
+    else:
+        kwargs.update(host=config.host, port=config.port, connection_class=OmniConnection)
+        name = f"{config.host}:{config.port}"
+        if config.tls:
+            kwargs.update(connection_class=OmniSSLConnection, **tls_options(config))
+    return OneServer(config.server_label(), Route(redis.BlockingConnectionPool(**kwargs), name))
 
 
 def sentinel_for(config: RedisConfig) -> NewestSentinel:
@@ -149,48 +163,30 @@ class _BlockingSentinelPool(SentinelConnectionPool, redis.BlockingConnectionPool
     """Sentinel's pool (connections find the current primary when they connect) that waits for a free connection."""
 
 
-class SentinelPrimary:
+def sentinel_primary(config: RedisConfig) -> OneServer:
     """The primary Redis Sentinel names for ``service_name``; connections re-ask the Sentinels after a failover.
 
     A connection to a demoted primary is dropped on its first ``READONLY`` reply
     (redis-py's ``SentinelManagedConnection``) and one to a dead primary fails;
     either way the step is retried and the new connection goes to the new primary.
     """
-
-    def __init__(self, config: RedisConfig) -> None:
-        self.label = config.server_label()
-        kwargs = auth_and_timeouts(config)
-        connection_class: type[OmniSentinelConnection | OmniSentinelSSLConnection] = OmniSentinelConnection
-        if config.tls:
-            connection_class = OmniSentinelSSLConnection
-            kwargs.update(tls_options(config))
-        self._sentinel = sentinel_for(config)
-        client = self._sentinel.master_for(
-            config.service_name or "",
-            connection_pool_class=_BlockingSentinelPool,
-            connection_class=connection_class,
-            db=config.db,
-            max_connections=config.pool_size,
-            timeout=config.pool_timeout,
-            **kwargs,
-        )
-        self._route = Route(client.connection_pool, f"{config.service_name} at {self.label}")
-
-    def route(self, slot: int) -> Route:
-        return self._route
-
-    def failed(self, route: Route | None, error: BaseException) -> bool:
-        return False
-
-    def primaries(self) -> list[Route]:
-        return [self._route]
-
-    def routes(self) -> list[Route]:
-        return [self._route]
-
-    def close(self) -> None:
-        self._route.pool.disconnect(inuse_connections=False)
-        self._sentinel.close()
+    label = config.server_label()
+    kwargs = auth_and_timeouts(config)
+    connection_class: type[OmniSentinelConnection | OmniSentinelSSLConnection] = OmniSentinelConnection
+    if config.tls:
+        connection_class = OmniSentinelSSLConnection
+        kwargs.update(tls_options(config))
+    sentinel = sentinel_for(config)
+    client = sentinel.master_for(
+        config.service_name or "",
+        connection_pool_class=_BlockingSentinelPool,
+        connection_class=connection_class,
+        db=config.db,
+        max_connections=config.pool_size,
+        timeout=config.pool_timeout,
+        **kwargs,
+    )
+    return OneServer(label, Route(client.connection_pool, f"{config.service_name} at {label}"), sentinel.close)
 
 
 # Failures after which the slot map may be stale: refresh it before the next attempt.
@@ -302,5 +298,5 @@ def build(config: RedisConfig) -> Topology:
     if config.cluster:
         return Cluster(config)
     if config.sentinels:
-        return SentinelPrimary(config)
-    return Standalone(config)
+        return sentinel_primary(config)
+    return standalone(config)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+import itertools
+from typing import Annotated
+
+from pydantic import Field, model_validator
 
 from omni_plugins.settings import ConnectorSettings
 
+KIB = 1 << 10
 MIB = 1 << 20
 GIB = 1 << 30
+#: the table's larger size classes at most (the C extension's header has room for four classes in all)
+MAX_LARGER_CLASSES = 3
+SlotCount = Annotated[int, Field(ge=1, le=1 << 20)]
+SlotBytes = Annotated[int, Field(ge=1024, le=GIB)]
 
 
 class ShmConfig(ConnectorSettings):
@@ -60,14 +68,36 @@ class ShmConfig(ConnectorSettings):
         default=256,
         ge=0,
         le=1 << 20,
-        description="slots in the namespace's slot table (small payloads handed off by compare-and-swap, no file syscalls; "
-        "needs the C extension and futex_wait); 0 = off (every payload takes the file path). The first instance "
-        "of a namespace sets the table's geometry",
+        description="slots of the small class of the namespace's slot table (payloads handed off by compare-and-swap, no "
+        "file syscalls; needs the C extension and futex_wait); 0 = no table (every payload takes the file path). The "
+        "first instance of a namespace sets the table's geometry",
     )
     slot_bytes: int = Field(
-        default=64 * 1024,
+        default=68 * KIB,
         ge=1024,
         le=16 * MIB,
-        description="largest encoded payload a slot holds; larger ones take the file path",
+        description="largest encoded payload a slot of the small class holds (the default: 64 KiB of tensors and their header)",
+    )
+    slot_classes: list[tuple[SlotCount, SlotBytes]] = Field(
+        default_factory=lambda: [(16, MIB + 64 * KIB), (8, 4 * MIB + 64 * KIB), (4, 16 * MIB + 64 * KIB)],
+        max_length=MAX_LARGER_CLASSES,
+        description="the table's classes of larger slots as [count, bytes] pairs, ascending above slot_bytes: a payload "
+        "takes a free slot of the smallest class that holds it (else of a larger one), and only payloads larger than "
+        "the largest slot (or finding every class full) take the file path. Puts take a class's lowest free slot, so "
+        "only about as many slots hold memory as payloads are in flight at once",
+    )
+    slot_idle_seconds: float = Field(
+        default=5.0,
+        ge=0,
+        description="a free slot of a larger class left unused this long gives its memory back (puts, waits that run out "
+        "and gc check a few times per period; the next payload in it faults its pages in again); 0 = keep it until the "
+        "table goes",
     )
     reclaim_on_start: bool = Field(default=True, description="free segments of dead producers in this namespace when an instance starts")
+
+    @model_validator(mode="after")
+    def _classes_ascend(self) -> ShmConfig:
+        sizes = [self.slot_bytes] + [size for _, size in self.slot_classes]
+        if any(b <= a for a, b in itertools.pairwise(sizes)):
+            raise ValueError(f"slot_classes must ascend above slot_bytes={self.slot_bytes}, got {self.slot_classes}")
+        return self

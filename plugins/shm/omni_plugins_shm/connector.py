@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
-import torch
 
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
@@ -44,8 +43,8 @@ from omni_plugins_shm.segments.files import unlink_quiet
 from omni_plugins_shm.segments.header import CLOSED_OFFSET, HEADER_SIZE, PAYLOAD_OFFSET, STATE_FREE, STATE_OFFSET, Header, HeaderError
 from omni_plugins_shm.segments.mapcache import MapCache, Mapping
 from omni_plugins_shm.segments.pool import ProducerPool, Segment
-from omni_plugins_shm.segments.private import PrivateBuffers
-from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, TIMED_OUT, SlotTable
+from omni_plugins_shm.segments.private import PrivateBuffers, copy_into
+from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, TIMED_OUT, Lent, SlotClass, SlotTable
 from omni_plugins_shm.wakeslots import SLICE
 
 log = logging.getLogger(__name__)
@@ -159,9 +158,9 @@ class ShmConnector(Connector):
 
     def _open_slots(self, wake: wakeslots.WakeFile) -> SlotTable:
         """Open (or create) the namespace's slot table with this instance's geometry (ringing ``wake``)."""
-        return SlotTable.open(
-            self._pubdir, self._names.slots(), self._owner, self.config.slot_count, self.config.slot_bytes, pubdir.ensure, wake.mm
-        )
+        cfg = self.config
+        classes = [SlotClass(cfg.slot_count, cfg.slot_bytes), *(SlotClass(n, size) for n, size in cfg.slot_classes)]
+        return SlotTable.open(self._pubdir, self._names.slots(), self._owner, classes, cfg.slot_idle_seconds, pubdir.ensure, wake.mm)
 
     def _path(self, name: str) -> str:
         return f"{self._dir}/{name}"  # os.path.join costs ~3 us and is called several times per op
@@ -359,6 +358,7 @@ class ShmConnector(Connector):
         every sleep that ran out its slice (a lost ring, a hint gone stale under ``gc --all``); a
         non-blocking get always looks there. ``got``: the result of a first look the caller made (``take``, or
         ``take_or_wait`` with ``slept`` telling whether it slept before that miss, and ``deadline`` its clock).
+        ``zero_copy``: a payload of a larger slot class is lent (views over its slot, freed when the last dies).
         """
         names: KeyNames | None = None  # the file path's names: only needed when the table has nothing
         waits = timeout is not None and timeout > 0
@@ -368,7 +368,10 @@ class ShmConnector(Connector):
         while True:
             if got is _LOOK:
                 try:
-                    got = slots.take_wait(key, seq, wait) if slept else slots.take(key)
+                    if zero_copy:
+                        got = slots.lend_wait(key, seq, wait) if slept else slots.lend(key)
+                    else:
+                        got = slots.take_wait(key, seq, wait) if slept else slots.take(key)
                 except ValueError as exc:
                     self._slot_invalid(key, exc)
                     return None
@@ -377,6 +380,8 @@ class ShmConnector(Connector):
                     return _got((wire.decode(got), len(got)))
                 except WireFormatError as exc:
                     raise self._payload_error(key, exc) from exc
+            if type(got) is tuple:
+                return self._lent_views(slots, key, cast(Lent, got))
             if got is None:  # a key the table cannot hold: the file path alone, sleeping on its wake slot
                 if names is None:
                     names = self._key(key)
@@ -416,6 +421,19 @@ class ShmConnector(Connector):
             wait = min(remaining, SLICE)
             slept = True
             got = _LOOK
+
+    def _lent_views(self, slots: SlotTable, key: str, lent: Lent) -> GetResult | None:
+        """Zero-copy views over a lent slot; the slot stays claimed by this process until the last view dies.
+
+        A slot pins the table's mapping meanwhile (its close leaves it mapped); a crash of this process
+        leaves the slot CLAIMED by a dead owner, which gc frees.
+        """
+        index, offset, n = lent
+        try:
+            anchor = np.frombuffer(slots.mm, dtype=np.uint8, count=n, offset=offset)
+        except ValueError:  # closed by another thread between the claim and here: its slot goes with this process
+            return None
+        return self._lend(key, anchor, weakref.finalize(anchor, slots.release, index))
 
     def _slot_invalid(self, key: str, exc: ValueError) -> None:
         """A ``take`` that raised: the error, unless another thread closed the connector (and its mappings) meanwhile."""
@@ -502,6 +520,9 @@ class ShmConnector(Connector):
             # a sleep or poll that ran out its time without a ring: look at the file path once more
             files_anyway = not (wake.spin if spin else wake.sleep)(WAKE_ANY_SLOT, seen, remaining)
             slots = self._current_slots(slots)
+            if files_anyway and not spin:
+                with contextlib.suppress(ValueError):  # closed by another thread meanwhile: the next look returns
+                    slots.trim_due()  # a quiet namespace: idle slots give their memory back
 
     def _interrupt_wait(self) -> None:
         """End this instance's blocked ``wait_any`` (or its next one): set the flag, then ring the namespace-wide slot.
@@ -648,7 +669,7 @@ class ShmConnector(Connector):
             dst[:] = src
             return dst
         anchor = self._private.take(n)
-        torch.from_numpy(anchor).copy_(torch.frombuffer(src, dtype=torch.uint8))
+        copy_into(anchor, src)
         return memoryview(anchor.data)
 
     def _consume_views(self, claim: str, key: str, header: Header, mapping: Mapping) -> GetResult:
@@ -656,15 +677,18 @@ class ShmConnector(Connector):
         self._maps.lease(mapping)
         # every view decoded from `anchor` keeps it alive; when the last one dies the segment goes back
         anchor = np.frombuffer(mapping.mm, dtype=np.uint8, count=n, offset=PAYLOAD_OFFSET)
-        fin = weakref.finalize(anchor, _return_segment, self._dir, self._names, claim, header, mapping, self._maps, True)
-        fin.atexit = False
+        give_back = weakref.finalize(anchor, _return_segment, self._dir, self._names, claim, header, mapping, self._maps, True)
+        return self._lend(key, anchor, give_back)
+
+    def _lend(self, key: str, anchor: np.ndarray, give_back: weakref.finalize) -> GetResult:
+        """Views decoded over ``anchor``; ``give_back`` runs when the last of them is gone (at once when decoding fails)."""
+        give_back.atexit = False
         try:
             data = wire.decode(memoryview(anchor.data), copy=False)
         except WireFormatError as exc:
-            del anchor
-            fin()
+            give_back()
             raise self._payload_error(key, exc) from exc
-        return GetResult(data, n)
+        return GetResult(data, anchor.nbytes)
 
     # -- cleanup / close --------------------------------------------------------------------
     def _cleanup(self, key: str) -> bool:
@@ -741,6 +765,7 @@ class ShmConnector(Connector):
             **self._pool.stats(),
             **self._maps.stats(),
             **self._private.stats(),
+            "slot_table_bytes": self._slots.committed_bytes() if self._slots is not None else 0,
             "ttl_seconds": self.config.ttl_seconds,
             "expired": self._expiry.expired if self._expiry is not None else 0,
         }

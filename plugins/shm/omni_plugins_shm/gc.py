@@ -196,8 +196,10 @@ def collect(namespace: str | None = None, *, shm_dir: str = DEFAULT_SHM_DIR, for
             if not force and _is_slot_table(name):
                 # removed like the wake file when no live instance holds it; else its slots of dead
                 # processes are freed (WRITING / CLAIMED: the owner died mid-put / mid-get; READY: a dead producer)
-                freed, _ = slots.reclaim(path, dry_run)
-                report.removed += [f"{name}[slot]"] * freed
+                # and the pages of larger slots idle longer than the table's slot_idle_seconds are given back
+                done = slots.reclaim(path, dry_run)
+                report.removed += [f"{name}[slot]"] * done.slots
+                report.bytes_freed += done.trimmed
                 continue
             if not force and _is_wake(name):
                 # namespace infrastructure like the publish directory (not listed in the report); removed

@@ -238,12 +238,12 @@ def killed_after_publish_worker(config: dict[str, object], key: str, seed: int, 
     conn.put(0, 1, key, make_payload(seed, nbytes))
 
 
-def slot_crash_worker(config: dict[str, object], key: str, stage: str, ready: object) -> None:
+def slot_crash_worker(config: dict[str, object], key: str, stage: str, ready: object, nbytes: int = 1024) -> None:
     """Die by SIGKILL holding a slot of the namespace's slot table (``config`` must enable it).
 
-    ``stage="writing"``: a FREE slot taken (CAS FREE -> WRITING(me)) as a ``put`` does before it copies;
-    ``stage="claimed"``: ``key`` put, then its slot claimed (CAS READY -> CLAIMED(me)) as a ``get`` does
-    before it copies out. Unit-level fault injection on the real table: the crash lands exactly between
+    ``stage="writing"``: a FREE slot of the class a payload of ``nbytes`` takes, taken (CAS FREE -> WRITING(me))
+    as a ``put`` does before it copies; ``stage="claimed"``: ``key`` put (``nbytes`` of payload), then its slot
+    claimed (CAS READY -> CLAIMED(me)) as a ``get`` does before it copies out. Unit-level fault injection on the real table: the crash lands exactly between
     the CAS and the release. Reports the slot index to ``ready`` (the sending end of a ``Pipe``: written
     synchronously, unlike a queue's feeder thread that the SIGKILL would stop) first.
     """
@@ -256,11 +256,12 @@ def slot_crash_worker(config: dict[str, object], key: str, stage: str, ready: ob
     table = conn._slots  # type: ignore[attr-defined]
     native = table._native
     if stage == "claimed":
-        conn.put(0, 1, key, make_payload(1, 1024))
+        conn.put(0, 1, key, make_payload(1, nbytes))
         info = next(i for i in table.scan() if i.key == key.encode())
         assert native.slot_cas(table.mm, info.slot, info.word, table.claimer)
     else:
-        index = next(i for i in range(table.nslots) if native.slot_cas(table.mm, i, slot_table.FREE, table.writing))
+        first = slot_table.first_slot_for(table.classes, nbytes + 4096)
+        index = next(i for i in range(first, table.nslots) if native.slot_cas(table.mm, i, slot_table.FREE, table.writing))
         info = slot_table.SlotInfo(index, table.writing, 0, 0.0, b"")
     ready.send(info.slot)  # type: ignore[attr-defined]
     os.kill(os.getpid(), signal.SIGKILL)

@@ -233,6 +233,41 @@ futex_cas(PyObject *self, PyObject *args)
     return PyBool_FromLong(ok);
 }
 
+PyDoc_STRVAR(copy_doc,
+             "copy(dst, src) -> None\n\n"
+             "memcpy of the buffer src into the writable buffer dst (at least as long) with the GIL released: a get's copy\n"
+             "out of a segment into the consumer's own memory, without holding up the process's other threads.");
+
+static PyObject *
+native_copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer dst, src;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy(dst, src)");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    int ok = dst.len >= src.len;
+    if (ok) {
+        /* both buffers stay exported meanwhile: neither can be unmapped or resized */
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst.buf, src.buf, (size_t)src.len);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, "copy: dst is shorter than src");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(rename_doc,
              "rename_noreplace(src, dst) -> None\n\n"
              "renameat2(src, dst, RENAME_NOREPLACE): FileExistsError if dst exists, OSError otherwise\n"
@@ -266,29 +301,51 @@ native_rename_noreplace(PyObject *self, PyObject *args)
     return result;
 }
 
-/* 3. The slot table: small payloads handed off without file syscalls (see slots.py, docs/backends/shm.md).
+/* 3. The slot table: payloads up to the largest slot size handed off without file syscalls (see slots.py,
+ * docs/backends/shm.md).
  *
  * Table file layout (all little-endian, native atomics; the file is a MAP_SHARED tmpfs mapping):
- *   header (TBL_HDR bytes): magic "OMNISLT1", u32 version, u32 nslots, u64 slot_bytes, u64 stride,
- *     at FILES_OFF a u64 hint: file-path payloads table instances published and nobody consumed yet
- *     (raised before the publishing rename, lowered by the get that consumes one; it may be too high
- *     after a crash or a cleanup, never too low among table instances: 0 lets a waiting get skip its
- *     file-path claim attempt, see slot_take)
- *   slot i at TBL_HDR + i * stride:
+ *   header (TBL_HDR bytes):
+ *      0 magic "OMNISLT2"   8 u32 version   12 u32 slots (all classes)   16 u32 classes (1..MAX_CLASSES)
+ *     24 u64 idle ns: a FREE slot of a class >= 1 left alone this long gives its pages back (0: never)
+ *     32 u64 next trim (CLOCK_REALTIME ns; a put that finds it due wins it by CAS and trims)
+ *     64 u64 file-path hint (FILES_OFF): file-path payloads table instances published and nobody consumed
+ *        yet (raised before the publishing rename, lowered by the get that consumes one; it may be too high
+ *        after a crash or a cleanup, never too low among table instances: 0 lets a waiting get skip its
+ *        file-path claim attempt, see slot_take)
+ *    128 class table (CLASS_OFF): per class 32 bytes: u32 slots, u32 first (global index of its slot 0),
+ *        u64 slot_bytes, u64 stride, u64 offset. Classes ascend in slot_bytes; their regions ascend and do
+ *        not overlap. A key probes a class's first PROBES slots (its hot window) and, in a larger class,
+ *        PROBES more from its hash (probe_slot).
+ *    512 + 64 c (COUNT_OFF): u64 for class c >= 1: an upper bound of its READY slots (raised before a slot
+ *        becomes READY, lowered after it stopped being READY; too high after a crash, never too low): a
+ *        look skips a class whose count is 0, so idle large classes cost small payloads nothing.
+ *   slot j of class c at offset_c + j * stride_c (global index first_c + j):
  *     0  u64 state   = pid << 32 | (start & 0xFFFFFF) << 8 | kind   (kind: FREE 0, WRITING 1, READY 2, CLAIMED 3)
  *     8  u64 key hash (FNV-1a 64 of the UTF-8 key)
  *    16  u32 key length       20 u32 payload length
- *    24  f64 publish time (CLOCK_REALTIME seconds)
- *    32  u32 producer instance tag   36 u32 reserved
+ *    24  f64 publish time (CLOCK_REALTIME seconds); in a FREE slot of a class >= 1 the time it was freed,
+ *        0 once its pages were given back
+ *    32  u32 producer instance tag
+ *    36  u32 backed: payload bytes whose tmpfs pages are known to exist (so writes there cannot SIGBUS on a
+ *        full tmpfs; 0 again once the trim gave them back)
  *    40  u64 producer start time (full)
  *    64  key bytes (<= SLOT_KEY_MAX)
- *   SLOT_HDR: payload bytes (<= slot_bytes)
+ *   SLOT_HDR: payload bytes (<= slot_bytes of its class)
  * A slot changes hands only by compare-and-swap of its state word, so one claimer wins; the
  * owner (pid + start time) in the word lets gc reclaim WRITING/CLAIMED slots of dead processes
  * race-free (it CASes exactly the word it judged).
  */
+#include <sys/mman.h>
+
 #define TBL_HDR 4096
+#define IDLE_OFF 24
+#define TRIM_OFF 32
 #define FILES_OFF 64
+#define CLASS_OFF 128
+#define CLASS_SIZE 32
+#define COUNT_OFF 512
+#define MAX_CLASSES 4
 #define FILES_BIT ((uint64_t)1 << 32)
 #define TIMED_OUT_BIT ((uint64_t)1 << 33)
 #define SLOT_HDR 256
@@ -298,6 +355,7 @@ native_rename_noreplace(PyObject *self, PyObject *args)
 #define SLOT_LEN_OFF 20
 #define SLOT_TIME_OFF 24
 #define SLOT_TAG_OFF 32
+#define SLOT_BACKED_OFF 36
 #define SLOT_START_OFF 40
 #define SLOT_KEY_OFF 64
 #define SLOT_KEY_MAX (SLOT_HDR - SLOT_KEY_OFF)
@@ -306,12 +364,20 @@ native_rename_noreplace(PyObject *self, PyObject *args)
 #define S_READY 2
 #define S_CLAIMED 3
 #define PROBES 16
+/* copies at least this large run with the GIL released */
+#define NOGIL_COPY (256 << 10)
+#define PAGE 4096
+
+typedef struct {
+    uint32_t n, first;
+    uint64_t slot_bytes, stride, off;
+} class_t;
 
 typedef struct {
     Py_buffer view;
     char *base;
-    uint32_t nslots;
-    uint64_t slot_bytes, stride;
+    uint32_t nslots, nclasses;
+    class_t cls[MAX_CLASSES];
 } table_t;
 
 static int
@@ -320,13 +386,29 @@ table_open(PyObject *obj, table_t *t)
     if (PyObject_GetBuffer(obj, &t->view, PyBUF_WRITABLE) < 0)
         return -1;
     t->base = (char *)t->view.buf;
-    if (t->view.len < TBL_HDR || memcmp(t->base, "OMNISLT1", 8) != 0 || ((uintptr_t)t->base & 7))
+    if (t->view.len < TBL_HDR || memcmp(t->base, "OMNISLT2", 8) != 0 || ((uintptr_t)t->base & 7))
         goto bad;
     memcpy(&t->nslots, t->base + 12, 4);
-    memcpy(&t->slot_bytes, t->base + 16, 8);
-    memcpy(&t->stride, t->base + 24, 8);
-    if (t->nslots == 0 || t->stride < SLOT_HDR + t->slot_bytes || (t->stride & 63) || t->stride > ((uint64_t)1 << 40) ||
-        (uint64_t)TBL_HDR + (uint64_t)t->nslots * t->stride > (uint64_t)t->view.len)
+    memcpy(&t->nclasses, t->base + 16, 4);
+    if (t->nclasses == 0 || t->nclasses > MAX_CLASSES)
+        goto bad;
+    uint64_t end = TBL_HDR, total = 0;
+    for (uint32_t c = 0; c < t->nclasses; c++) {
+        class_t *k = &t->cls[c];
+        const char *e = t->base + CLASS_OFF + c * CLASS_SIZE;
+        memcpy(&k->n, e, 4);
+        memcpy(&k->first, e + 4, 4);
+        memcpy(&k->slot_bytes, e + 8, 8);
+        memcpy(&k->stride, e + 16, 8);
+        memcpy(&k->off, e + 24, 8);
+        if (k->n == 0 || k->n > (1u << 20) || k->first != total || k->stride < SLOT_HDR + k->slot_bytes || (k->stride & 63) ||
+            k->stride > ((uint64_t)1 << 34) || k->off < end || (k->off & 63) ||
+            (c > 0 && k->slot_bytes <= t->cls[c - 1].slot_bytes))
+            goto bad;
+        end = k->off + (uint64_t)k->n * k->stride;
+        total += k->n;
+    }
+    if (total != t->nslots || end > (uint64_t)t->view.len)
         goto bad;
     return 0;
 bad:
@@ -335,30 +417,101 @@ bad:
     return -1;
 }
 
-/* table_open + check that slot index i exists (IndexError otherwise; the view is released on error) */
-static int
-table_open_at(PyObject *obj, Py_ssize_t i, table_t *t)
+/* slot j of class c (j < n) */
+static inline char *
+class_slot(table_t *t, uint32_t c, uint64_t j)
 {
-    if (table_open(obj, t) < 0)
-        return -1;
-    if (i < 0 || (uint64_t)i >= t->nslots) {
-        PyBuffer_Release(&t->view);
-        PyErr_SetString(PyExc_IndexError, "slot index out of range");
-        return -1;
-    }
-    return 0;
+    class_t *k = &t->cls[c];
+    return t->base + k->off + (j % k->n) * k->stride;
 }
 
-static inline char *
-slot_at(table_t *t, uint64_t i)
+/* the slot of global index i, its class in *c; NULL if there is none */
+static char *
+slot_at(table_t *t, uint64_t i, uint32_t *c)
 {
-    return t->base + TBL_HDR + (i % t->nslots) * t->stride;
+    for (uint32_t k = 0; k < t->nclasses; k++) {
+        if (i < (uint64_t)t->cls[k].first + t->cls[k].n) {
+            *c = k;
+            return class_slot(t, k, i - t->cls[k].first);
+        }
+    }
+    return NULL;
+}
+
+/* table_open + the slot of global index i (IndexError otherwise; the view is released on error) */
+static char *
+table_open_at(PyObject *obj, Py_ssize_t i, table_t *t, uint32_t *c)
+{
+    if (table_open(obj, t) < 0)
+        return NULL;
+    char *s = i < 0 ? NULL : slot_at(t, (uint64_t)i, c);
+    if (s == NULL) {
+        PyBuffer_Release(&t->view);
+        PyErr_SetString(PyExc_IndexError, "slot index out of range");
+    }
+    return s;
 }
 
 static inline uint64_t *
 slot_state(char *s)
 {
     return (uint64_t *)s;
+}
+
+static inline long
+slot_index(table_t *t, uint32_t c, char *s)
+{
+    return (long)(t->cls[c].first + (uint64_t)(s - t->base - t->cls[c].off) / t->cls[c].stride);
+}
+
+/* The buckets a key of hash h probes in class c, in order: the class's first PROBES slots (its hot window,
+ * the same for every key: puts take its lowest free slot, so while few payloads are in flight the same
+ * few slots carry them, their pages faulted in and their lines in cache), then, in a class of more slots,
+ * PROBES from the key's hash (the overflow when many payloads wait at once). */
+static inline int
+probe_total(table_t *t, uint32_t c)
+{
+    return t->cls[c].n <= PROBES ? (int)t->cls[c].n : 2 * PROBES;
+}
+
+static inline char *
+probe_slot(table_t *t, uint32_t c, uint64_t h, int p)
+{
+    return class_slot(t, c, p < PROBES ? (uint64_t)p : h + (uint64_t)(p - PROBES));
+}
+
+/* the READY bound of class c >= 1 */
+static inline uint64_t *
+ready_count(table_t *t, uint32_t c)
+{
+    return (uint64_t *)(t->base + COUNT_OFF + 64 * c);
+}
+
+/* add delta to a counter that never goes below 0; the new value */
+static uint64_t
+counter_add(uint64_t *word, long long delta)
+{
+    if (delta >= 0)
+        return __atomic_add_fetch(word, (uint64_t)delta, __ATOMIC_SEQ_CST);
+    uint64_t cur = __atomic_load_n(word, __ATOMIC_SEQ_CST), now;
+    do {
+        now = cur > (uint64_t)(-delta) ? cur - (uint64_t)(-delta) : 0;
+    } while (!__atomic_compare_exchange_n(word, &cur, now, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
+    return now;
+}
+
+static inline void
+ready_add(table_t *t, uint32_t c, long long delta)
+{
+    if (c > 0)
+        counter_add(ready_count(t, c), delta);
+}
+
+/* whether a look for a key must search class c (class 0 always; a larger one while it may hold a READY slot) */
+static inline int
+class_live(table_t *t, uint32_t c)
+{
+    return c == 0 || __atomic_load_n(ready_count(t, c), __ATOMIC_SEQ_CST) != 0;
 }
 
 static uint64_t
@@ -449,6 +602,17 @@ claim_ready(char *s, uint64_t w, uint64_t me, uint64_t h, const char *k, Py_ssiz
     return 0;
 }
 
+/* free slot s of class c, which we hold (a slot of a class >= 1 notes when, for the idle trim) */
+static void
+free_slot(uint32_t c, char *s)
+{
+    if (c > 0) {
+        double now = now_realtime();
+        memcpy(s + SLOT_TIME_OFF, &now, 8);
+    }
+    __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
+}
+
 /* the UTF-8 bytes of key; NULL without an exception when it has none (lone surrogates: the table cannot hold it) */
 static const char *
 utf8_key(PyObject *key, Py_ssize_t *n)
@@ -463,33 +627,157 @@ utf8_key(PyObject *key, Py_ssize_t *n)
 static void
 replace_ready(table_t *t, uint64_t h, const char *k, Py_ssize_t n, uint64_t claimer)
 {
-    for (int p = 0; p < PROBES && p < (int)t->nslots; p++) {
-        char *s = slot_at(t, h + (uint64_t)p);
-        uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
-        if ((w & 0xFF) == S_READY && slot_has_key(s, h, k, n) && claim_ready(s, w, claimer, h, k, n))
-            __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
+    for (uint32_t c = 0; c < t->nclasses; c++) {
+        if (!class_live(t, c))
+            continue;
+        for (int p = 0; p < probe_total(t, c); p++) {
+            char *s = probe_slot(t, c, h, p);
+            uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
+            if ((w & 0xFF) == S_READY && slot_has_key(s, h, k, n) && claim_ready(s, w, claimer, h, k, n)) {
+                ready_add(t, c, -1);
+                free_slot(c, s);
+            }
+        }
     }
 }
 
-/* CAS a FREE bucket of hash h to `writing`; the slot, or NULL (*index set) */
+/* CAS a FREE bucket of hash h in class c to `writing`; the slot, or NULL */
 static char *
-reserve(table_t *t, uint64_t h, uint64_t writing, long *index)
+reserve(table_t *t, uint32_t c, uint64_t h, uint64_t writing)
 {
-    for (int p = 0; p < PROBES && p < (int)t->nslots; p++) {
-        char *s = slot_at(t, h + (uint64_t)p);
+    for (int p = 0; p < probe_total(t, c); p++) {
+        char *s = probe_slot(t, c, h, p);
         uint64_t want = S_FREE;
         if (__atomic_load_n(slot_state(s), __ATOMIC_RELAXED) == S_FREE &&
-            __atomic_compare_exchange_n(slot_state(s), &want, writing, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
-            *index = (long)((h + (uint64_t)p) % t->nslots);
+            __atomic_compare_exchange_n(slot_state(s), &want, writing, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
             return s;
-        }
     }
     return NULL;
 }
 
-/* fill the slot's fields and publish it (READY, seq_cst) */
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+/* Make sure the first `need` payload bytes of slot s (which we hold) have their tmpfs pages: a write into a
+ * hole of a full tmpfs (a container's small /dev/shm) would be a SIGBUS. MADV_POPULATE_WRITE allocates them
+ * or fails with an error; the slot's `backed` mark remembers how far they exist, so this costs a syscall
+ * only when a slot is first used (or first used after the trim gave its pages back) or holds a larger
+ * payload than before. 0, or -1 if the pages cannot be had (the caller frees the slot). Kernels before 5.14
+ * lack the call (EINVAL): then writes go ahead as into any shared mapping. */
+static int
+back(char *s, uint64_t need, uint64_t stride)
+{
+    uint32_t have;
+    memcpy(&have, s + SLOT_BACKED_OFF, 4);
+    if (need <= have)
+        return 0;
+    uintptr_t from = ((uintptr_t)s + SLOT_HDR + have) & ~(uintptr_t)(PAGE - 1);
+    uintptr_t to = ((uintptr_t)s + SLOT_HDR + need + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
+    if (madvise((void *)from, to - from, MADV_POPULATE_WRITE) != 0 && errno != EINVAL) {
+        /* give back what it allocated before it failed (an unused slot is never trimmed): whole pages of this
+         * slot only, never the page it may share with the next slot's header */
+        uintptr_t kept = ((uintptr_t)s + SLOT_HDR + have + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
+        uintptr_t end = ((uintptr_t)s + stride) & ~(uintptr_t)(PAGE - 1);
+        if (end > to)
+            end = to;
+        if (end > kept)
+            madvise((void *)kept, end - kept, MADV_REMOVE);
+        return -1;
+    }
+    uint32_t n32 = (uint32_t)need;
+    memcpy(s + SLOT_BACKED_OFF, &n32, 4);
+    return 0;
+}
+
+/* a FREE slot for nbytes with its pages there: in the smallest class whose slots hold it, else in a larger one;
+ * NULL if every class that could hold it is busy among the key's buckets or its pages cannot be had (*c: its
+ * class). A slot of the small class is backed whole (its payload is encoded into it before its size is known). */
+static char *
+reserve_for(table_t *t, uint64_t h, uint64_t nbytes, uint64_t writing, uint32_t *c)
+{
+    for (uint32_t k = 0; k < t->nclasses; k++) {
+        if (t->cls[k].slot_bytes < nbytes)
+            continue;
+        char *s = reserve(t, k, h, writing);
+        if (s == NULL)
+            continue;
+        if (back(s, k == 0 ? t->cls[0].slot_bytes : nbytes, t->cls[k].stride) < 0) {
+            free_slot(k, s);
+            return NULL; /* tmpfs full: the file path reports it (ENOSPC) */
+        }
+        *c = k;
+        return s;
+    }
+    return NULL;
+}
+
+static inline uint64_t
+largest(table_t *t)
+{
+    return t->cls[t->nclasses - 1].slot_bytes;
+}
+
+/* give back the pages of FREE slots of classes >= 1 freed before `before` (CLOCK_REALTIME); the bytes
+ * given back. Each slot is taken (CAS FREE -> writing) while its pages are removed (MADV_REMOVE: the
+ * tmpfs pages go, for every process mapping the table), so no put writes it meanwhile; its first page
+ * (the slot header) stays. */
+static uint64_t
+trim_slots(table_t *t, uint64_t writing, double before)
+{
+    uint64_t freed = 0;
+    for (uint32_t c = 1; c < t->nclasses; c++) {
+        for (uint64_t j = 0; j < t->cls[c].n; j++) {
+            char *s = class_slot(t, c, j);
+            double when;
+            if (__atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE) != S_FREE)
+                continue;
+            memcpy(&when, s + SLOT_TIME_OFF, 8);
+            if (!(when > 0.0 && when < before))
+                continue;
+            uint64_t want = S_FREE;
+            if (!__atomic_compare_exchange_n(slot_state(s), &want, writing, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+                continue;
+            memcpy(&when, s + SLOT_TIME_OFF, 8);
+            if (when > 0.0 && when < before) {
+                uintptr_t from = ((uintptr_t)s + SLOT_HDR + PAGE - 1) & ~(uintptr_t)(PAGE - 1);
+                uintptr_t to = ((uintptr_t)s + t->cls[c].stride) & ~(uintptr_t)(PAGE - 1);
+                if (to > from && madvise((void *)from, to - from, MADV_REMOVE) == 0)
+                    freed += to - from;
+                when = 0.0;
+                memcpy(s + SLOT_TIME_OFF, &when, 8);
+                uint32_t none = 0;
+                memcpy(s + SLOT_BACKED_OFF, &none, 4);
+            }
+            __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
+        }
+    }
+    return freed;
+}
+
+/* after a put: trim idle slots if the table's trim is due and this put wins it (at most every idle / 4,
+ * between 50 ms and 1 s) */
 static void
-publish(char *s, uint64_t h, const char *k, Py_ssize_t n, Py_ssize_t nbytes, unsigned long tag, unsigned long long start, uint64_t ready)
+trim_if_due(table_t *t, uint64_t writing, double now)
+{
+    uint64_t idle_ns, *next = (uint64_t *)(t->base + TRIM_OFF);
+    memcpy(&idle_ns, t->base + IDLE_OFF, 8);
+    if (t->nclasses < 2 || idle_ns == 0)
+        return;
+    uint64_t now_ns = (uint64_t)(now * 1e9), due = __atomic_load_n(next, __ATOMIC_RELAXED);
+    if (now_ns < due)
+        return;
+    uint64_t every = idle_ns / 4;
+    every = every < 50000000ULL ? 50000000ULL : every > 1000000000ULL ? 1000000000ULL : every;
+    if (!__atomic_compare_exchange_n(next, &due, now_ns + every, 0, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+        return;
+    trim_slots(t, writing, now - (double)idle_ns * 1e-9);
+}
+
+/* fill the slot's fields and publish it (READY, seq_cst); the publish time */
+static double
+publish(table_t *t, uint32_t c, char *s, uint64_t h, const char *k, Py_ssize_t n, Py_ssize_t nbytes, unsigned long tag,
+        unsigned long long start, uint64_t ready)
 {
     uint32_t n32 = (uint32_t)n, len32 = (uint32_t)nbytes, tag32 = (uint32_t)tag;
     uint64_t st64 = (uint64_t)start;
@@ -501,14 +789,17 @@ publish(char *s, uint64_t h, const char *k, Py_ssize_t n, Py_ssize_t nbytes, uns
     memcpy(s + SLOT_TAG_OFF, &tag32, 4);
     memcpy(s + SLOT_START_OFF, &st64, 8);
     memcpy(s + SLOT_KEY_OFF, k, (size_t)n);
+    ready_add(t, c, 1); /* before READY: a look that reads the count 0 cannot miss this slot */
     __atomic_store_n(slot_state(s), ready, __ATOMIC_SEQ_CST);
+    return now;
 }
 
 PyDoc_STRVAR(slot_put_doc,
              "slot_put(table, key, writing, ready, claimer, tag, start, buffers, nbytes, wake) -> int\n\n"
-             "Publish the concatenation of buffers (nbytes) under key: replace a READY slot of the same key,\n"
-             "take a FREE slot among the key's PROBES buckets (CAS FREE->writing), copy, store ready (release),\n"
-             "ring the wake slots. Returns the slot index, -1 if the key or payload does not fit, -2 if no slot is free.");
+             "Publish the concatenation of buffers (nbytes) under key: take a FREE slot (CAS FREE->writing) in the\n"
+             "smallest class that holds nbytes (else a larger one) among the key's buckets, copy, replace a READY slot\n"
+             "of the same key, store ready, ring the wake slots. Returns the slot index, -1 if the key or payload does\n"
+             "not fit, -2 if no slot is free.");
 
 static PyObject *
 native_slot_put(PyObject *self, PyObject *args)
@@ -528,18 +819,20 @@ native_slot_put(PyObject *self, PyObject *args)
     }
     if (table_open(obj, &t) < 0)
         return NULL;
-    if (n > SLOT_KEY_MAX || nbytes < 0 || (uint64_t)nbytes > t.slot_bytes) {
+    if (n > SLOT_KEY_MAX || nbytes < 0 || (uint64_t)nbytes > largest(&t)) {
         PyBuffer_Release(&t.view);
         return PyLong_FromLong(-1);
     }
     uint64_t h = fnv1a(k, n);
-    /* a put replaces an unconsumed payload of the same key (as the file path does) */
-    replace_ready(&t, h, k, n, claimer);
-    long found = -2;
-    char *s = reserve(&t, h, writing, &found);
+    uint32_t c = 0;
+    char *s = reserve_for(&t, h, (uint64_t)nbytes, writing, &c);
     if (s == NULL) {
-        PyBuffer_Release(&t.view);
-        return PyLong_FromLong(found);
+        replace_ready(&t, h, k, n, claimer); /* maybe its own old payload fills the key's buckets */
+        s = reserve_for(&t, h, (uint64_t)nbytes, writing, &c);
+        if (s == NULL) {
+            PyBuffer_Release(&t.view);
+            return PyLong_FromLong(-2);
+        }
     }
     char *data = s + SLOT_HDR;
     Py_ssize_t at = 0, nb = PyList_GET_SIZE(bufs);
@@ -560,23 +853,28 @@ native_slot_put(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "buffers are shorter than nbytes");
         goto fail;
     }
-    publish(s, h, k, n, nbytes, tag, start, ready);
-    PyBuffer_Release(&t.view);
+    replace_ready(&t, h, k, n, claimer); /* a put replaces an unconsumed payload of the same key (as the file path does) */
+    long index = slot_index(&t, c, s);
+    double now = publish(&t, c, s, h, k, n, nbytes, tag, start, ready);
     ring(wake, wake_offset(h), WAKE_ANY);
-    return PyLong_FromLong(found);
+    trim_if_due(&t, writing, now);
+    PyBuffer_Release(&t.view);
+    return PyLong_FromLong(index);
 fail:
-    __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
+    free_slot(c, s);
     PyBuffer_Release(&t.view);
     return NULL;
 }
 
 PyDoc_STRVAR(slot_put_obj_doc,
              "slot_put_obj(table, writing, ready, claimer, tag, start, wake, limits, key, encoder, obj) -> int\n\n"
-             "slot_put with the encoding written straight into the slot: reserve a FREE bucket (CAS FREE->writing),\n"
-             "encode obj into the slot's payload area with encoder (omni_plugins.wire.native_c_api(): the compiled\n"
-             "encoder's C API), replace a READY slot of the same key, publish, ring. Returns the encoded size; -1 if the key\n"
-             "(or without UTF-8 bytes) or the encoding does not fit, -2 if no bucket is free (both after replacing an unconsumed payload of the\n"
-             "key: the file path takes over), -3 if the compiled encoder declined (the Python encoder decides).");
+             "slot_put with the encoding written straight into the slot: encode obj with encoder (omni_plugins.wire.\n"
+             "native_c_api(): the compiled encoder's C API) into a FREE slot of the smallest class (CAS FREE->writing);\n"
+             "an encoding too big for it goes, encoded again, into a slot of the smallest class that holds it (else a\n"
+             "larger one). Replace a READY slot of the same key, publish, ring. Returns the encoded size; -1 if the key\n"
+             "(or without UTF-8 bytes) or the encoding does not fit, -2 if no bucket is free (both after replacing an\n"
+             "unconsumed payload of the key: the file path takes over), -3 if the compiled encoder declined (the Python\n"
+             "encoder decides).");
 
 /* The C entry point of omni_plugins.wire's compiled encoder (its C_API capsule; same layout there). */
 #define WIRE_C_API_NAME "omni_plugins.wire._native.C_API"
@@ -617,23 +915,22 @@ arg_str(PyObject *o)
     return -1;
 }
 
-/* Encode payload into dst (cap bytes) through the wire encoder's C API (`encoder`: its capsule).
- * Returns the message length (written only if <= cap), WIRE_ENCODE_DEFER, or -1 with an exception. */
-static long long
-encode_into_slot(PyObject *encoder, PyObject *payload, PyObject *limits, char *dst, Py_ssize_t cap)
+/* The wire encoder's C API from its capsule (`encoder`); NULL with an exception. */
+static const WireCAPI *
+wire_api(PyObject *encoder)
 {
     if (!PyCapsule_CheckExact(encoder)) {
         PyErr_Format(PyExc_TypeError, "encoder must be omni_plugins.wire.native_c_api(), not %.100s", Py_TYPE(encoder)->tp_name);
-        return -1;
+        return NULL;
     }
     const WireCAPI *api = PyCapsule_GetPointer(encoder, WIRE_C_API_NAME);
     if (api == NULL)
-        return -1;
+        return NULL;
     if (api->version != 1) {
         PyErr_Format(PyExc_RuntimeError, "omni_plugins.wire C API version %d (this extension knows 1)", api->version);
-        return -1;
+        return NULL;
     }
-    return api->encode_into(payload, limits, (unsigned char *)dst, cap);
+    return api;
 }
 
 static PyObject *
@@ -648,6 +945,9 @@ native_slot_put_obj(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         arg_u64(args[3], &claimer) < 0 || arg_u64(args[4], &tag) < 0 || arg_u64(args[5], &start) < 0 || arg_str(args[8]) < 0)
         return NULL;
     obj = args[0], wake = args[6], limits = args[7], key = args[8], encoder = args[9], payload = args[10];
+    const WireCAPI *api = wire_api(encoder);
+    if (api == NULL)
+        return NULL;
     if ((k = utf8_key(key, &n)) == NULL)
         return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
     if (table_open(obj, &t) < 0)
@@ -657,65 +957,129 @@ native_slot_put_obj(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return PyLong_FromLong(-1);
     }
     uint64_t h = fnv1a(k, n);
-    long index = -2;
-    char *s = reserve(&t, h, writing, &index);
+    uint32_t c = 0;
+    long long nbytes, result;
+    /* most payloads fit the smallest class: encode straight into one of its slots; one that does not was
+     * only measured (the encoder writes nothing that does not fit) and is encoded again into a larger slot */
+    char *s = reserve(&t, 0, h, writing);
+    if (s != NULL && back(s, t.cls[0].slot_bytes, t.cls[0].stride) < 0) {
+        free_slot(0, s);
+        result = -2; /* tmpfs full: the file path reports it */
+        goto declined;
+    }
+    if (s != NULL) {
+        nbytes = api->encode_into(payload, limits, (unsigned char *)s + SLOT_HDR, (Py_ssize_t)t.cls[0].slot_bytes);
+        if (nbytes >= 0 && (uint64_t)nbytes <= t.cls[0].slot_bytes)
+            goto publish;
+        free_slot(0, s);
+        s = NULL;
+    } else {
+        nbytes = api->encode_into(payload, limits, NULL, 0); /* its size alone */
+    }
+    if (nbytes < 0) {
+        result = nbytes == WIRE_ENCODE_DEFER ? -3 : -4;
+        goto out;
+    }
+    if ((uint64_t)nbytes > largest(&t)) {
+        result = -1;
+        goto declined;
+    }
+    s = reserve_for(&t, h, (uint64_t)nbytes, writing, &c);
     if (s == NULL) {
-        replace_ready(&t, h, k, n, claimer); /* maybe it frees a bucket; else the file path replaces it */
-        s = reserve(&t, h, writing, &index);
+        replace_ready(&t, h, k, n, claimer); /* maybe its own old payload fills the key's buckets */
+        s = reserve_for(&t, h, (uint64_t)nbytes, writing, &c);
         if (s == NULL) {
-            PyBuffer_Release(&t.view);
-            return PyLong_FromLong(-2);
+            result = -2;
+            goto out;
         }
     }
-    long long nbytes = encode_into_slot(encoder, payload, limits, s + SLOT_HDR, (Py_ssize_t)t.slot_bytes);
-    if (nbytes < 0 || (uint64_t)nbytes > t.slot_bytes) {
-        __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
-        if (nbytes >= 0)
-            replace_ready(&t, h, k, n, claimer); /* too big: the file path publishes it */
-        PyBuffer_Release(&t.view);
-        if (nbytes == -1)
-            return NULL;
-        return PyLong_FromLong(nbytes == WIRE_ENCODE_DEFER ? -3 : -1);
+    long long again = api->encode_into(payload, limits, (unsigned char *)s + SLOT_HDR, (Py_ssize_t)t.cls[c].slot_bytes);
+    if (again != nbytes) { /* an error, or the payload changed between the two walks: the file path decides */
+        free_slot(c, s);
+        result = again == -1 ? -4 : -1;
+        goto declined;
     }
+publish:
     replace_ready(&t, h, k, n, claimer);
-    publish(s, h, k, n, (Py_ssize_t)nbytes, tag, start, ready);
-    PyBuffer_Release(&t.view);
+    double now = publish(&t, c, s, h, k, n, (Py_ssize_t)nbytes, (unsigned long)tag, start, ready);
     ring(wake, wake_offset(h), WAKE_ANY);
+    trim_if_due(&t, writing, now);
+    PyBuffer_Release(&t.view);
     return PyLong_FromLongLong(nbytes);
+declined:
+    replace_ready(&t, h, k, n, claimer); /* too big: the file path publishes it */
+out:
+    PyBuffer_Release(&t.view);
+    if (result == -4)
+        return PyErr_Occurred() ? NULL : PyLong_FromLong(-1);
+    return PyLong_FromLongLong(result);
 }
 
 PyDoc_STRVAR(slot_take_doc,
-             "slot_take(table, claimer, wake, key) -> bytearray | int | None\n\n"
-             "Load the wake slot's seq, then look for a READY payload of key among its PROBES buckets; claim it\n"
-             "(CAS READY->claimer), copy it into a new bytearray and free the slot. Returns the bytearray, or the\n"
-             "seq read before looking (sleep on it with wait()), plus 1 << 32 when the table's count of unconsumed\n"
-             "file-path payloads (read after looking) is not 0; None for a key without UTF-8 bytes (lone surrogates).\n"
+             "slot_take(table, claimer, wake, lend, key) -> bytearray | tuple | int | None\n\n"
+             "Load the wake slot's seq, then look for a READY payload of key among its buckets (the smallest class,\n"
+             "then each larger class that may hold a READY slot); claim it (CAS READY->claimer), copy it into a new\n"
+             "bytearray and free the slot. With lend true, a payload of a class >= 1 is not copied: its slot stays\n"
+             "claimed and (index, offset, length) is returned (views over the table's mapping; slot_release frees it).\n"
+             "A miss returns the seq read before looking, plus 1 << 32 when the table's count of unconsumed file-path\n"
+             "payloads (read after looking) is not 0; None for a key without UTF-8 bytes (lone surrogates).\n"
              "ValueError if the claimed slot is corrupt (freed). (Arguments ordered for functools.partial.)");
 
-/* one look for key: the payload (claimed, copied out, freed) as a bytearray, or NULL with *miss set to the seq
- * read before looking (| FILES_BIT when the file-path hint is not 0), or NULL with an exception */
+/* copy n bytes of slot s into a new bytearray (the GIL released for a large copy: the slot is ours and both
+ * buffers stay exported) */
 static PyObject *
-take_once(table_t *t, uint32_t *seq, uint64_t claimer, const char *k, Py_ssize_t n, uint64_t *miss)
+copy_out(char *s, uint32_t len)
+{
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)len);
+    if (out == NULL || len == 0)
+        return out;
+    char *dst = PyByteArray_AS_STRING(out);
+    if (len >= NOGIL_COPY) {
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst, s + SLOT_HDR, len);
+        Py_END_ALLOW_THREADS
+    } else {
+        memcpy(dst, s + SLOT_HDR, len);
+    }
+    return out;
+}
+
+/* one look for key: the payload (claimed, copied out, freed) as a bytearray, or with `lend` a payload of a
+ * class >= 1 as (index, offset, length) with its slot left claimed, or NULL with *miss set to the seq read
+ * before looking (| FILES_BIT when the file-path hint is not 0), or NULL with an exception */
+static PyObject *
+take_once(table_t *t, uint32_t *seq, uint64_t claimer, int lend, const char *k, Py_ssize_t n, uint64_t *miss)
 {
     uint32_t seen = seq != NULL ? __atomic_load_n(seq, __ATOMIC_SEQ_CST) : 0;
     if (n <= SLOT_KEY_MAX) {
         uint64_t h = fnv1a(k, n);
-        for (int p = 0; p < PROBES && p < (int)t->nslots; p++) {
-            char *s = slot_at(t, h + (uint64_t)p);
-            uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
-            if ((w & 0xFF) != S_READY || !slot_has_key(s, h, k, n) || !claim_ready(s, w, claimer, h, k, n))
+        for (uint32_t c = 0; c < t->nclasses; c++) {
+            if (!class_live(t, c))
                 continue;
-            uint32_t len;
-            memcpy(&len, s + SLOT_LEN_OFF, 4);
-            if ((uint64_t)len > t->slot_bytes) {
-                __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
-                PyErr_Format(PyExc_ValueError, "slot %ld is corrupt: payload length %u > slot size %llu; freed it",
-                             (long)((h + (uint64_t)p) % t->nslots), len, (unsigned long long)t->slot_bytes);
-                return NULL;
+            for (int p = 0; p < probe_total(t, c); p++) {
+                char *s = probe_slot(t, c, h, p);
+                uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
+                if ((w & 0xFF) != S_READY || !slot_has_key(s, h, k, n) || !claim_ready(s, w, claimer, h, k, n))
+                    continue;
+                ready_add(t, c, -1);
+                uint32_t len;
+                memcpy(&len, s + SLOT_LEN_OFF, 4);
+                if ((uint64_t)len > t->cls[c].slot_bytes) {
+                    free_slot(c, s);
+                    PyErr_Format(PyExc_ValueError, "slot %ld is corrupt: payload length %u > slot size %llu; freed it",
+                                 slot_index(t, c, s), len, (unsigned long long)t->cls[c].slot_bytes);
+                    return NULL;
+                }
+                if (lend && c > 0) {
+                    PyObject *lent = Py_BuildValue("(lnI)", slot_index(t, c, s), (Py_ssize_t)(s + SLOT_HDR - t->base), len);
+                    if (lent == NULL)
+                        free_slot(c, s);
+                    return lent;
+                }
+                PyObject *out = copy_out(s, len);
+                free_slot(c, s);
+                return out; /* NULL on MemoryError: the payload is lost like any failed get's */
             }
-            PyObject *out = PyByteArray_FromStringAndSize(s + SLOT_HDR, (Py_ssize_t)len);
-            __atomic_store_n(slot_state(s), (uint64_t)S_FREE, __ATOMIC_RELEASE);
-            return out; /* NULL on MemoryError: the payload is lost like any failed get's */
         }
     }
     /* read after the seq (both seq_cst): a file publication this misses raised the count after this
@@ -734,17 +1098,20 @@ static PyObject *
 take(PyObject *const *args, Py_ssize_t nargs, int mode)
 {
     static const char *const fname[] = {"slot_take", "slot_take_wait", "slot_take_or_wait"};
-    static const Py_ssize_t want[] = {4, 6, 5};
+    static const Py_ssize_t want[] = {5, 7, 6};
     PyObject *obj, *wake, *key;
     const char *k;
     Py_ssize_t n;
     unsigned long long claimer, expected = 0;
     double seconds = 0.0;
     table_t t;
-    if (fast_args(fname[mode], nargs, want[mode]) < 0 || arg_u64(args[1], &claimer) < 0 || arg_str(args[3]) < 0)
+    if (fast_args(fname[mode], nargs, want[mode]) < 0 || arg_u64(args[1], &claimer) < 0 || arg_str(args[4]) < 0)
         return NULL;
-    obj = args[0], wake = args[2], key = args[3];
-    if (mode == TAKE_WAIT && arg_u64(args[4], &expected) < 0)
+    obj = args[0], wake = args[2], key = args[4];
+    int lend = PyObject_IsTrue(args[3]);
+    if (lend < 0)
+        return NULL;
+    if (mode == TAKE_WAIT && arg_u64(args[5], &expected) < 0)
         return NULL;
     if (mode != TAKE) {
         seconds = PyFloat_AsDouble(args[nargs - 1]);
@@ -775,14 +1142,16 @@ take(PyObject *const *args, Py_ssize_t nargs, int mode)
             goto done;
         timed_out = slept ? TIMED_OUT_BIT : 0;
     }
-    out = take_once(&t, seq, claimer, k, n, &miss);
+    out = take_once(&t, seq, claimer, lend, k, n, &miss);
     if (mode == TAKE_OR_WAIT && out == NULL && !PyErr_Occurred() && seq != NULL && seconds > 0.0 && !(miss & FILES_BIT)) {
         /* a miss with no file payload to look for: sleep on the seq read before the look, then look again */
         if ((slept = sleep_checked(seq, (uint32_t)miss, seconds)) < 0)
             goto done;
         timed_out = slept ? TIMED_OUT_BIT : 0;
-        out = take_once(&t, seq, claimer, k, n, &miss);
+        out = take_once(&t, seq, claimer, lend, k, n, &miss);
     }
+    if (timed_out && out == NULL && !PyErr_Occurred())
+        trim_if_due(&t, claimer, now_realtime()); /* a quiet namespace: its waiting gets give idle slots' memory back */
 done:
     PyBuffer_Release(&t.view);
     if (seq != NULL)
@@ -799,7 +1168,7 @@ native_slot_take(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyDoc_STRVAR(slot_take_wait_doc,
-             "slot_take_wait(table, claimer, wake, key, expected, seconds) -> bytearray | int | None\n\n"
+             "slot_take_wait(table, claimer, wake, lend, key, expected, seconds) -> bytearray | tuple | int | None\n\n"
              "Sleep up to seconds while the key's wake slot reads expected (GIL released), then slot_take. A miss after\n"
              "a sleep that ran out its time has 1 << 33 added. (wake.sleep + slot_take in one call: the hot wait.)");
 
@@ -810,7 +1179,7 @@ native_slot_take_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 PyDoc_STRVAR(slot_take_or_wait_doc,
-             "slot_take_or_wait(table, claimer, wake, key, seconds) -> bytearray | int | None\n\n"
+             "slot_take_or_wait(table, claimer, wake, lend, key, seconds) -> bytearray | tuple | int | None\n\n"
              "slot_take; if that misses and the file-path hint is 0, sleep up to seconds on the seq it read before\n"
              "looking (GIL released) and look once more: a blocking get's first look, its sleep and the look after it\n"
              "in one call. The miss is slot_take's (+ 1 << 33 when the sleep ran out its time); a miss with the\n"
@@ -820,6 +1189,71 @@ static PyObject *
 native_slot_take_or_wait(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     return take(args, nargs, TAKE_OR_WAIT);
+}
+
+PyDoc_STRVAR(slot_release_doc,
+             "slot_release(table, claimer, index) -> bool\n\n"
+             "Free slot index if it is still claimed by claimer (a lent payload's views died). True if it was.");
+
+static PyObject *
+native_slot_release(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    unsigned long long claimer;
+    Py_ssize_t i;
+    table_t t;
+    uint32_t c;
+    if (!PyArg_ParseTuple(args, "OKn:slot_release", &obj, &claimer, &i))
+        return NULL;
+    char *s = table_open_at(obj, i, &t, &c);
+    if (s == NULL)
+        return NULL;
+    int ok = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE) == (uint64_t)claimer;
+    if (ok)
+        free_slot(c, s);
+    PyBuffer_Release(&t.view);
+    return PyBool_FromLong(ok);
+}
+
+PyDoc_STRVAR(slot_trim_doc,
+             "slot_trim(table, writing, before) -> int\n\n"
+             "Give back the pages of every FREE slot of a class >= 1 last freed before `before` (CLOCK_REALTIME\n"
+             "seconds); the bytes given back.");
+
+static PyObject *
+native_slot_trim(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    unsigned long long writing;
+    double before;
+    table_t t;
+    if (!PyArg_ParseTuple(args, "OKd:slot_trim", &obj, &writing, &before))
+        return NULL;
+    if (table_open(obj, &t) < 0)
+        return NULL;
+    uint64_t freed = trim_slots(&t, writing, before);
+    PyBuffer_Release(&t.view);
+    return PyLong_FromUnsignedLongLong(freed);
+}
+
+PyDoc_STRVAR(slot_trim_due_doc,
+             "slot_trim_due(table, owner) -> None\n\n"
+             "The trim puts run (slot_trim of the slots idle longer than the table's idle time), if it is due: at most\n"
+             "every quarter of that time. For waits that ran out in a quiet namespace. owner: a state word of this process.");
+
+static PyObject *
+native_slot_trim_due(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    unsigned long long owner;
+    table_t t;
+    if (!PyArg_ParseTuple(args, "OK:slot_trim_due", &obj, &owner))
+        return NULL;
+    if (table_open(obj, &t) < 0)
+        return NULL;
+    trim_if_due(&t, owner, now_realtime());
+    PyBuffer_Release(&t.view);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(slot_files_doc,
@@ -836,15 +1270,7 @@ native_slot_files(PyObject *self, PyObject *args)
         return NULL;
     if (table_open(obj, &t) < 0)
         return NULL;
-    uint64_t *word = (uint64_t *)(t.base + FILES_OFF), now;
-    if (delta >= 0) {
-        now = __atomic_add_fetch(word, (uint64_t)delta, __ATOMIC_SEQ_CST);
-    } else {
-        uint64_t cur = __atomic_load_n(word, __ATOMIC_SEQ_CST);
-        do {
-            now = cur > (uint64_t)(-delta) ? cur - (uint64_t)(-delta) : 0;
-        } while (!__atomic_compare_exchange_n(word, &cur, now, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST));
-    }
+    uint64_t now = counter_add((uint64_t *)(t.base + FILES_OFF), delta);
     PyBuffer_Release(&t.view);
     return PyLong_FromUnsignedLongLong(now);
 }
@@ -861,6 +1287,22 @@ native_slot_present(PyObject *self, PyObject *args)
         return NULL;
     if (table_open(obj, &t) < 0)
         return NULL;
+    /* the hot windows are the same for every key: read them once, then compare each key's hash with theirs */
+    char *hot[MAX_CLASSES * PROBES];
+    uint64_t hot_hash[MAX_CLASSES * PROBES];
+    int nhot = 0;
+    for (uint32_t c = 0; c < t.nclasses; c++) {
+        if (!class_live(&t, c))
+            continue;
+        int window = probe_total(&t, c) < PROBES ? probe_total(&t, c) : PROBES;
+        for (int p = 0; p < window; p++) {
+            char *s = probe_slot(&t, c, 0, p);
+            if ((__atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE) & 0xFF) == S_READY) {
+                hot[nhot] = s;
+                memcpy(&hot_hash[nhot++], s + SLOT_HASH_OFF, 8);
+            }
+        }
+    }
     PyObject *out = PyList_New(0);
     for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(keys); i++) {
         Py_ssize_t n;
@@ -872,16 +1314,23 @@ native_slot_present(PyObject *self, PyObject *args)
         if (n > SLOT_KEY_MAX)
             continue;
         uint64_t h = fnv1a(k, n);
-        for (int p = 0; p < PROBES && p < (int)t.nslots; p++) {
-            char *s = slot_at(&t, h + (uint64_t)p);
-            uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
-            if ((w & 0xFF) == S_READY && slot_has_key(s, h, k, n)) {
-                PyObject *idx = PyLong_FromSsize_t(i);
-                if (idx == NULL || PyList_Append(out, idx) < 0)
-                    Py_CLEAR(out);
-                Py_XDECREF(idx);
-                break;
+        int found = 0;
+        for (int j = 0; !found && j < nhot; j++)
+            found = hot_hash[j] == h && slot_has_key(hot[j], h, k, n);
+        for (uint32_t c = 0; !found && c < t.nclasses; c++) {
+            if (!class_live(&t, c))
+                continue;
+            for (int p = PROBES; !found && p < probe_total(&t, c); p++) { /* a large class's buckets from the hash */
+                char *s = probe_slot(&t, c, h, p);
+                uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
+                found = (w & 0xFF) == S_READY && slot_has_key(s, h, k, n);
             }
+        }
+        if (found) {
+            PyObject *idx = PyLong_FromSsize_t(i);
+            if (idx == NULL || PyList_Append(out, idx) < 0)
+                Py_CLEAR(out);
+            Py_XDECREF(idx);
         }
     }
     PyBuffer_Release(&t.view);
@@ -902,22 +1351,25 @@ native_slot_scan(PyObject *self, PyObject *args)
     if (table_open(obj, &t) < 0)
         return NULL;
     PyObject *out = PyList_New(0);
-    for (uint32_t i = 0; out && i < t.nslots; i++) {
-        char *s = slot_at(&t, i);
-        uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
-        if (w == S_FREE)
-            continue;
-        uint32_t tag, kn;
-        double when;
-        memcpy(&tag, s + SLOT_TAG_OFF, 4);
-        memcpy(&when, s + SLOT_TIME_OFF, 8);
-        memcpy(&kn, s + SLOT_KEYLEN_OFF, 4);
-        if (kn > SLOT_KEY_MAX)
-            kn = 0;
-        PyObject *item = Py_BuildValue("(IKkdy#)", i, (unsigned long long)w, (unsigned long)tag, when, s + SLOT_KEY_OFF, (Py_ssize_t)kn);
-        if (item == NULL || PyList_Append(out, item) < 0)
-            Py_CLEAR(out);
-        Py_XDECREF(item);
+    for (uint32_t c = 0; out && c < t.nclasses; c++) {
+        for (uint64_t j = 0; out && j < t.cls[c].n; j++) {
+            char *s = class_slot(&t, c, j);
+            uint64_t w = __atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE);
+            if (w == S_FREE)
+                continue;
+            uint32_t tag, kn;
+            double when;
+            memcpy(&tag, s + SLOT_TAG_OFF, 4);
+            memcpy(&when, s + SLOT_TIME_OFF, 8);
+            memcpy(&kn, s + SLOT_KEYLEN_OFF, 4);
+            if (kn > SLOT_KEY_MAX)
+                kn = 0;
+            PyObject *item = Py_BuildValue("(kKkdy#)", (unsigned long)(t.cls[c].first + j), (unsigned long long)w, (unsigned long)tag,
+                                           when, s + SLOT_KEY_OFF, (Py_ssize_t)kn);
+            if (item == NULL || PyList_Append(out, item) < 0)
+                Py_CLEAR(out);
+            Py_XDECREF(item);
+        }
     }
     PyBuffer_Release(&t.view);
     return out;
@@ -933,13 +1385,20 @@ native_slot_cas(PyObject *self, PyObject *args)
     unsigned long long expected, desired;
     Py_ssize_t i;
     table_t t;
+    uint32_t c;
     if (!PyArg_ParseTuple(args, "OnKK:slot_cas", &obj, &i, &expected, &desired))
         return NULL;
-    if (table_open_at(obj, i, &t) < 0)
+    char *s = table_open_at(obj, i, &t, &c);
+    if (s == NULL)
         return NULL;
+    /* the class's READY bound: raised before a slot becomes READY, lowered after it stopped being READY */
+    int was_ready = (expected & 0xFF) == S_READY, is_ready = (desired & 0xFF) == S_READY;
+    if (is_ready && !was_ready)
+        ready_add(&t, c, 1);
     uint64_t want = expected;
-    int ok = __atomic_compare_exchange_n(slot_state(slot_at(&t, (uint64_t)i)), &want, (uint64_t)desired, 0, __ATOMIC_ACQ_REL,
-                                         __ATOMIC_ACQUIRE);
+    int ok = __atomic_compare_exchange_n(slot_state(s), &want, (uint64_t)desired, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+    if (is_ready != was_ready && (ok ? was_ready : is_ready))
+        ready_add(&t, c, -1);
     PyBuffer_Release(&t.view);
     return PyBool_FromLong(ok);
 }
@@ -952,18 +1411,21 @@ native_slot_tag(PyObject *self, PyObject *args)
     PyObject *obj;
     Py_ssize_t i;
     table_t t;
+    uint32_t c;
     if (!PyArg_ParseTuple(args, "On:slot_tag", &obj, &i))
         return NULL;
-    if (table_open_at(obj, i, &t) < 0)
+    char *s = table_open_at(obj, i, &t, &c);
+    if (s == NULL)
         return NULL;
     uint32_t tag;
-    memcpy(&tag, slot_at(&t, (uint64_t)i) + 32, 4);
+    memcpy(&tag, s + SLOT_TAG_OFF, 4);
     PyBuffer_Release(&t.view);
     return PyLong_FromUnsignedLong(tag);
 }
 
 static PyMethodDef methods[] = {
     {"rename_noreplace", native_rename_noreplace, METH_VARARGS, rename_doc},
+    {"copy", (PyCFunction)(void (*)(void))native_copy, METH_FASTCALL, copy_doc},
     {"bump", futex_bump, METH_VARARGS, bump_doc},
     {"cas", futex_cas, METH_VARARGS, cas_doc},
     {"load", futex_load, METH_VARARGS, load_doc},
@@ -980,6 +1442,9 @@ static PyMethodDef methods[] = {
     {"slot_scan", native_slot_scan, METH_VARARGS, slot_scan_doc},
     {"slot_cas", native_slot_cas, METH_VARARGS, slot_cas_doc},
     {"slot_tag", native_slot_tag, METH_VARARGS, slot_tag_doc},
+    {"slot_release", native_slot_release, METH_VARARGS, slot_release_doc},
+    {"slot_trim", native_slot_trim, METH_VARARGS, slot_trim_doc},
+    {"slot_trim_due", native_slot_trim_due, METH_VARARGS, slot_trim_due_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -124,8 +124,8 @@ def test_large_payload_gets_its_own_segment_which_the_get_unlinks(namespace: str
 
 
 # -- zero copy ----------------------------------------------------------------------------------
-def test_zero_copy_views_pin_the_segment_until_the_last_view_dies(pair: Any, namespace: str) -> None:
-    producer, consumer = pair
+def test_zero_copy_views_pin_the_segment_until_the_last_view_dies(file_pair: Any, namespace: str) -> None:
+    producer, consumer = file_pair
     producer.put(0, 1, "a", make_payload(1, 256 * KIB))
     res = consumer.get_views(0, 1, "a")
     assert res is not None

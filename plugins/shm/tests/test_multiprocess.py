@@ -39,11 +39,11 @@ def test_two_producers_two_consumers_one_namespace(namespace: str, spawn: Any) -
     """Concurrent producer and consumer processes: every payload arrives intact exactly once.
 
     Producers: a spawned process and this process (putting while the consumers already wait).
-    Sizes span the small class, pooled classes and a payload larger than ``pool_max_segment_bytes``
-    (its own segment). First the two consumers race for 60 keys put before they started: each key
-    is won by exactly one of them (claiming is a rename).
+    Sizes span the slot table's classes (small and 256 KiB slots here) and the file path (pooled segments,
+    and a payload larger than ``pool_max_segment_bytes``: its own segment). First the two consumers race
+    for 60 keys put before they started: each key is won by exactly one of them.
     """
-    config = {"namespace": namespace, "pool_max_segment_bytes": 2 * MIB}
+    config = {"namespace": namespace, "pool_max_segment_bytes": 2 * MIB, "slot_classes": [(4, 256 * KIB)]}
     sizes = [4 * KIB, 200 * KIB, 1 * MIB, 3 * MIB]  # 3 MiB > pool max: dedicated segment
     items = {
         (p, c): [(f"p{p}-c{c}-{j}", 1000 * p + 100 * c + j, sizes[j % len(sizes)]) for j in range(8)] for p in range(2) for c in range(2)
@@ -80,8 +80,8 @@ def test_two_producers_two_consumers_one_namespace(namespace: str, spawn: Any) -
 
 def test_sigkilled_producer_is_reclaimed_and_views_outlive_it(namespace: str, spawn: Any) -> None:
     """A producer killed with SIGKILL leaves segments; zero-copy views taken before stay valid;
-    ``gc.collect`` and a new instance's start-up reclaim everything once the views are gone."""
-    config = {"namespace": namespace}
+    ``gc.collect`` and a new instance's start-up reclaim everything once the views are gone (the file path)."""
+    config = {"namespace": namespace, "slot_count": 0}
     ready = spawn.Queue()
     proc = spawn.Process(target=stalled_producer_worker, args=(config, 6, 256 * KIB, ready))
     proc.start()
@@ -113,8 +113,8 @@ def test_sigkilled_producer_is_reclaimed_and_views_outlive_it(namespace: str, sp
 
 
 def test_sigkilled_view_holder_is_reclaimed_by_gc(namespace: str, spawn: Any) -> None:
-    """A consumer killed while holding zero-copy views leaves its claimed segment; gc frees it."""
-    config = {"namespace": namespace}
+    """A consumer killed while holding zero-copy views leaves its claimed segment; gc frees it (the file path)."""
+    config = {"namespace": namespace, "slot_count": 0}
     with create_connector("shm", config) as producer:
         assert producer.put(0, 1, "held", make_payload(7, 64 * KIB)).ok
         ready = spawn.Queue()

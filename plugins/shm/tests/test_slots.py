@@ -37,7 +37,7 @@ JOIN = 120
 
 
 def _config(namespace: str, **more: Any) -> dict[str, Any]:
-    return {"namespace": namespace, "slot_count": 64, "slot_bytes": 16 * KIB, **more}
+    return {"namespace": namespace, "slot_count": 64, "slot_bytes": 16 * KIB, "slot_classes": [], **more}
 
 
 def _published_files(namespace: str) -> list[str]:
@@ -310,10 +310,9 @@ def test_corrupt_slot_gives_clear_errors(namespace: str) -> None:
         a.put(0, 1, "bytes", make_payload(2, KIB))
         mm = a._slots.mm  # type: ignore[attr-defined]
         infos = {i.key: i for i in _busy(a)}
-        stride = int.from_bytes(mm[24:32], "little")
 
         def at(key: bytes) -> int:
-            return slots.HEADER + infos[key].slot * stride
+            return a._slots.slot_offset(infos[key].slot)  # type: ignore[attr-defined,no-any-return]
 
         mm[at(b"len") + 20 : at(b"len") + 24] = (1 << 31).to_bytes(4, "little")  # payload length > slot size
         mm[at(b"bytes") + slots.SLOT_HEADER : at(b"bytes") + slots.SLOT_HEADER + 64] = b"\xff" * 64  # garbage encoding

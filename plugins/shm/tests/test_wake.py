@@ -282,7 +282,8 @@ def test_consumer_killed_while_waiting(namespace: str, spawn: Any) -> None:
 
 def test_producer_killed_between_publish_and_ring(namespace: str, spawn: Any) -> None:
     """The ring is lost with the producer; the waiting get still finds the payload (its safety re-check)."""
-    config = {"namespace": namespace}
+    # the table on, the payload larger than its slots: the file path, whose publishing rename the fault follows
+    config = {"namespace": namespace, "slot_bytes": 16 << 10, "slot_classes": []}
     with create_connector("shm", config) as consumer:
         slot = _slot(namespace, "orphan")
         seq_before = _words(namespace, slot)[0]

@@ -10,8 +10,19 @@ finished (the producer frees its slab) and the bytes are decoded zero-copy.
 
 Every control connection is authenticated with a shared secret (``control``):
 the configured ``secret``, or, when there is none, one each listener generates.
-A consumer finds a peer's secret, in this order, in the listeners of its own
-process, in the peer's rendezvous file, then in its own config.
+A consumer finds a peer's secret, in this order: the generated secret of a
+listener in its own process or in the peer's rendezvous file, then its own
+configured secret, then the configured secret of a listener in its own process
+(so instances of one process reach each other with no secret configured, while
+two groups configured with different secrets stay apart there too).
+
+A producer found through discovery (the rendezvous directory or the roster) is
+only a candidate: when this instance knows no secret for it, or the handshake
+fails (it refuses this instance's secret, or cannot prove it knows it), it
+belongs to another group of instances. It is skipped -- logged at debug, listed
+under ``skipped_peers`` in ``health`` -- until it announces itself anew, and no
+request of this instance fails because of it. Nothing from it is ever read. Only
+a peer listed in ``peers`` that fails the handshake is an error.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from omni_plugins_mooncake.memory import Slab, SlabPool
 from omni_plugins_mooncake.te.control import (
     OP_CLAIM,
     OP_FINISH,
+    AuthenticationError,
     Claim,
     ControlClient,
     ControlServer,
@@ -52,10 +64,14 @@ logger = logging.getLogger(__name__)
 
 _CLAIM_MARGIN = 1.0  # seconds of claim left below which the reader asks whether its claim held
 
-# control address -> secret of every listener open in this process: instances of one process reach each
-# other without configuring a secret (the secret never leaves the process)
-_local_secrets: dict[str, bytes] = {}
+# control address -> (secret, whether it was generated) of every listener open in this process: instances of
+# one process reach each other without configuring a secret (the secret never leaves the process)
+_local_secrets: dict[str, tuple[bytes, bool]] = {}
 _local_secrets_lock = threading.Lock()
+
+#: how a discovered address was announced: its rendezvous entry and its roster expiry (None where it is not in
+#: one). A skipped address is tried again once this changes (a new announcement, a renewed roster entry).
+Announcement = tuple[PeerEntry | None, float | None]
 
 
 class MooncakeTransferEngineConnector(Connector):
@@ -96,7 +112,8 @@ class MooncakeTransferEngineConnector(Connector):
         self._server: ControlServer | None = None
         self._directory: PeerDirectory | None = None
         self._roster: MetadataRoster | None = None
-        self._quarantine: dict[str, float] = {}  # roster address that failed -> its expiry then (skipped until renewed)
+        self._announced: dict[str, Announcement] = {}  # discovered (not configured) peer -> its announcement, at the last look
+        self._skipped: dict[str, Announcement] = {}  # discovered peer not to ask -> the announcement it was skipped under
         self._stop = threading.Event()
         self._configured_secret: bytes | None = None if cfg.secret is None else cfg.secret.get_secret_value().encode()
         try:
@@ -108,7 +125,7 @@ class MooncakeTransferEngineConnector(Connector):
                 secret = generated.encode() if generated is not None else self._configured_secret or b""
                 self._server = self._listen(cfg.listen_address, secret)
                 with _local_secrets_lock:
-                    _local_secrets[self._server.address] = secret
+                    _local_secrets[self._server.address] = (secret, generated is not None)
                 if self._directory is not None:
                     # a generated secret goes into the (0600) announcement; a configured one stays out of files
                     self._directory.announce(self._server.address, generated)
@@ -175,7 +192,7 @@ class MooncakeTransferEngineConnector(Connector):
             try:
                 freed = bool(client.request({"op": "discard", "key": key}).get("released")) or freed
             except PeerUnreachableError as exc:
-                self._peer_failed(address, exc, key)
+                self._peer_failed(address, exc)
         return freed
 
     def _health(self) -> dict[str, Any]:
@@ -184,15 +201,21 @@ class MooncakeTransferEngineConnector(Connector):
         for address, client in peers:
             try:
                 client.request({"op": "ping"})
+            except PeerUnreachableError as exc:
+                if self._peer_failed(address, exc):
+                    unreachable.append(address)
             except ConnectorError:
                 unreachable.append(address)
+        with self._clients_lock:
+            skipped = sorted(self._skipped)
         return {
             "ok": not unreachable,
             "segment": self.segment,
             "listen_address": self.address,
             "control_secret": self._secret_source(),
-            "peers": [a for a, _ in peers],
+            "peers": [a for a, _ in peers if a not in skipped],
             "unreachable_peers": unreachable,
+            "skipped_peers": skipped,
             **self._table.stats(),
             "staging_pool": self._send_pool.stats(),
             "receive_buffers": self._recv_pool.stats(),
@@ -248,7 +271,7 @@ class MooncakeTransferEngineConnector(Connector):
             try:
                 claim = client.claim(key)
             except PeerUnreachableError as exc:
-                if self._peer_failed(address, exc, key):
+                if self._peer_failed(address, exc):
                     failures.append(str(exc))
                 continue
             if claim is not None:
@@ -336,18 +359,22 @@ class MooncakeTransferEngineConnector(Connector):
             logger.warning("mooncake-te: could not return a claim to %s: %s", client.address, exc)
 
     def _peer_clients(self) -> list[tuple[str, ControlClient]]:
-        addresses = list(self.config.peers)
-        if self._directory is not None:
-            addresses += [a for a in self._directory.peers() if a not in addresses]
-        if self._roster is not None:
-            with self._clients_lock:
-                quarantined = dict(self._quarantine)
-            addresses += [a for a, expiry in self._roster.cached().items() if a not in addresses and quarantined.get(a) != expiry]
+        """The peers to ask: configured ones first, then discovered ones not skipped (see the module docstring)."""
+        configured = self.config.peers
+        entries = {} if self._directory is None else self._directory.peers()
+        roster = {} if self._roster is None else self._roster.cached()
+        discovered: dict[str, Announcement] = {a: (entries.get(a), roster.get(a)) for a in (*entries, *roster) if a not in configured}
+        strangers = [a for a, (entry, _) in discovered.items() if not self._may_share_secret(a, entry)]
         own = self.address
         out = []
         with self._clients_lock:
-            for address in addresses:
-                if address == own:
+            self._announced = discovered
+            self._skipped = {a: seen for a, seen in self._skipped.items() if discovered.get(a) == seen}
+            strangers = [a for a in strangers if a not in self._skipped]
+            for address in strangers:
+                self._skipped[address] = discovered[address]
+            for address in (*configured, *discovered):
+                if address == own or address in self._skipped:
                     continue
                 client = self._clients.get(address)
                 if client is None:
@@ -355,46 +382,59 @@ class MooncakeTransferEngineConnector(Connector):
                         address, secret=functools.partial(self._secret_for, address), timeout=self.config.socket_timeout
                     )
                 out.append((address, client))
+        for address in strangers:
+            logger.debug("mooncake-te %s: skipping discovered peer %s: this instance knows no secret for it", self.segment, address)
         return out
 
-    def _secret_for(self, address: str) -> bytes | None:
-        """The control secret of the peer at ``address`` (asked when a connection to it opens)."""
+    def _may_share_secret(self, address: str, entry: PeerEntry | None) -> bool:
+        """Whether this instance has a secret to offer ``address`` (whether it is the right one, the handshake tells)."""
+        if self._configured_secret is not None or (entry is not None and entry.secret is not None):
+            return True
         with _local_secrets_lock:
-            local = _local_secrets.get(address)
-        if local is not None:
+            return address in _local_secrets
+
+    def _secret_for(self, address: str) -> bytes | None:
+        """The control secret of the peer at ``address`` (asked when a connection to it opens; order: module docstring)."""
+        with _local_secrets_lock:
+            local, generated = _local_secrets.get(address, (None, False))
+        if local is not None and generated:
             return local
         if self._directory is not None:
             entry = self._directory.peers().get(address)
             if entry is not None and entry.secret is not None:
                 return entry.secret.encode()
-        return self._configured_secret
+        return self._configured_secret or local
 
-    def _peer_failed(self, address: str, exc: PeerUnreachableError, key: str) -> bool:
-        """Handle an unreachable peer; True when it is an error (a configured peer), False for a discovered one.
+    def _peer_failed(self, address: str, exc: PeerUnreachableError) -> bool:
+        """Handle a peer that failed; True when that is an error (a configured peer), False when it is skipped.
 
-        A discovered address that fails is only a stale or foreign announcement: one that
-        refuses connections leaves the rendezvous directory, and one from the roster is
-        skipped until its producer renews its entry (a heartbeat: it is alive again).
+        A discovered address that fails is a stale or foreign announcement: one that fails
+        the handshake is another group's producer (skipped until it announces itself anew),
+        one that refuses connections leaves the rendezvous directory, and one from the
+        roster is skipped until its producer renews its entry (a heartbeat: it is alive again).
         """
         if address in self.config.peers:
             return True
-        entry: PeerEntry | None = None
-        if self._directory is not None and exc.refused:
-            entry = self._directory.peers().get(address)
-            if entry is not None:
-                self._directory.forget(entry)
-        expiry = None if self._roster is None else self._roster.cached().get(address)
-        in_roster = expiry is not None
-        if entry is None and not in_roster:
+        with self._clients_lock:
+            seen = self._announced.get(address)
+        if seen is None:
+            return True
+        entry, expiry = seen
+        if isinstance(exc, AuthenticationError):
+            logger.debug("mooncake-te %s: skipping discovered peer %s, not one of this instance's group: %s", self.segment, address, exc)
+        elif entry is not None and exc.refused:
+            assert self._directory is not None
+            self._directory.forget(entry)
+            seen = (None, expiry)
+        elif expiry is not None:
+            logger.info("mooncake-te: discovered peer %s failed (%s); skipped until it renews its roster entry", address, exc)
+        else:
             return True
         with self._clients_lock:
-            if expiry is not None:
-                self._quarantine[address] = expiry
+            self._skipped[address] = seen
             client = self._clients.pop(address, None)
         if client is not None:
             client.close()
-        if in_roster:
-            logger.info("mooncake-te: discovered peer %s failed (%s); skipped until it renews its roster entry", address, exc)
         return False
 
     def _discovery_loop(self) -> None:
@@ -411,9 +451,6 @@ class MooncakeTransferEngineConnector(Connector):
                     last_renewal = time.monotonic()
                 else:
                     roster.read()
-                entries = roster.cached()
-                with self._clients_lock:  # a renewed (or expired) entry is tried again
-                    self._quarantine = {a: e for a, e in self._quarantine.items() if entries.get(a) == e}
                 if failing:
                     logger.warning("mooncake-te %s: metadata server %s reachable again", self.segment, roster.url)
                 failing = False

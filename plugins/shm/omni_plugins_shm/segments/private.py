@@ -22,6 +22,21 @@ import numpy as np
 from omni_plugins_shm.segments.files import close_quiet
 from omni_plugins_shm.segments.pool import size_class
 
+try:
+    from omni_plugins_shm._native import copy as _native_copy
+except ImportError:  # pragma: no cover - pure-Python install
+    _native_copy = None
+
+
+def copy_into(dst: np.ndarray, src: memoryview) -> None:
+    """Copy ``src`` into the start of ``dst``: one ``memcpy`` with the GIL released (the C extension), else torch's ``copy_``."""
+    if _native_copy is not None:
+        _native_copy(dst, src)
+        return
+    import torch
+
+    torch.from_numpy(dst[: src.nbytes]).copy_(torch.frombuffer(src, dtype=torch.uint8))
+
 
 class PrivateBuffers:
     """Recycled anonymous mappings, grouped by size class."""
