@@ -71,9 +71,10 @@ class RedisConfig(ConnectorSettings):
         ge=0,
         le=64,
         description="a put returns ok only once this many replicas confirmed it (WAIT); one that falls short fails and is "
-        "withdrawn. 0 = the primary's acknowledgement (a failover may lose the last writes)",
+        "withdrawn. A failover keeps it only if it promotes one of them: set the number of replicas. "
+        "0 = the primary's acknowledgement (a failover may lose the last writes)",
     )
-    replica_ack_timeout: float = Field(1.0, gt=0, le=3600, description="how long a put waits for min_replica_acks replicas")
+    replica_ack_timeout: float = Field(1.0, gt=0, le=3600, description="how long a put waits for min_replica_acks replicas (below socket_timeout)")
     protocol: Literal[2, 3] = Field(2, description="RESP version (3 needs '+hello' for an ACL user)")
 
     key_prefix: str = Field("omni:", max_length=200, description="namespace of every key this connector writes")
