@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_plugins.forkserver import preloaded_context, start_shielded
+from omni_plugins.pipeline.pipes import Inbox, Outbox, read_any
 from omni_plugins.pipeline.spec import PipelinePlan
 from omni_plugins.pipeline.stage import StageLaunch, stage_main
 from omni_plugins.ports import free_port
@@ -93,11 +94,15 @@ class LocalStages:
         self.metrics = metrics
         used = {c for sid in self.stage_ids for c in plan.plan(sid).connectors()}
         self.ctx = stage_context(plan.config.connectors[c].name for c in used)
-        self.results: Any = self.ctx.Queue()
-        #: control queue of each stage replica's rank 0
-        self.inboxes: dict[tuple[int, int], Any] = {
-            (sid, r): self.ctx.Queue() for sid in self.stage_ids for r in range(plan.plan(sid).replicas)
-        }
+        #: the reports of each stage process (pipes, not ``multiprocessing.Queue``: see :mod:`.pipes`)
+        self.results: list[Inbox] = []
+        #: control messages to each stage replica's rank 0, and the reading ends its process takes along
+        self.inboxes: dict[tuple[int, int], Outbox] = {}
+        self._inbox_ends: dict[tuple[int, int], Inbox] = {}
+        for sid in self.stage_ids:
+            for r in range(plan.plan(sid).replicas):
+                reader, writer = self.ctx.Pipe(duplex=False)
+                self.inboxes[(sid, r)], self._inbox_ends[(sid, r)] = Outbox(writer), Inbox(reader)
         self.spawned: list[Spawned] = []
         self.closed = False
 
@@ -112,26 +117,34 @@ class LocalStages:
                 for rank in range(sp.stage.tp_size):
                     label = stage_label(sid, replica, rank, replicated=sp.replicas > 1, tp=tp) if self.metrics else None
                     launch = StageLaunch(data, self.plan.filename, sid, rank, port, self.log_level, replica, metrics_label=label)
-                    inbox = self.inboxes[(sid, replica)] if rank == 0 else None
+                    inbox = self._inbox_ends.pop((sid, replica)) if rank == 0 else None
+                    reader, writer = self.ctx.Pipe(duplex=False)
+                    self.results.append(Inbox(reader))
                     name = f"omni-stage{sid}" + (f"-x{replica}" if sp.replicas > 1 else "") + f"-r{rank}"
-                    p = self.ctx.Process(target=stage_main, args=(launch, inbox, self.results), name=name, daemon=True)
+                    p = self.ctx.Process(target=stage_main, args=(launch, inbox, Outbox(writer)), name=name, daemon=True)
                     p.start()
+                    # the stage holds its ends now; without our copies a dead stage reads as the pipe's end
+                    writer.close()
+                    if inbox is not None:
+                        inbox.close()
                     self.spawned.append(Spawned(sid, replica, rank, LocalProcess(p), sp.replicas > 1))
         return self.spawned
 
     def reports(self, handle: Callable[[Any], None], timeout: float) -> None:
         """Handle the next report of a stage process (waiting up to ``timeout`` s), then every one already there."""
-        if self.closed:
+        if self.closed or not self.results:
             time.sleep(timeout)
             return
-        drain(self.results, handle, timeout)
+        for report in read_any(self.results, timeout):
+            handle(report)
 
     def close(self) -> None:
-        """Close the queues."""
+        """Close the pipes (control messages still queued are sent first, for a bounded time)."""
         self.closed = True
-        for q in [*self.inboxes.values(), self.results]:
-            q.close()
-            q.join_thread()
+        for outbox in self.inboxes.values():
+            outbox.close()
+        for inbox in [*self.results, *self._inbox_ends.values()]:
+            inbox.close()
 
 
 def drain(events: Any, handle: Callable[[Any], None], timeout: float) -> None:

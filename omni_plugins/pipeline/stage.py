@@ -32,6 +32,7 @@ from omni_plugins.pipeline.builders import BUILDER_PATH, ROUTED_BUILDER_PATH
 from omni_plugins.pipeline.checksums import step_output
 from omni_plugins.pipeline.inputs import InputCheck
 from omni_plugins.pipeline.kvsynth import check_kv, paged_cache
+from omni_plugins.pipeline.pipes import Inbox, Outbox
 from omni_plugins.pipeline.spec import PipelinePlan, StagePlan, build_plan
 from omni_plugins.pipeline.stats import EdgeStats
 
@@ -471,7 +472,7 @@ def _health(connector: Any) -> dict[str, Any]:
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def stage_main(launch: StageLaunch, inbox: Any, results: Any) -> None:
+def stage_main(launch: StageLaunch, inbox: Inbox | None, results: Outbox) -> None:
     """Process entry point (``multiprocessing`` spawn target)."""
     # Ctrl-C reaches the whole process group: a stage dying of it would leave its connector's backend state
     # (shm slot table, wake file, owner markers) behind. The orchestrator stops the stages ("stop") instead.
@@ -496,3 +497,5 @@ def stage_main(launch: StageLaunch, inbox: Any, results: Any) -> None:
             }
         )
         raise SystemExit(1) from None
+    finally:
+        results.close()  # what the stage reported reaches the orchestrator before the process ends
