@@ -428,6 +428,10 @@ class RedisClient:
                 raise
         link = Link(self, conn, route)
         self._busy.add(link)
+        if self._closed.is_set():  # close() ran since _attempt looked: its snapshot of _busy may lack this link
+            self._busy.discard(link)
+            route.pool.release(conn)
+            raise ConnectorClosedError(f"Redis {self.label}: the client is closed")
         try:
             result = step(link)
             if link._in_flight:

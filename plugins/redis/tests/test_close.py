@@ -145,3 +145,25 @@ def test_close_stops_retries_and_nothing_is_used_after_it() -> None:
     with pytest.raises(ConnectorClosedError):
         client.run(0, lambda link: link.call("PING"), what="ping", key="k")
     assert len(route.pool._connections) == made, "a closed client made a new connection"
+
+
+def test_a_call_that_checks_out_its_connection_while_close_runs_fails_instead_of_blocking(server: RedisServer) -> None:
+    """close() between a call's own look at it and the call's first command: the call must not go on to block."""
+    conn = create_connector("redis", server.connector_config(key_prefix=PREFIX, **PATIENT))
+    client = conn._client  # type: ignore[attr-defined]
+    route = client.topology.route(0)
+    while route.kept:  # the next call checks a connection out of the pool
+        route.pool.release(route.kept.pop())
+    real_get_connection = route.pool.get_connection
+
+    def get_connection(*args: Any, **kwargs: Any) -> Any:
+        closing = threading.Thread(target=conn.close)
+        closing.start()  # close() runs to its end while this call holds no link yet
+        closing.join(BOUND_S)
+        return real_get_connection(*args, **kwargs)
+
+    route.pool.get_connection = get_connection
+    thread, outcome = _in_thread(lambda: conn.get(0, 1, "never", timeout=60))  # would block in BLMOVE for its slice
+    thread.join(BOUND_S)
+    assert not thread.is_alive(), "a get went on to block after close()"
+    assert isinstance(outcome[0], ConnectorClosedError)
