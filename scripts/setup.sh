@@ -199,7 +199,9 @@ case "$MODE" in
       vllm_log="$(mktemp)"
       install_vllm_omni > "$vllm_log" 2>&1 &
       vllm_install=$!
-      trap 'kill "$vllm_install" 2>/dev/null; rm -f "$vllm_log"' EXIT  # ruff, mypy or the docs failed first
+      # ruff, mypy or the docs failed first; `|| true`: under set -e a failing command in the trap (a kill of
+      # the install that already ended) would replace the script's exit status with its own
+      trap 'kill "$vllm_install" 2>/dev/null || true; rm -f "$vllm_log"' EXIT
     fi
     say "ruff"
     "$VENV/bin/ruff" check .
