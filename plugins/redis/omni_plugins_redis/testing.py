@@ -45,10 +45,13 @@ from typing import Any
 
 import redis
 
+from omni_plugins.backoff import poll
 from omni_plugins.ports import free_port
 
 REDIS_SERVER = os.environ.get("OMNI_REDIS_SERVER", "redis-server")
 REDIS_CLI = os.environ.get("OMNI_REDIS_CLI", "redis-cli")
+#: interval of the waits for a topology to settle (omni_plugins.backoff.poll)
+POLL_S = 0.05
 
 _live: set[RedisServer] = set()
 _live_lock = threading.Lock()
@@ -422,27 +425,34 @@ class RedisCluster:
 
     def wait_promoted(self, slot: int, dead: RedisServer, timeout: float = 60.0) -> RedisServer:
         """Wait until a replica of ``dead`` serves ``slot`` and the cluster is whole again; returns it."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def promoted() -> RedisServer | None:
             with contextlib.suppress(RuntimeError, StopIteration):
                 primary = self.primary_of(slot)
                 if primary is not dead and self._cluster_ok(self.live_nodes):
                     return primary
-            time.sleep(0.05)
-        raise RuntimeError(f"no replica took over slot {slot} within {timeout}s")
+            return None
+
+        found = poll(promoted, timeout, POLL_S)
+        if found is None:
+            raise RuntimeError(f"no replica took over slot {slot} within {timeout}s")
+        return found
 
     def revive(self, node: RedisServer, timeout: float = 60.0) -> None:
         """Restart a killed node: it rejoins (a former primary as a replica) and catches up with its primary."""
         node.start()
-        deadline = time.monotonic() + timeout
         client = node.client()
+
+        def rejoined() -> bool | None:
+            with contextlib.suppress(redis.RedisError):
+                info = client.info("replication")
+                if info.get("role") == "slave" and info.get("master_link_status") == "up" and self._cluster_ok(self.live_nodes):
+                    return True
+            return None
+
         try:
-            while time.monotonic() < deadline:
-                with contextlib.suppress(redis.RedisError):
-                    info = client.info("replication")
-                    if info.get("role") == "slave" and info.get("master_link_status") == "up" and self._cluster_ok(self.live_nodes):
-                        return
-                time.sleep(0.05)
+            if poll(rejoined, timeout, POLL_S):
+                return
         finally:
             client.close()
         raise RuntimeError(f"node {node.port} did not rejoin as a replica within {timeout}s")
@@ -468,12 +478,8 @@ class RedisCluster:
         return self
 
     def _wait_ok(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._cluster_ok(self.nodes) and self._replicas_synced():
-                return
-            time.sleep(0.1)
-        raise RuntimeError("cluster did not reach cluster_state:ok")
+        if not poll(lambda: (self._cluster_ok(self.nodes) and self._replicas_synced()) or None, timeout, POLL_S):
+            raise RuntimeError("cluster did not reach cluster_state:ok")
 
     @staticmethod
     def _cluster_ok(nodes: Sequence[RedisServer]) -> bool:
@@ -607,14 +613,18 @@ class RedisSentinelGroup:
 
     def wait_failover(self, old: RedisServer, timeout: float = 60.0) -> RedisServer:
         """Wait until the Sentinels promoted another node and every other running node replicates it; returns it."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def replaced() -> RedisServer | None:
             with contextlib.suppress(RuntimeError):
                 primary = self.current_primary()
                 if primary is not old and self._replicating(primary):
                     return primary
-            time.sleep(0.05)
-        raise RuntimeError(f"the Sentinels did not replace primary {old.port} within {timeout}s")
+            return None
+
+        found = poll(replaced, timeout, POLL_S)
+        if found is None:
+            raise RuntimeError(f"the Sentinels did not replace primary {old.port} within {timeout}s")
+        return found
 
     def _replicating(self, primary: RedisServer) -> bool:
         for node in self.data_nodes:
@@ -645,12 +655,12 @@ class RedisSentinelGroup:
 
     def _wait_ready(self, timeout: float = 30.0) -> None:
         """Replicas in sync, and every Sentinel knows the replicas and the other Sentinels (else a failover could stall)."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._replicating(self.primary) and all(self._sentinel_sees_all(s) for s in self.sentinels):
-                return
-            time.sleep(0.1)
-        raise RuntimeError("the Sentinel group did not come together")
+
+        def ready() -> bool | None:
+            return (self._replicating(self.primary) and all(self._sentinel_sees_all(s) for s in self.sentinels)) or None
+
+        if not poll(ready, timeout, POLL_S):
+            raise RuntimeError("the Sentinel group did not come together")
 
     def _sentinel_sees_all(self, sentinel: RedisServer) -> bool:
         client = sentinel.client()
