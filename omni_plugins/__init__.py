@@ -12,7 +12,7 @@ from omni_plugins.config import (
     StageConnectorConfig,
     load_pipeline_config,
 )
-from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult, PutTarget
 from omni_plugins.errors import (
     BuilderError,
     ConfigError,
@@ -50,6 +50,7 @@ __all__ = [
     "PipelineConfig",
     "PluginLoadError",
     "PutResult",
+    "PutTarget",
     "RankMapping",
     "RegistrationSink",
     "StageConfig",

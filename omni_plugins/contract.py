@@ -3,6 +3,8 @@
 A connector moves one payload per key between two stages. ``put`` stores, ``get``
 retrieves (and by default consumes), ``cleanup`` frees a key that will never be
 read, ``health`` reports status, ``close`` releases everything the instance owns.
+``put_many`` stores one payload under several keys (a fan-out); a backend that
+can encode the payload once for all of them overrides ``_put_many``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,25 @@ class PutResult(NamedTuple):
     ok: bool
     size: int
     metadata: dict[str, Any] | None = None
+
+
+def failed_put(exc: BaseException) -> PutResult:
+    """The :class:`PutResult` of one target of :meth:`Connector.put_many` that failed with ``exc``.
+
+    ``metadata["error"]`` says why (as ``put``'s ``ok=False`` results do);
+    ``metadata["exception"]`` keeps the exception, so a caller can tell a
+    failure a retry may mend from one it cannot (a closed connector, a payload
+    that cannot be encoded).
+    """
+    return PutResult(False, 0, {"error": f"{type(exc).__name__}: {exc}", "exception": exc})
+
+
+class PutTarget(NamedTuple):
+    """One destination of :meth:`Connector.put_many`: the edge and the key."""
+
+    from_stage: StageId
+    to_stage: StageId
+    key: str
 
 
 class GetResult(NamedTuple):
@@ -89,6 +110,13 @@ class Connector(abc.ABC):
     name: str = "connector"
     capabilities: Capabilities = Capabilities()
 
+    #: whether this class's ``_put_many`` was written together with its ``put``/``_put`` (see ``__init_subclass__``)
+    _put_many_current = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._put_many_current = _put_many_is_current(cls)
+
     def __init__(self) -> None:
         self._closed = False
         self._close_lock = threading.Lock()
@@ -101,6 +129,28 @@ class Connector(abc.ABC):
         if not isinstance(result, PutResult):
             raise ConnectorContractError(self._wrong_return("_put", result, "a PutResult"))
         return result
+
+    def put_many(self, targets: Sequence[tuple[StageId, StageId, str]], data: Any) -> list[PutResult]:
+        """Store the same ``data`` under every target ``(from_stage, to_stage, key)``: a fan-out.
+
+        Each key then holds its own payload, exactly as after one ``put`` per
+        target (each is read, consumed and cleaned up on its own); a backend
+        that overrides :meth:`_put_many` encodes the payload once for all of
+        them. Returns one :class:`PutResult` per target, in order: a target
+        that failed has ``ok=False`` and ``metadata["error"]`` (see
+        :func:`failed_put`), while the others may have succeeded, so a caller
+        retries only the failed ones. Raises only when no target was stored
+        (the connector is closed; a backend that encodes up front: a payload
+        that cannot be encoded).
+        """
+        self._check_open()
+        if not targets:
+            return []
+        edges = [(str(f), str(t), k) for f, t, k in targets]
+        results = self._put_many(edges, data) if self._put_many_current else Connector._put_many(self, edges, data)
+        if not isinstance(results, list) or len(results) != len(edges) or not all(isinstance(r, PutResult) for r in results):
+            raise ConnectorContractError(self._wrong_return("_put_many", results, f"a list of {len(edges)} PutResult(s)"))
+        return results
 
     def get(self, from_stage: StageId, to_stage: StageId, key: str, *, timeout: float | None = None) -> GetResult | None:
         """Return the payload stored under ``key``, or None when it is absent.
@@ -195,6 +245,22 @@ class Connector(abc.ABC):
     @abc.abstractmethod
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult: ...
 
+    def _put_many(self, targets: list[tuple[str, str, str]], data: Any) -> list[PutResult]:
+        """Primitive of :meth:`put_many` (stage ids as strings); the default is :meth:`put` per target.
+
+        Each of those puts encodes the payload again. A backend that can do
+        better (encode once, write every key in one round trip) overrides this;
+        a failed target must become its :func:`failed_put` result, not an
+        exception, once any other target may have been stored.
+        """
+        results: list[PutResult] = []
+        for from_stage, to_stage, key in targets:
+            try:
+                results.append(self.put(from_stage, to_stage, key, data))
+            except Exception as exc:
+                results.append(failed_put(exc))
+        return results
+
     @abc.abstractmethod
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None: ...
 
@@ -251,3 +317,19 @@ class Connector(abc.ABC):
     def _check_open(self) -> None:
         if self._closed:
             raise ConnectorClosedError(f"connector {self.name!r} is closed; create a new one")
+
+
+def _put_many_is_current(cls: type) -> bool:
+    """Whether ``cls``'s ``_put_many`` comes from the class that defines its ``put``/``_put``, or from a subclass of it.
+
+    A subclass that overrides ``_put`` or ``put`` below the class that wrote
+    ``_put_many`` (a wrapper that counts, logs or injects faults) would be
+    bypassed by that ``_put_many``: it gets the base class's loop over ``put``
+    instead, so every put still goes through its override.
+    """
+    mro = cls.__mro__
+
+    def depth(name: str) -> int:
+        return next(i for i, c in enumerate(mro) if name in c.__dict__)
+
+    return depth("_put_many") <= min(depth("_put"), depth("put"))

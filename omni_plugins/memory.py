@@ -57,14 +57,27 @@ class MemoryConnector(Connector):
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
         blob = wire.encode(data).to_bytes()
         with self._store.cond:
-            old = self._store.items.get(key)
-            new_total = self._store.nbytes - (len(old) if old else 0) + len(blob)
-            if new_total > self.config.max_bytes:
-                return PutResult(False, len(blob), {"error": f"namespace {self.config.namespace!r} is full"})
-            self._store.items[key] = blob
-            self._store.owners[key] = self._token
-            self._store.nbytes = new_total
+            result = self._store_locked(key, blob)
             self._store.cond.notify_all()
+        return result
+
+    def _put_many(self, targets: list[tuple[str, str, str]], data: Any) -> list[PutResult]:
+        """Encode once; every key holds the same immutable bytes (a full namespace fails the targets that do not fit)."""
+        blob = wire.encode(data).to_bytes()
+        with self._store.cond:
+            results = [self._store_locked(key, blob) for _, _, key in targets]
+            self._store.cond.notify_all()
+        return results
+
+    def _store_locked(self, key: str, blob: bytes) -> PutResult:
+        store = self._store
+        old = store.items.get(key)
+        new_total = store.nbytes - (len(old) if old else 0) + len(blob)
+        if new_total > self.config.max_bytes:
+            return PutResult(False, len(blob), {"error": f"namespace {self.config.namespace!r} is full"})
+        store.items[key] = blob
+        store.owners[key] = self._token
+        store.nbytes = new_total
         return PutResult(True, len(blob), None)
 
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:

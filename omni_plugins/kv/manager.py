@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -28,7 +28,7 @@ import torch
 
 from omni_plugins.backoff import Backoff
 from omni_plugins.config import RankMapping
-from omni_plugins.contract import Connector, PutResult
+from omni_plugins.contract import Connector, failed_put
 from omni_plugins.errors import ConfigError, ConnectorClosedError, ConnectorError, OmniPluginsError, WireFormatError
 from omni_plugins.kv import ranks
 from omni_plugins.kv.errors import KVPayloadError
@@ -114,6 +114,12 @@ class KVTransferManager:
             :mod:`omni_plugins.config.topology`).
         recv_key_stage: the sending stage's part of the keys this rank reads
             (default ``from_stage``).
+        destinations: every KV output edge this manager sends on, as
+            ``(to_stage, key_stage)`` (default: ``[(to_stage, send_key_stage)]``).
+            A fanning-out stage whose KV edges share a connector sends through
+            one manager: each request's KV is extracted once and put under the
+            keys of every edge with one ``put_many`` (encoded once where the
+            backend can).
         receives: this manager may receive (False: a send-only manager; its
             cleanup does not look for shards addressed to this rank).
     """
@@ -133,6 +139,7 @@ class KVTransferManager:
         send_key_stage: str | None = None,
         recv_key_stage: str | None = None,
         receives: bool = True,
+        destinations: Sequence[tuple[int, str]] | None = None,
     ) -> None:
         if rank_mapping is None:
             rank_mapping = RankMapping()
@@ -153,6 +160,9 @@ class KVTransferManager:
         self.from_stage = from_stage
         self.to_stage = to_stage
         self._send_key_stage = send_key_stage if send_key_stage is not None else str(stage_id)
+        self._destinations: list[tuple[int, str]] = list(destinations) if destinations is not None else [(to_stage, self._send_key_stage)]
+        if not self._destinations:
+            raise ConfigError(f"KV transfer (stage {stage_id}): destinations must not be empty")
         self._recv_key_stage = recv_key_stage if recv_key_stage is not None else str(from_stage)
         self._receives = receives
         self.from_tp = rank_mapping.from_tp
@@ -185,9 +195,17 @@ class KVTransferManager:
         return failed
 
     def send_keys(self, request_id: str) -> list[str]:
-        """Keys this rank puts for ``request_id`` (external id), one per target rank."""
+        """Keys this rank puts for ``request_id`` (external id): one per destination edge and target rank."""
         targets = ranks.target_ranks_for_send(self.from_tp, self.to_tp, self.local_rank)
-        return [ranks.kv_key(request_id, self._send_key_stage, KV_CHUNK, self.local_rank, t) for t in targets]
+        return [key for _, key in self._send_targets(request_id, targets)]
+
+    def _send_targets(self, external_id: str, targets: list[int]) -> list[tuple[int, str]]:
+        """``(to_stage, key)`` of every shard this rank puts for a request: per destination edge, per target rank."""
+        return [
+            (to_stage, ranks.kv_key(external_id, key_stage, KV_CHUNK, self.local_rank, t))
+            for to_stage, key_stage in self._destinations
+            for t in targets
+        ]
 
     def recv_keys(self, request_id: str) -> list[str]:
         """Keys this rank reads for ``request_id``, in source-rank (= head) order."""
@@ -211,8 +229,9 @@ class KVTransferManager:
         "block_ids": [int, ...], "custom_metadata": {...}?}``; ``kv_caches`` is
         one of the forms in :mod:`omni_plugins.kv.layout`. The payload is put
         under ``{external_id}_{stage_id}_0_{local_rank}_{target}`` for every
-        target rank (the full shard to each; receivers narrow it), where
-        ``external_id = request_id_resolver(id)`` (or the id itself).
+        target rank (the full shard to each; receivers narrow it) and every
+        destination edge, with one ``put_many`` (encoded once where the backend
+        can), where ``external_id = request_id_resolver(id)`` (or the id itself).
 
         The returned ids are the requests whose transfer is finished -- sent, or
         failed for good (logged at ERROR and reported by
@@ -244,8 +263,7 @@ class KVTransferManager:
                 self._record_failed(req_id)
                 done.append(req_id)
                 continue
-            keys = [ranks.kv_key(external_id, self._send_key_stage, KV_CHUNK, self.local_rank, t) for t in targets]
-            if self._put_all(req_id, external_id, keys, payload):
+            if self._put_all(req_id, external_id, self._send_targets(external_id, targets), payload):
                 done.append(req_id)
             else:
                 self._record_failed(req_id)
@@ -278,17 +296,48 @@ class KVTransferManager:
         )
         return make_payload(keys, values, metadata)
 
-    def _put_all(self, req_id: str, external_id: str, keys: list[str], payload: KVPayload) -> bool:
-        """Put ``payload`` under every key (all or nothing: on a failure the ones already put are withdrawn)."""
+    def _put_all(self, req_id: str, external_id: str, targets: list[tuple[int, str]], payload: KVPayload) -> bool:
+        """Put ``payload`` under every ``(to_stage, key)`` (all or nothing: on a failure the ones already put are withdrawn).
+
+        One ``put_many`` per attempt; an attempt retries only the keys that failed.
+        """
         connector = self._connector
         assert connector is not None
         put: list[str] = []
-        for key in keys:
-            if not self._put_one(connector, key, payload):
-                for k in put:
-                    self._cleanup_key(connector, k)
-                return False
-            put.append(key)
+        pending = targets
+        backoff = Backoff(_PUT_BACKOFF_S, _PUT_BACKOFF_MAX_S)
+        for attempt in range(1, self._put_attempts + 1):
+            try:
+                results = connector.put_many([(self.stage_id, to_stage, key) for to_stage, key in pending], payload)
+            except Exception as exc:  # plugin boundary: nothing of this attempt was stored
+                results = [failed_put(exc)] * len(pending)
+            failed: list[tuple[int, str]] = []
+            final = False
+            for target, result in zip(pending, results, strict=True):
+                if result.ok:
+                    logger.debug("KV put %s (%d bytes)", target[1], result.size)
+                    put.append(target[1])
+                    continue
+                failed.append(target)
+                meta = result.metadata or {}
+                final = final or isinstance(meta.get("exception"), ConnectorClosedError | WireFormatError)  # retrying cannot help
+                reason = meta.get("error", "put returned ok=False")
+            pending = failed
+            if not pending:
+                break
+            keys = ", ".join(key for _, key in pending)
+            if final:
+                logger.error("KV put %s failed: %s", keys, reason)
+                break
+            if attempt < self._put_attempts:
+                logger.warning("KV put %s failed (attempt %d/%d): %s; retrying", keys, attempt, self._put_attempts, reason)
+                backoff.sleep()
+            else:
+                logger.error("KV put %s failed after %d attempts: %s", keys, attempt, reason)
+        if pending:
+            for k in put:
+                self._cleanup_key(connector, k)
+            return False
         with self._lock:
             state = self._requests.get(req_id)
             if state is None:
@@ -296,27 +345,6 @@ class KVTransferManager:
             state.external_id = external_id
             state.sent_keys.update(put)
         return True
-
-    def _put_one(self, connector: Connector, key: str, payload: KVPayload) -> bool:
-        backoff = Backoff(_PUT_BACKOFF_S, _PUT_BACKOFF_MAX_S)
-        for attempt in range(1, self._put_attempts + 1):
-            try:
-                result: PutResult = connector.put(self.stage_id, self.to_stage, key, payload)
-                if result.ok:
-                    logger.debug("KV put %s (%d bytes)", key, result.size)
-                    return True
-                reason = (result.metadata or {}).get("error", "put returned ok=False")
-            except (ConnectorClosedError, WireFormatError) as exc:  # retrying cannot help
-                logger.error("KV put %s failed: %s: %s", key, type(exc).__name__, exc)
-                return False
-            except Exception as exc:  # plugin boundary: ConnectorError, or a plugin's own bug
-                reason = f"{type(exc).__name__}: {exc}"
-            if attempt < self._put_attempts:
-                logger.warning("KV put %s failed (attempt %d/%d): %s; retrying", key, attempt, self._put_attempts, reason)
-                backoff.sleep()
-            else:
-                logger.error("KV put %s failed after %d attempts: %s", key, attempt, reason)
-        return False
 
     def _record_failed(self, req_id: str) -> None:
         with self._lock:

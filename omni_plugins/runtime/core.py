@@ -341,16 +341,22 @@ class StageTransferRuntime:
             receiving = KVTransferManager(
                 self._connectors[edge.kv_connector], from_stage=edge.from_stage, to_stage=self.stage_id, recv_key_stage=edge.key_stage, **common
             )
+        # one sending manager per connector instance: KV edges that share one get each request's KV extracted
+        # once and put under all their keys with one put_many
+        by_connector: dict[str, list[tuple[int, str]]] = {}
+        for e in topo.kv_outputs:
+            by_connector.setdefault(e.kv_connector, []).append((e.to_stage, e.key_stage))
         sending = [
             KVTransferManager(
-                self._connectors[e.kv_connector],
+                self._connectors[name],
                 from_stage=self.from_stage,
-                to_stage=e.to_stage,
-                send_key_stage=e.key_stage,
+                to_stage=destinations[0][0],
+                send_key_stage=destinations[0][1],
                 receives=False,
+                destinations=destinations,
                 **common,
             )
-            for e in topo.kv_outputs
+            for name, destinations in by_connector.items()
         ]
         if receiving is None and not sending:
             logger.warning("stage %s has kv_transfer but no KV edge (no neighbour with kv_transfer): no KV moves", self.stage_id)

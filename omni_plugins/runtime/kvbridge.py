@@ -41,7 +41,8 @@ class KVBridge:
     ``manager`` receives (and, on a stage with one KV edge, also sends);
     ``send_managers`` are the managers of the KV output edges when they are
     not ``manager`` itself: a fanning-out stage sends every KV transfer on
-    each of them.
+    each of them (one manager per connector instance, covering every KV edge
+    on it, so the KV is extracted and encoded once per connector).
     """
 
     def __init__(
@@ -65,7 +66,6 @@ class KVBridge:
         """Every distinct manager (the receiving one first)."""
         out = [self.manager] if self.manager is not None else []
         return out + [m for m in self.send_managers if m is not self.manager]
-        self._used = False  # the KV lifecycle was entered (mark/ack) at least once
 
     # -- transfers ------------------------------------------------------------------
     def send(

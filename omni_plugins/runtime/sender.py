@@ -9,6 +9,11 @@ freed when the last one completes. An aborted request's queued puts are
 dropped and, once its running put (if any) completed, every key it put is
 freed from the connector (nobody will read them).
 
+Fan-out: the tasks of one payload to several destinations are taken in the
+same round; those whose routes share a connector instance go in one
+``put_many`` (encoded once where the backend can), booked per task as if each
+had its own ``put``.
+
 Hand-over: the model thread keeps the GIL while it builds a step's chunks, so
 a send thread that was merely woken would start the step's puts after the
 last ``send_chunk`` -- a step of n chunks then waits for n builds and up to n
@@ -76,7 +81,11 @@ class Sender:
         self._idle = False  # the send thread waits for work (lock held to read/write): enqueue wakes it only then
         #: ``rounds``: lock rounds that took tasks; ``sleeps``: waits for work (each ends in a thread wake-up);
         #: ``handoffs``: ``send_chunk`` calls that waited for their task to be taken, ``handoff_timeouts`` of them in vain
-        self.stats = {"puts": 0, "put_failures": 0, "dropped": 0, "rounds": 0, "sleeps": 0, "handoffs": 0, "handoff_timeouts": 0}
+        #: ``put_many``: calls that stored one payload under several keys (each of their keys also counts in ``puts``
+        #: or ``put_failures``)
+        self.stats = {
+            "puts": 0, "put_failures": 0, "put_many": 0, "dropped": 0, "rounds": 0, "sleeps": 0, "handoffs": 0, "handoff_timeouts": 0
+        }  # fmt: skip
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -247,7 +256,7 @@ class Sender:
             if not picked:
                 return  # stopped
             self.stats["rounds"] += 1
-            results = [self._put(state, task) for state, task in picked]
+            results = self._put_round(picked)
 
     def _take_locked(self) -> list[tuple[RequestState, SendTask]]:
         """Lock held: the next due tasks, marked taken (sleeping until there are some); [] once stopped."""
@@ -275,6 +284,59 @@ class Sender:
             lock.acquire()
         self._idle = False
         work.clear()
+
+    def _put_round(self, picked: list[tuple[RequestState, SendTask]]) -> list[bool]:
+        """Put a round's tasks: one ``put`` each, except the tasks of one payload (a fan-out, taken together
+        by :meth:`_next_tasks`) whose routes share a connector: one ``put_many`` per connector. Results in
+        ``picked``'s order."""
+        if len(picked) == 1:
+            return [self._put(*picked[0])]
+        results = [False] * len(picked)
+        i, n = 0, len(picked)
+        while i < n:
+            state, task = picked[i]
+            j = i + 1
+            while j < n and picked[j][0] is state and picked[j][1].data is task.data:
+                j += 1
+            if j == i + 1:
+                results[i] = self._put(state, task)
+            else:
+                by_connector: dict[int, list[int]] = {}
+                for k in range(i, j):
+                    by_connector.setdefault(id(picked[k][1].route.connector), []).append(k)
+                for ks in by_connector.values():
+                    oks = self._put_many([picked[k][1] for k in ks]) if len(ks) > 1 else [self._put(state, picked[ks[0]][1])]
+                    for k, ok in zip(ks, oks, strict=True):
+                        results[k] = ok
+            i = j
+        return results
+
+    def _put_many(self, tasks: list[SendTask]) -> list[bool]:
+        """One payload under the keys of several tasks whose routes share a connector: one ``put_many``, a result per task."""
+        started = time.monotonic()
+        try:
+            results = tasks[0].route.connector.put_many([(*t.route.edge, t.key) for t in tasks], tasks[0].data)
+        except Exception as exc:  # none of them stored: each is retried
+            keys = ", ".join(t.key for t in tasks)
+            logger.warning("put of %s raised %s: %s", keys, type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.INFO))
+            results = None
+        oks: list[bool] = []
+        for i, task in enumerate(tasks):
+            ok = results is not None and bool(results[i].ok)
+            if ok:
+                observer = task.route.observer
+                if observer is not NO_OBSERVER:
+                    assert results is not None
+                    observer.delivered(results[i].size, time.monotonic() - task.queued, finished=False)
+            elif results is not None:
+                logger.warning("put of %s failed: %s", task.key, (results[i].metadata or {}).get("error", "backend refused"))
+            oks.append(ok)
+        self.put_mean_s += _PUT_EWMA_WEIGHT * (time.monotonic() - started - self.put_mean_s)
+        stored = sum(oks)
+        self.stats["puts"] += stored
+        self.stats["put_failures"] += len(oks) - stored
+        self.stats["put_many"] += 1
+        return oks
 
     def _put(self, state: RequestState, task: SendTask) -> bool:
         started = time.monotonic()

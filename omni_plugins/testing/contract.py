@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
-from omni_plugins.contract import Connector, GetResult, PutResult
+from omni_plugins.contract import Connector, GetResult, PutResult, PutTarget
 from omni_plugins.errors import ConfigError, ConnectorClosedError
 from omni_plugins.factory import create_connector
 from omni_plugins.testing.payloads import assert_payload_equal
@@ -147,6 +147,29 @@ class ConnectorContract:
         assert connector.get(0, 1, key) is None
         assert connector.cleanup(key) is False
 
+    # -- put_many (one payload under several keys: a fan-out) ---------------------
+    @pytest.mark.parametrize("elements", [1024, 768 << 10], ids=["4KiB", "3MiB"])
+    def test_put_many_stores_every_key_on_its_own(self, connector: Connector, key: str, elements: int) -> None:
+        """Each key then holds the payload as after one put per key: read, consumed and cleaned up on its own."""
+        src = torch.arange(elements, dtype=torch.float32)
+        payload = {**sample_payload(2), "big": src}
+        expected = {**payload, "big": src.clone()}
+        keys = [f"{key}-{i}" for i in range(3)]
+        results = connector.put_many([PutTarget(0, i + 1, k) for i, k in enumerate(keys)], payload)
+        assert [type(r) for r in results] == [PutResult] * 3
+        assert all(r.ok for r in results) and len({r.size for r in results}) == 1 and results[0].size > 0
+        src.fill_(7.0)  # mutating after put_many changes none of them
+        first = connector.get(0, 1, keys[0], timeout=self.wait_timeout)
+        assert first is not None
+        assert_payload_equal(first.data, expected)
+        assert connector.cleanup(keys[1]) is True
+        last = connector.get(0, 3, keys[2], timeout=self.wait_timeout)
+        assert last is not None
+        assert_payload_equal(last.data, expected)
+        assert connector.get(0, 2, keys[1]) is None
+        assert connector.get(0, 1, keys[0]) is None
+        assert connector.put_many([], payload) == []
+
     def test_blocking_get_sees_later_put(self, connector: Connector, connector_spec: tuple[str, dict[str, Any]], key: str) -> None:
         name, config = connector_spec
         producer = create_connector(name, config)
@@ -238,6 +261,8 @@ class ConnectorContract:
             conn.put(0, 1, key, {"v": 1})
         with pytest.raises(ConnectorClosedError):
             conn.get(0, 1, key)
+        with pytest.raises(ConnectorClosedError):
+            conn.put_many([(0, 1, key), (0, 2, key + "-2")], {"v": 1})
         assert conn.health()["ok"] is False
 
     def test_context_manager_closes(self, connector_spec: tuple[str, dict[str, Any]]) -> None:

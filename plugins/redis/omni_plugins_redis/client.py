@@ -245,7 +245,7 @@ class Link:
                 self._in_flight = items[index:]  # not known to have run: handed back when the link is dropped
                 raise
             if isinstance(found, RedisError):
-                if _retryable(found):  # e.g. MOVED after a failover: send again where the slot lives now
+                if retryable(found):  # e.g. MOVED after a failover: send again where the slot lives now
                     self.client.orphan([item])
                 else:
                     log.warning("Redis %s: deferred %s failed: %s", self.route.name, item.args[0], found)
@@ -301,7 +301,7 @@ class Link:
         return sent == len(data)
 
 
-def _retryable(error: BaseException) -> bool:
+def retryable(error: BaseException) -> bool:
     """Whether the same step may succeed on a later attempt (after a backoff, maybe elsewhere)."""
     if isinstance(error, AuthenticationError | AuthorizationError | NoPermissionError):
         return False
@@ -376,10 +376,10 @@ class RedisClient:
             try:
                 return self._attempt(slot, step, attempts)  # the usual case, without the retry machinery
             except (RedisError, OSError) as exc:
-                if not _retryable(exc) or max_attempts == 0:
+                if not retryable(exc) or max_attempts == 0:
                     raise
                 self._after_failure(exc, 1, max_attempts, deadline)
-            retry = Retry(NoBackoff(), max_attempts - 1, supported_errors=(RedisError, OSError), is_retryable=_retryable)
+            retry = Retry(NoBackoff(), max_attempts - 1, supported_errors=(RedisError, OSError), is_retryable=retryable)
             return retry.call_with_retry(
                 lambda: self._attempt(slot, step, attempts),
                 lambda error, failures: self._after_failure(error, failures + 1, max_attempts, deadline),
@@ -478,7 +478,7 @@ class RedisClient:
         """Retry's failure hook (the topology already heard of the failure): stop when closed or out of time, wait the backoff."""
         if self._closed.is_set():
             raise ConnectorClosedError(f"Redis {self.label}: the connector was closed ({type(error).__name__}: {error})") from None
-        if not _retryable(error) or failures > max_attempts:
+        if not retryable(error) or failures > max_attempts:
             return
         delay = 0.0 if (failures == 1 and _code(error) == "MOVED") else self._backoff.compute(failures)
         if deadline is not None and time.monotonic() + delay > deadline:
@@ -500,7 +500,7 @@ class RedisClient:
             return AuthError(f"Redis {where} rejected user {user!r}: {code} {exc} (check username/password)")
         if isinstance(exc, NoPermissionError | AuthorizationError):
             return AuthError(f"{what} {key!r} on Redis {where}: NOPERM {exc} (ACL user lacks a permission or key pattern)")
-        if isinstance(exc, ResponseError) and not _retryable(exc):
+        if isinstance(exc, ResponseError) and not retryable(exc):
             return ConnectorError(f"{what} {key!r} on Redis {where}: {_code(exc)} {exc}".replace("  ", " "))
         return ConnectorError(f"{what} {key!r} on Redis {where} failed after {attempts.count} attempt(s): {type(exc).__name__}: {exc}")
 
@@ -580,4 +580,4 @@ class _OutOfTime(Exception):
         self.error = error
 
 
-__all__ = ["AuthError", "Link", "ProtocolError", "RedisClient"]
+__all__ = ["AuthError", "Link", "ProtocolError", "RedisClient", "retryable"]

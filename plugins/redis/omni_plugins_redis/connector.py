@@ -9,6 +9,15 @@ makes a payload visible and the transaction is atomic, so a reader never sees
 half a payload; one round trip per small put, two per large one. With
 ``min_replica_acks`` a ``WAIT`` follows the commit in the same write.
 
+``put_many`` (a fan-out: one payload under several keys) encodes once and
+builds each key's parts and manifest over the same encoder buffers; the puts
+that land on one server (every key, on one server or a Sentinel group; a
+cluster node's keys, grouped by slot owner) go in one pipelined write: parts
+first, then every key's commit transaction, then one ``WAIT`` for all of them.
+Each key keeps its own commit marker and the same guarantees as a ``put``; a
+key whose commit is refused, or a group whose write fails, falls back to a
+``put`` of that key alone (the usual retries, the commit-marker check).
+
 A put whose outcome is unknown -- its reply lost, and the withdrawal of a
 commit that may have gone in not possible either (the server unreachable, a
 partition) -- is remembered by key. When the caller retries it (the same key
@@ -43,11 +52,11 @@ import numpy as np
 from redis.exceptions import ExecAbortError, RedisError, ResponseError
 
 from omni_plugins import wire
-from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult, failed_put
 from omni_plugins.errors import ConnectorClosedError, ConnectorError, CorruptPayloadError
 from omni_plugins.wire import empty_bytes
 from omni_plugins_redis import manifest as mf
-from omni_plugins_redis.client import Link, RedisClient
+from omni_plugins_redis.client import Link, RedisClient, retryable
 from omni_plugins_redis.config import RedisConfig
 from omni_plugins_redis.keys import PayloadKeys
 from omni_plugins_redis.packing import Buffer, Pieces, frame_key_command, pack_many
@@ -166,10 +175,10 @@ class RedisConnector(Connector):
             self._wait_frame = b"".join(pack_many([self._wait]))
         # the replies of a commit transaction when all went well (MULTI, queued commands, EXEC[, WAIT]): one match
         queued = 3 if ttl_ms else 2
-        self._committed = re.compile(
-            rb"\+OK\r\n" + rb"\+QUEUED\r\n" * queued + b"\\*%d\r\n:\\d+\r\n" % queued + (rb":1\r\n" if ttl_ms else b"") + rb"\+OK\r\n"
-            + (rb":(\d{1,19})\r\n" if self._acks else b"")
-        )  # fmt: skip
+        committed = rb"\+OK\r\n" + rb"\+QUEUED\r\n" * queued + b"\\*%d\r\n:\\d+\r\n" % queued + (rb":1\r\n" if ttl_ms else b"") + rb"\+OK\r\n"
+        self._committed = re.compile(committed + (rb":(\d{1,19})\r\n" if self._acks else b""))
+        #: one commit of a pipelined group (put_many): its WAIT comes once, after the group's last commit
+        self._committed_alone = re.compile(committed)
 
     # -- helpers -------------------------------------------------------------
     def _keys(self, key: str) -> PayloadKeys:
@@ -183,31 +192,138 @@ class RedisConnector(Connector):
 
     # -- put -------------------------------------------------------------------
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
-        if self._unsettled:
-            with self._unsettled_lock:
-                prior = self._unsettled.pop(key, None)
-            if prior is not None:
-                if prior.data is data:
-                    return self._settle(key, prior)  # the caller retries that very put: continue it, commit once
-                self._abandon(prior)
+        prior = self._take_unsettled(key, data)
+        if prior is not None:
+            return self._settle(key, prior)  # the caller retries that very put: continue it, commit once
         keys = self._keys(key)
-        encoded = wire.encode(data)
-        total = encoded.nbytes
+        return self._settle(key, self._put_state(keys, _Body(wire.encode(data), self._inline_max, self.config.chunk_bytes)), data)
+
+    def _take_unsettled(self, key: str, data: Any) -> _PutState | None:
+        """The unsettled put of ``key`` when ``data`` retries it (the same object); any other one is withdrawn first."""
+        if not self._unsettled:
+            return None
+        with self._unsettled_lock:
+            prior = self._unsettled.pop(key, None)
+        if prior is not None and prior.data is not data:
+            self._abandon(prior)
+            return None
+        return prior
+
+    def _put_state(self, keys: PayloadKeys, body: _Body) -> _PutState:
+        """A fresh put of ``body`` under ``keys``: its own put id, manifest and parts (over the encoder's buffers)."""
         put_id = mf.new_put_id()
-        element: bytes | Pieces
-        parts: list[Pieces] = []
-        if total <= SMALL_INLINE_BYTES and total <= self._inline_max:
-            manifest = mf.for_inline(total, put_id)
-            element = b"".join([manifest.header(), *encoded.buffers()])  # small: one bytes, framed in one step
-        elif total <= self._inline_max:
-            manifest = mf.for_inline(total, put_id)
-            element = Pieces([manifest.header(), *encoded.buffers()])
-        else:
-            manifest = mf.for_parts(total, self.config.chunk_bytes, put_id)
-            element = Pieces([manifest.header()])
-            parts = [Pieces(p) for p in _split(encoded.buffers(), self.config.chunk_bytes)]
-        state = _PutState(keys=keys, manifest=manifest, element=element, parts=parts)
-        return self._settle(key, state, data)
+        if body.parts is not None:
+            manifest = mf.for_parts(body.total, self.config.chunk_bytes, put_id)
+            return _PutState(keys=keys, manifest=manifest, element=Pieces([manifest.header()]), parts=[Pieces(p) for p in body.parts])
+        manifest = mf.for_inline(body.total, put_id)
+        # small: one bytes (header and payload joined), framed in one step
+        element = b"".join([manifest.header(), *body.buffers]) if body.small else Pieces([manifest.header(), *body.buffers])
+        return _PutState(keys=keys, manifest=manifest, element=element, parts=[])
+
+    # -- put_many ----------------------------------------------------------------
+    def _put_many(self, targets: list[tuple[str, str, str]], data: Any) -> list[PutResult]:
+        """Encode once; the keys of one server in one pipelined write (see the module docstring)."""
+        body = _Body(wire.encode(data), self._inline_max, self.config.chunk_bytes)  # WireFormatError: nothing stored
+        results: list[PutResult | None] = [None] * len(targets)
+        groups: dict[int, list[tuple[int, str, _PutState]]] = {}
+        for i, (_, _, key) in enumerate(targets):
+            try:
+                prior = self._take_unsettled(key, data)
+                if prior is not None:  # a retry of this key's unsettled put: continued alone, as put does
+                    results[i] = self._settle(key, prior)
+                    continue
+                state = self._put_state(self._keys(key), body)
+                server = id(self._client.topology.route(state.keys.slot)) if self.config.cluster else 0
+            except (ConnectorError, ConnectorClosedError) as exc:
+                results[i] = failed_put(exc)
+                continue
+            except (RedisError, OSError):  # the slot map cannot be read now: this key goes alone (its put retries)
+                server = -1 - i
+            groups.setdefault(server, []).append((i, key, state))
+        for members in groups.values():
+            if len(members) == 1:
+                i, key, state = members[0]
+                results[i] = self._settle_or_fail(key, state, data)
+                continue
+            for i, result in self._put_group(members, data):
+                results[i] = result
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def _settle_or_fail(self, key: str, state: _PutState, data: Any) -> PutResult:
+        """:meth:`_settle` with its failure as a result: the other keys of a ``put_many`` may be stored."""
+        try:
+            return self._settle(key, state, data)
+        except Exception as exc:
+            return failed_put(exc)
+
+    def _put_group(self, group: list[tuple[int, str, _PutState]], data: Any) -> list[tuple[int, PutResult]]:
+        """Fresh puts to one server in one write; a key that does not commit there is settled alone (``_settle``)."""
+        outcome: dict[int, PutResult] = {}  # index -> result; a key without one settles alone
+        refused: dict[int, ConnectorError] = {}  # index -> why its commit was refused for good
+
+        def step(link: Link) -> None:
+            states = [state for _, _, state in group]
+            for state in states:
+                state.attempts += 1
+            for state in states:
+                if state.parts:
+                    self._write_parts(link, state)
+            frames: list[Any] = []
+            for state in states:
+                frames += self._commit_frames(state, with_wait=False)
+            if self._wait_frame:
+                frames.append(self._wait_frame)
+            link.send_frames(frames)
+            committed: list[tuple[int, _PutState]] = []
+            for i, key, state in group:
+                if link.expect(self._committed_alone) is not None:
+                    committed.append((i, state))
+                    continue
+                try:
+                    self._check_commit(link.read_many(self._commit_replies))
+                except RedisError as exc:  # this key's transaction was refused: MOVED and the like settle it alone
+                    if not retryable(exc):
+                        refused[i] = ConnectorError(f"put {key!r} on Redis {link.route.name}: {type(exc).__name__}: {exc}")
+                    continue
+                committed.append((i, state))
+            acked = link.read() if self._wait is not None else None
+            for i, state in committed:
+                if self._wait is not None:
+                    try:
+                        self._check_acks(link, state, acked)
+                    except ReplicaAckError as exc:
+                        outcome[i] = failed_put(exc)
+                        continue
+                marker = state.keys.marker(state.manifest.put_id)
+                link.defer(state.keys.slot, "DEL", marker, frame=frame_key_command("DEL", marker))
+                outcome[i] = PutResult(True, state.manifest.total, {"parts": state.manifest.nparts})
+
+        first = group[0][2].keys
+        try:
+            self._client.run(first.slot, step, what="put", key=first.key, retries=0)
+        except (ConnectorError, ConnectorClosedError) as exc:  # the write or a reply was lost: each key not done settles alone
+            log.debug("put of %d keys on Redis %s failed (%s); settling them one by one", len(group), self._client.label, exc)
+        done: list[tuple[int, PutResult]] = []
+        for i, key, state in group:
+            if i in refused:  # as a put whose commit is refused: withdrawn (or remembered), failed
+                self._give_up(key, state, data)
+                done.append((i, failed_put(refused[i])))
+            else:
+                found = outcome.get(i)
+                done.append((i, found if found is not None else self._settle_or_fail(key, state, data)))
+        return done
+
+    def _commit_frames(self, state: _PutState, *, with_wait: bool) -> list[Any]:
+        """The framed commit transaction of ``state`` (MULTI, manifest, TTL, marker, EXEC), with ``WAIT`` if asked."""
+        keys, marker = state.keys, state.keys.marker(state.manifest.put_id)
+        if isinstance(state.element, bytes):  # small inline payload: one template
+            return [self._inline_commit(keys.manifest, marker, state.element) + (self._wait_frame if with_wait else b"")]
+        commit: list[tuple[Any, ...]] = [("MULTI",), ("RPUSH", keys.manifest, state.element)]
+        if self._ttl_ms:
+            commit.append(("PEXPIRE", keys.manifest, self._ttl_ms))
+        commit += [("SET", marker, b"1", "PX", MARKER_TTL_MS), ("EXEC",)]
+        return pack_many([*commit, self._wait] if with_wait and self._wait is not None else commit)
 
     def _settle(self, key: str, state: _PutState, data: Any = None) -> PutResult:
         """Run ``state``'s put to its end; on failure withdraw it, or remember it when even that is not possible."""
@@ -225,15 +341,19 @@ class RedisConnector(Connector):
         try:
             self._client.run(state.keys.slot, step, what="put", key=key)
         except (ConnectorError, ConnectorClosedError):
-            if not self._abandon(state) and state.attempts and not self.closed:
-                state.data = data if data is not None else state.data
-                with self._unsettled_lock:
-                    if len(self._unsettled) >= MAX_UNSETTLED:
-                        self._unsettled.pop(next(iter(self._unsettled)))  # the oldest expires by TTL
-                    self._unsettled[key] = state
+            self._give_up(key, state, data)
             raise
         state.data = None
         return PutResult(True, state.manifest.total, {"parts": state.manifest.nparts})
+
+    def _give_up(self, key: str, state: _PutState, data: Any) -> None:
+        """After a failed put: withdraw it, or remember it for its retry when even that is not possible."""
+        if not self._abandon(state) and state.attempts and not self.closed:
+            state.data = data if data is not None else state.data
+            with self._unsettled_lock:
+                if len(self._unsettled) >= MAX_UNSETTLED:
+                    self._unsettled.pop(next(iter(self._unsettled)))  # the oldest expires by TTL
+                self._unsettled[key] = state
 
     def _put_step(self, link: Link, state: _PutState) -> None:
         keys, manifest = state.keys, state.manifest
@@ -250,16 +370,9 @@ class RedisConnector(Connector):
             return
         # One transaction: manifest, TTL and commit marker become visible together or not
         # at all; parts (large payloads) are written and acknowledged before it.
-        if isinstance(state.element, bytes):  # small inline payload: one template, one write
-            link.send_frame(self._inline_commit(keys.manifest, marker, state.element) + self._wait_frame)
-        else:
-            if state.parts:
-                self._write_parts(link, state)
-            commit: list[tuple[Any, ...]] = [("MULTI",), ("RPUSH", keys.manifest, state.element)]
-            if self._ttl_ms:
-                commit.append(("PEXPIRE", keys.manifest, self._ttl_ms))
-            commit += [("SET", marker, b"1", "PX", MARKER_TTL_MS), ("EXEC",)]
-            link.send([*commit, self._wait] if self._wait is not None else commit)
+        if state.parts:
+            self._write_parts(link, state)
+        link.send_frames(self._commit_frames(state, with_wait=True))
         found = link.expect(self._committed)
         if found is None:  # not every reply as expected: read them one by one
             self._check_commit(link.read_many(self._commit_replies))
@@ -749,6 +862,23 @@ class RedisConnector(Connector):
         for state in unsettled:  # nobody retries them any more: withdraw what may have gone in
             self._abandon(state)
         self._client.close(wait_replicas=self._wait[1:] if self._wait is not None else None)
+
+
+class _Body:
+    """An encoded payload as every put of it sends it: its buffers, and its parts when too large to go inline.
+
+    Made once per ``put_many``: the keys' puts share the encoder's buffers and
+    the parts cut from them, and differ only in their manifests.
+    """
+
+    __slots__ = ("buffers", "parts", "small", "total")
+
+    def __init__(self, encoded: wire.Encoded, inline_max: int, chunk_bytes: int) -> None:
+        self.total = total = encoded.nbytes
+        self.buffers = encoded.buffers()
+        #: small inline: the manifest element is one ``bytes`` (header and payload joined), framed in one step
+        self.small = total <= SMALL_INLINE_BYTES and total <= inline_max
+        self.parts = _split(self.buffers, chunk_bytes) if total > inline_max else None
 
 
 class _PartUnusable(Exception):
