@@ -118,6 +118,26 @@ def test_lost_commit_reply_commits_exactly_once(
     assert redis_server.keys(PREFIX + "*") == []
 
 
+@pytest.mark.parametrize("size", [100, 300_000])
+def test_lost_reply_of_a_put_many_commits_every_key_exactly_once(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, server_config: dict[str, Any], size: int
+) -> None:
+    """The write of a fan-out's commits ran, its replies were lost after the first: each key settles alone, committed once."""
+    fired = _lose_reply(monkeypatch, "EXEC")
+    keys = [f"many-{i}" for i in range(3)]
+    with create_connector("redis", {**server_config, "chunk_bytes": CHUNK, **FAST_RETRY}) as conn:
+        results = conn.put_many([(0, i + 1, k) for i, k in enumerate(keys)], {"v": torch.ones(size)})
+        assert fired, "the fault was not injected"
+        assert all(r.ok for r in results)
+        client = redis_server.client()
+        assert [client.llen(PayloadKeys(PREFIX, k).manifest) for k in keys] == [1, 1, 1]
+        for i, key in enumerate(keys):
+            got = conn.get(0, i + 1, key)
+            assert got is not None and torch.equal(got.data["v"], torch.ones(size))
+            assert conn.get(0, i + 1, key) is None
+    assert redis_server.keys(PREFIX + "*") == []
+
+
 @pytest.mark.parametrize("blocking", [False, True])
 def test_lost_claim_reply_loses_nothing(
     monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer, server_config: dict[str, Any], blocking: bool

@@ -95,6 +95,34 @@ def test_a_put_the_replicas_do_not_confirm_fails_and_is_never_delivered(
     assert primary.keys(PREFIX + "*") == [], "the failed put left keys behind"
 
 
+@pytest.mark.parametrize("size", [1_000, 300_000], ids=["inline", "parted"])
+def test_put_many_is_confirmed_for_every_key_or_withdrawn_from_every_key(
+    primary_and_replica: tuple[RedisServer, RedisServer], size: int
+) -> None:
+    """One WAIT after a fan-out's commits: confirmed, every key is on the replica; short of it, every key is withdrawn."""
+    primary, replica = primary_and_replica
+    keys = [f"many-{i}" for i in range(3)]
+    targets = [(0, i + 1, k) for i, k in enumerate(keys)]
+    payload = {"v": torch.ones(size // 4)}
+    with create_connector("redis", primary.connector_config(**CONFIRMED)) as conn:
+        assert all(r.ok for r in conn.put_many(targets, payload))
+        on_replica = replica.client()
+        try:
+            assert [on_replica.llen(PayloadKeys(PREFIX, k).manifest) for k in keys] == [1, 1, 1]
+        finally:
+            on_replica.close()
+        for i, key in enumerate(keys):
+            got = conn.get(0, i + 1, key, timeout=5)
+            assert got is not None and torch.equal(got.data["v"], payload["v"])
+    with create_connector("redis", primary.connector_config(**SHORT)) as conn:
+        with _Stopped(replica):
+            results = conn.put_many(targets, payload)
+        assert [r.ok for r in results] == [False] * 3
+        assert all("0 of 1 replica" in r.metadata["error"] for r in results)
+        assert all(conn.get(0, 1, k) is None for k in keys)
+    assert primary.keys(PREFIX + "*") == [], "the failed puts left keys behind"
+
+
 def test_acknowledged_puts_after_the_replica_returns(primary_and_replica: tuple[RedisServer, RedisServer]) -> None:
     """A shortfall is not sticky: once the replica acknowledges again, puts succeed and every one is delivered.
 
