@@ -80,17 +80,28 @@ class DirectPut:
         self.registrations = Registrations(store.register_buffer, store.unregister_buffer)
 
     def put(self, key: str, encoded: Encoded) -> int | None:
+        return self.put_many([key], encoded)[0]
+
+    def put_many(self, keys: list[str], encoded: Encoded) -> list[int | None]:
+        """One payload under several keys: per key the store's return code, or None where the slab path must be used.
+
+        One existence lookup for all keys and one batch put for the new ones, all from the same registered parts.
+        """
         parts = [np.frombuffer(b, dtype=np.uint8) for b in encoded.buffers() if b.nbytes]
         if not parts or len(parts) > MAX_PARTS:
-            return None
-        if int(self._store.is_exist(key)) != 0:  # exists (1) or the lookup failed (< 0): the slab path decides
-            return None
+            return [None] * len(keys)
+        exist = [int(c) for c in self._store.batch_is_exist(keys)] if len(keys) > 1 else [int(self._store.is_exist(keys[0]))]
+        new = [key for key, found in zip(keys, exist, strict=True) if found == 0]  # exists (1) or failed (< 0): the slab path
+        if not new:
+            return [None] * len(keys)
         ranges = [(int(a.ctypes.data), int(a.nbytes)) for a in parts]
         if not self.registrations.acquire(sorted(set(ranges))):
-            return None
+            return [None] * len(keys)
         try:
-            codes = self._store.batch_put_from_multi_buffers([key], [[a for a, _ in ranges]], [[n for _, n in ranges]], self._replicate)
+            ptrs, sizes = [a for a, _ in ranges], [n for _, n in ranges]
+            codes = self._store.batch_put_from_multi_buffers(new, [ptrs] * len(new), [sizes] * len(new), self._replicate)
         finally:
             self.registrations.release(sorted(set(ranges)))
             del parts
-        return int(codes[0])
+        by_key = dict(zip(new, (int(c) for c in codes), strict=True))
+        return [by_key.get(key) for key in keys]

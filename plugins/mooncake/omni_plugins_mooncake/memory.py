@@ -105,7 +105,7 @@ class SlabPool:
         # leased slabs with the weak reference that watches their exporter, by id of that
         # reference (arrays are unhashable; the reference must outlive the exporter for its
         # callback to run, so the pool holds it)
-        self._leases: dict[int, tuple[weakref.ref[np.ndarray], Slab]] = {}
+        self._leases: dict[int, tuple[weakref.ref[np.ndarray], Slab, Callable[[], None] | None]] = {}
 
     # -- lending -------------------------------------------------------------
     def acquire(self, nbytes: int) -> Slab:
@@ -151,19 +151,26 @@ class SlabPool:
         if not closed:  # after close the engine is gone: just drop the memory
             self._free(slab)
 
-    def lease(self, slab: Slab, nbytes: int) -> memoryview:
-        """A view of ``slab``'s first ``nbytes`` that releases the slab when it and all views/tensors over it die."""
+    def lease(self, slab: Slab, nbytes: int, on_end: Callable[[], None] | None = None) -> memoryview:
+        """A view of ``slab``'s first ``nbytes`` that releases the slab when it and all views/tensors over it die.
+
+        ``on_end``: call this instead of releasing the slab (its holder decides, e.g. a slab staged under other keys too).
+        """
         exporter = slab.exporter(nbytes)
         # A bare weakref with a callback, not weakref.finalize: this runs right after a
         # transfer, when caches are cold, and finalize's Python bookkeeping cost 30-50 us
         # there against a few for this.
         ref = weakref.ref(exporter, self._lease_ended)
-        self._leases[id(ref)] = (ref, slab)
+        self._leases[id(ref)] = (ref, slab, on_end)
         return exporter.data  # a memoryview whose exporter is `exporter`
 
     def _lease_ended(self, ref: weakref.ref[np.ndarray]) -> None:
         lease = self._leases.pop(id(ref), None)
-        if lease is not None:
+        if lease is None:
+            return
+        if lease[2] is not None:
+            lease[2]()
+        else:
             self.release(lease[1])
 
     # -- accounting ----------------------------------------------------------

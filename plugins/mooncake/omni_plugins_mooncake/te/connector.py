@@ -2,7 +2,9 @@
 
 Producer side (``put``): encode into a slab of the registered staging pool and
 publish it in the :class:`~.pool.StagingTable`; the control server answers
-"where is K". Consumer side (``get``): a payload staged by this instance is
+"where is K". ``put_many`` (a fan-out) encodes once into one slab staged under
+every key; each key is claimed and read on its own, and the slab is freed after
+the last. Consumer side (``get``): a payload staged by this instance is
 decoded in place; otherwise each peer is asked (a binary claim on the control
 channel), the payload is read with one one-sided transfer
 (:class:`~.transfer.Reader`) into a registered receive slab, the claim is
@@ -181,6 +183,21 @@ class MooncakeTransferEngineConnector(Connector):
         self._table.stage(key, slab, n)
         return PutResult(True, n, {"peer": self._server.address})
 
+    def _put_many(self, targets: list[tuple[str, str, str]], data: Any) -> list[PutResult]:
+        """Encode once into one slab, staged under every key (see the module docstring)."""
+        if self._server is None:
+            raise ConnectorError(f"mooncake-te instance {self.segment} has no listen_address, so it cannot serve keys")
+        encoded = wire.encode(data)
+        n = encoded.nbytes
+        slab = self._send_pool.acquire(n)
+        try:
+            encoded.write_into(slab.view(n))
+        except BaseException:
+            self._send_pool.release(slab)
+            raise
+        self._table.stage_many([key for _, _, key in targets], slab, n)
+        return [PutResult(True, n, {"peer": self._server.address}) for _ in targets]
+
     def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
         if not timeout or timeout <= 0:  # one attempt: no closure, no poll frame (as the store connector)
             return self._try_get(key)
@@ -281,7 +298,7 @@ class MooncakeTransferEngineConnector(Connector):
         return None
 
     def _decode_local(self, entry: Staged) -> GetResult:
-        view = self._send_pool.lease(entry.slab, entry.nbytes)
+        view = self._send_pool.lease(entry.slab, entry.nbytes, None if entry.shared is None else lambda: self._table.release(entry))
         try:
             return GetResult(wire.decode(view), entry.nbytes)
         finally:

@@ -6,6 +6,12 @@ finished within ``claim_timeout`` lapses (the consumer died) and the payload is
 available again; a payload nobody consumes within ``ttl`` is reclaimed. A slab
 is never reused while a claim on it is live, so a reader never sees another
 payload's bytes unless its claim lapsed, which ``finish`` then reports.
+
+A fan-out stages one slab under several keys (:meth:`StagingTable.stage_many`):
+each key is still claimed, finished, expired and discarded on its own, and the
+slab goes back to the pool when the last of them is done with it (a
+:class:`Shared` count). Everything here lives in the producer's process, so a
+consumer that dies only lets its claim lapse; no count is left behind.
 """
 
 from __future__ import annotations
@@ -19,9 +25,28 @@ from dataclasses import dataclass, field
 from omni_plugins_mooncake.memory import Slab, SlabPool
 
 
+class Shared:
+    """A slab staged under several keys: it goes back to the pool once every one of them released it.
+
+    The count is a list of tokens popped one per release (``list.pop`` is
+    atomic): the release that pops token 0 is the last. No lock, so a release
+    from a lease's weakref callback can never wait for a lock its own thread
+    holds.
+    """
+
+    __slots__ = ("_tokens",)
+
+    def __init__(self, holders: int) -> None:
+        self._tokens = list(range(holders))
+
+    def release(self) -> bool:
+        """One holder is done; True for the last one (the slab is free)."""
+        return self._tokens.pop() == 0
+
+
 @dataclass(eq=False)
 class Staged:
-    """One payload waiting in registered memory."""
+    """One payload waiting in registered memory (``shared``: the slab is staged under other keys too)."""
 
     key: str
     slab: Slab
@@ -30,6 +55,7 @@ class Staged:
     token: int | None = None
     claim_deadline: float = 0.0
     superseded: bool = field(default=False)
+    shared: Shared | None = None
 
 
 class StagingTable:
@@ -50,12 +76,20 @@ class StagingTable:
 
     def stage(self, key: str, slab: Slab, nbytes: int) -> None:
         """Publish ``slab`` (holding ``nbytes`` of payload) under ``key``, replacing an older payload."""
-        entry = Staged(key, slab, nbytes, time.monotonic() + self.ttl)
+        self.stage_many([key], slab, nbytes)
+
+    def stage_many(self, keys: list[str], slab: Slab, nbytes: int) -> None:
+        """Publish one ``slab`` under every key of ``keys`` (each replacing an older payload); freed after the last."""
+        expires = time.monotonic() + self.ttl
+        shared = Shared(len(keys)) if len(keys) > 1 else None
+        drops: list[Staged | None] = []
         with self._lock:
-            old = self._by_key.pop(key, None)
-            self._by_key[key] = entry
-            drop = self._detach(old)
-        self._free(drop)
+            for key in keys:
+                old = self._by_key.pop(key, None)
+                self._by_key[key] = Staged(key, slab, nbytes, expires, shared=shared)
+                drops.append(self._detach(old))
+        for drop in drops:
+            self._free(drop)
 
     def claim(self, key: str) -> Staged | None:
         """Reserve ``key`` for one remote reader; None when absent or already being read."""
@@ -77,7 +111,7 @@ class StagingTable:
                 return False
             if self._by_key.get(entry.key) is entry:
                 del self._by_key[entry.key]
-        self._pool.release(entry.slab)
+        self.release(entry)
         return True
 
     def unclaim(self, token: int) -> None:
@@ -91,7 +125,7 @@ class StagingTable:
         self._free(drop)
 
     def take(self, key: str) -> Staged | None:
-        """Remove an unclaimed payload for a reader in this process; the caller now owns its slab."""
+        """Remove an unclaimed payload for a reader in this process; the caller now holds it (:meth:`release` when done)."""
         with self._lock:
             entry = self._by_key.get(key)
             if entry is None or entry.token is not None:
@@ -124,7 +158,7 @@ class StagingTable:
                     drops.append(entry)
             self.reclaimed += len(drops)
         for entry in drops:
-            self._pool.release(entry.slab)
+            self.release(entry)
         return len(drops)
 
     def stats(self) -> dict[str, int]:
@@ -143,6 +177,11 @@ class StagingTable:
             self._by_key.clear()
             self._claims.clear()
         for entry in entries.values():
+            self.release(entry)
+
+    def release(self, entry: Staged) -> None:
+        """``entry`` is done (finished, dropped, or read in this process): its slab goes back unless other keys hold it."""
+        if entry.shared is None or entry.shared.release():
             self._pool.release(entry.slab)
 
     # -- helpers ----------------------------------------------------------------
@@ -157,4 +196,4 @@ class StagingTable:
 
     def _free(self, entry: Staged | None) -> None:
         if entry is not None:
-            self._pool.release(entry.slab)
+            self.release(entry)
