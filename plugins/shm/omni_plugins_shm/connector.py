@@ -9,6 +9,11 @@ Life of one payload (every state change is an atomic ``rename`` in the shm direc
    header, copy the payload into private memory (or hand out zero-copy views), then return the
    segment to its owner (``c. -> f.``) or unlink it (dedicated segments, owner gone).
 
+``put_many`` (a fan-out): a payload the slot table holds is put per key (the
+compiled encoder writes straight into each slot: encoding is the copy); a
+larger one is encoded once into one segment published under every key (a hard
+link per key, see :mod:`.segments.shared`).
+
 Nothing travels from ``put`` to ``get`` but the key. See ``docs/backends/shm.md``.
 """
 
@@ -30,7 +35,7 @@ from typing import Any, cast
 import numpy as np
 
 from omni_plugins import wire
-from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult, failed_put
 from omni_plugins.errors import ConfigError, ConnectorError, CorruptPayloadError, WireFormatError
 from omni_plugins_shm import gc, modes, pubdir, wakeslots
 from omni_plugins_shm.config import ShmConfig
@@ -39,12 +44,13 @@ from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
 from omni_plugins_shm.naming import HASHED, PUBLISHED, WAKE_ANY_SLOT, KeyNames, Names, parse_name
 from omni_plugins_shm.notify import Notifier
 from omni_plugins_shm.proc import CurrentPid, Owner
+from omni_plugins_shm.segments import shared
 from omni_plugins_shm.segments.files import unlink_quiet
 from omni_plugins_shm.segments.header import CLOSED_OFFSET, HEADER_SIZE, PAYLOAD_OFFSET, STATE_FREE, STATE_OFFSET, Header, HeaderError
 from omni_plugins_shm.segments.mapcache import MapCache, Mapping
 from omni_plugins_shm.segments.pool import ProducerPool, Segment
 from omni_plugins_shm.segments.private import PrivateBuffers, copy_into
-from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, TIMED_OUT, Lent, SlotClass, SlotTable
+from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, TIMED_OUT, TOO_BIG, Lent, SlotClass, SlotTable
 from omni_plugins_shm.wakeslots import SLICE
 
 log = logging.getLogger(__name__)
@@ -197,7 +203,10 @@ class ShmConnector(Connector):
 
     def _put_slots(self, slots: SlotTable, key: str, data: Any, expiry: Expiry | None) -> PutResult:
         """A put with the slot table: one C call (reserve, encode straight into the slot, replace, publish,
-        ring), else :meth:`_put_declined`. A damaged table is a :class:`ConnectorError` naming the cure."""
+        ring), else :meth:`_put_declined`. A damaged table is a :class:`ConnectorError` naming the cure.
+
+        Spelled out (not :meth:`_put_obj` plus :meth:`_put_slots_tried`): the hot path of every small put.
+        """
         encoder = wire.native_c_api()
         try:
             got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
@@ -207,10 +216,106 @@ class ShmConnector(Connector):
         except WireFormatError:
             raise
         except ValueError as exc:  # the C table refuses a damaged mapping (its header checks)
-            raise ConnectorError(
-                f"shm put of key {key!r}: the slot table of namespace {self.config.namespace!r} in {self._pubdir} is damaged ({exc}); "
-                f"stop its instances and run 'omni-plugins shm gc --namespace {self.config.namespace}'"
-            ) from exc
+            raise self._damaged(key, exc) from exc
+
+    def _put_obj(self, slots: SlotTable, key: str, data: Any) -> int:
+        """The slot table's one-call put (its size, or why it declined: ``TOO_BIG``, ``NO_SLOT``, ``DEFERRED``)."""
+        encoder = wire.native_c_api()
+        try:
+            return slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
+        except WireFormatError:
+            raise
+        except ValueError as exc:  # the C table refuses a damaged mapping (its header checks)
+            raise self._damaged(key, exc) from exc
+
+    def _put_slots_tried(self, slots: SlotTable, key: str, data: Any, expiry: Expiry | None, got: int) -> PutResult:
+        """A put whose slot-table call returned ``got``: done, or :meth:`_put_declined`."""
+        if got >= 0:
+            return _put_ok((True, got, None))
+        try:
+            return self._put_declined(slots, key, data, got, expiry)
+        except WireFormatError:
+            raise
+        except ValueError as exc:
+            raise self._damaged(key, exc) from exc
+
+    def _damaged(self, key: str, exc: ValueError) -> ConnectorError:
+        return ConnectorError(
+            f"shm put of key {key!r}: the slot table of namespace {self.config.namespace!r} in {self._pubdir} is damaged ({exc}); "
+            f"stop its instances and run 'omni-plugins shm gc --namespace {self.config.namespace}'"
+        )
+
+    # -- put_many -------------------------------------------------------------------------
+    def _put_many(self, targets: list[tuple[str, str, str]], data: Any) -> list[PutResult]:
+        """One payload under several keys (see the module docstring); a result per target."""
+        if CurrentPid.value != self._pid:
+            self._check_process()
+        expiry = self._expiry
+        if expiry is not None and expiry.due():
+            self._expire(expiry)
+        keys = list(dict.fromkeys(key for _, _, key in targets))  # a key named twice is put once
+        slots = self._slots
+        if slots is not None:
+            got = self._put_obj(slots, keys[0], data)
+            if got != TOO_BIG:  # small enough for a slot: a put per key, each encoding straight into its slot
+                done = {keys[0]: self._put_slots_tried(slots, keys[0], data, expiry, got)}
+                for key in keys[1:]:
+                    try:
+                        done[key] = self._put_slots(slots, key, data, expiry)
+                    except Exception as exc:
+                        done[key] = failed_put(exc)
+                return [done[key] for _, _, key in targets]
+            for key in keys[1:]:
+                slots.take(key)  # the file path replaces an unconsumed slot payload of the key (put_obj did so for the first)
+        enc = wire.encode(data)
+        if slots is not None:
+            slots.files_add(len(keys))  # raised before publishing, as for a put (lowered for what is not published)
+        try:
+            done = self._put_file_shared(keys, enc, expiry, slots)
+        except BaseException:
+            if slots is not None:
+                slots.files_add(-len(keys))
+            raise
+        if slots is not None and (unpublished := sum(not r.ok for r in done.values())):
+            slots.files_add(-unpublished)
+        return [done[key] for _, _, key in targets]
+
+    def _put_file_shared(self, keys: list[str], enc: wire.Encoded, expiry: Expiry | None, counted: SlotTable | None) -> dict[str, PutResult]:
+        """The file path of ``put_many``: one segment, written once, published under every key (a hard link each)."""
+        names = [self._key(key) for key in keys]
+        table = shared.key_table([n.digest for n in names])
+        for _ in range(_PUT_RETRIES):
+            try:
+                seg = self._pool.acquire(enc.nbytes + len(table))
+            except OSError as exc:
+                raise ConnectorError(f"shm put of keys {keys!r} ({enc.nbytes} bytes) in {self._dir}: cannot get a segment: {exc}") from exc
+            try:
+                header = Header(
+                    self._owner, seg.no, seg.capacity, enc.nbytes, shared.table_digest(table), seg.pooled, counted is not None, shared=True
+                )
+                seg.view[:HEADER_SIZE] = header.pack()
+                end = PAYLOAD_OFFSET + enc.nbytes
+                enc.write_into(seg.view[PAYLOAD_OFFSET:end])
+                seg.view[end : end + len(table)] = table
+                published = self._pool.publish_many(seg, [n.published_path for n in names], self._discard, _PUT_RETRIES)
+            except BaseException:
+                self._pool.abandon(seg)
+                raise
+            if published is None:
+                continue  # the segment vanished before it had a name: a new one
+            if not any(published):
+                self._pool.abandon(seg)
+            done: dict[str, PutResult] = {}
+            for key, n, ok in zip(keys, names, published, strict=True):
+                if not ok:
+                    done[key] = failed_put(ConnectorError(f"shm put of key {key!r} in {self._dir}: the key could not be published"))
+                    continue
+                self._ring(n.wake_slot)
+                if expiry is not None:
+                    expiry.published(n.published_path, seg)
+                done[key] = PutResult(True, enc.nbytes, None)
+            return done
+        raise ConnectorError(f"shm put of keys {keys!r} in {self._dir}: segments keep disappearing (is gc --all running?)")
 
     def _put_declined(self, slots: SlotTable, key: str, data: Any, got: int, expiry: Expiry | None) -> PutResult:
         """``put`` after the slot table's ``put_obj`` declined (``got`` < 0): the Python encoder, then a slot or the file path."""
@@ -605,7 +710,9 @@ class ShmConnector(Connector):
                     raise HeaderError("size changed since it was mapped")
             else:
                 header = self._read_header(claim, st.st_size)
-            if header.key_digest != digest:
+            if header.shared and cached is not None:
+                shared.check_key_table(lambda offset, size: bytes(cached.view[offset : offset + size]), header, digest)
+            elif header.key_digest != digest and not header.shared:
                 raise HeaderError("it holds a payload for a different key")
         except HeaderError as exc:
             raise self._invalid(claim, key, str(exc)) from exc
@@ -615,6 +722,12 @@ class ShmConnector(Connector):
             fd = os.open(claim, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
+        if header.shared:
+            try:
+                shared.check_key_table(lambda offset, size: os.pread(fd, size, offset), header, digest)
+            except (HeaderError, OSError) as exc:
+                os.close(fd)
+                raise self._invalid(claim, key, str(exc)) from exc
         keep_fd = False
         try:
             mapping, keep_fd = self._maps.map(ident, fd, header)
@@ -785,7 +898,8 @@ def _scan(directory: str, prefix: str) -> list[str]:
 
 
 def _return_segment(directory: str, names: Names, claim: str, header: Header, mapping: Mapping, maps: MapCache, leased: bool) -> None:
-    """After a get: give a pooled segment back to its owner, or unlink it.
+    """After a get: give a pooled segment back to its owner, or unlink it (one of several names: drop that name,
+    unless it is the last; see :mod:`.segments.shared`).
 
     Order matters: rename to ``f.`` first, set FREE second (FREE promises the ``f.`` name),
     then read the owner's CLOSED flag: an owner that closed meanwhile either unlinked the
@@ -793,6 +907,8 @@ def _return_segment(directory: str, names: Names, claim: str, header: Header, ma
     weakref finalizer in any thread (zero-copy views); never raises.
     """
     try:
+        if header.pooled and header.shared and not shared.leave(claim):  # other keys of a fan-out still hold it
+            return
         if header.pooled:
             ident = (header.owner, header.seg_no)
             if mapping.free_for != ident:

@@ -29,6 +29,7 @@ from omni_plugins_shm import slots
 from omni_plugins_shm.gc import DEFAULT_SHM_DIR, GcReport, read_header
 from omni_plugins_shm.naming import HASHED, PREFIX, PUBLISH_DIR, PUBLISHED, Names, namespace_prefix, parse_name, publish_dir_name
 from omni_plugins_shm.proc import Owner
+from omni_plugins_shm.segments import shared
 from omni_plugins_shm.segments.files import rename_noreplace, unlink_quiet
 from omni_plugins_shm.segments.header import CLOSED_OFFSET, STATE_FREE, STATE_OFFSET
 from omni_plugins_shm.segments.pool import Segment
@@ -48,6 +49,8 @@ def free_claimed(directory: str, names: Names, claim: str) -> bool:
     counted = header is not None and header.counted
     if header is None or not header.pooled:
         unlink_quiet(claim)
+        return counted
+    if header.shared and not shared.leave(claim):  # other keys of a fan-out still hold it
         return counted
     free = f"{directory}/{names.free(header.owner.token, header.seg_no)}"
     try:

@@ -11,6 +11,10 @@ Layout (little-endian, 128 bytes reserved, payload starts at :data:`PAYLOAD_OFFS
 it without a syscall), byte 13 is set by the owner when it closes (a consumer
 returning a segment afterwards unlinks it instead). Everything else is covered by the CRC, so a torn or foreign file
 is reported as corrupt instead of being trusted.
+
+A segment published under several keys (``put_many``, flag SHARED) holds in
+``key_digest`` the digest of a key table written right after the payload: the
+digests of every key it is published under (see :mod:`.shared`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ STATE_FREE = 0
 FLAG_POOLED = 1
 #: published by an instance with the slot table, which counted it in the table's file-path hint (see slots.py)
 FLAG_COUNTED = 2
+#: published under several keys (one name each); ``key_digest`` is the digest of the key table after the payload
+FLAG_SHARED = 4
 
 assert HEADER_SIZE <= PAYLOAD_OFFSET
 
@@ -52,11 +58,12 @@ class Header(NamedTuple):
     key_digest: bytes
     pooled: bool
     counted: bool = False
+    shared: bool = False
 
     def pack(self, state: int = STATE_BUSY) -> bytes:
         body = _FMT.pack(
             MAGIC,
-            (FLAG_POOLED if self.pooled else 0) | (FLAG_COUNTED if self.counted else 0),
+            (FLAG_POOLED if self.pooled else 0) | (FLAG_COUNTED if self.counted else 0) | (FLAG_SHARED if self.shared else 0),
             state,
             self.owner.pid,
             self.owner.tag,
@@ -82,7 +89,16 @@ class Header(NamedTuple):
             raise HeaderError(f"header says capacity {capacity} but the file is {file_size} bytes")
         if PAYLOAD_OFFSET + payload_len > capacity:
             raise HeaderError(f"payload length {payload_len} exceeds capacity {capacity}")
-        return cls(Owner(pid, start, tag), seg_no, capacity, payload_len, digest, bool(flags & FLAG_POOLED), bool(flags & FLAG_COUNTED))
+        return cls(
+            Owner(pid, start, tag),
+            seg_no,
+            capacity,
+            payload_len,
+            digest,
+            bool(flags & FLAG_POOLED),
+            bool(flags & FLAG_COUNTED),
+            bool(flags & FLAG_SHARED),
+        )
 
 
 def _crc(body: bytes | memoryview | mmap.mmap) -> int:

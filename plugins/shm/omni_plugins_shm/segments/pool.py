@@ -19,15 +19,18 @@ scanning all of them or listing the directory.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import mmap
 import os
 import threading
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from omni_plugins_shm.naming import Names
+from omni_plugins_shm.segments import shared
 from omni_plugins_shm.segments.files import PAGE, close_quiet, create_segment, rename_noreplace, round_up, unlink_quiet
 from omni_plugins_shm.segments.header import CLOSED_OFFSET, PAYLOAD_OFFSET, STATE_BUSY, STATE_FREE, STATE_OFFSET
 
@@ -160,6 +163,23 @@ class SizeClass:
         return True
 
 
+def _link(src: str, dst: str, replace: Callable[[str], object], attempts: int) -> bool:
+    """One more name ``dst`` for the segment at ``src``; an existing ``dst`` is replaced. False after ``attempts``
+    or when the name cannot be made (``FileNotFoundError``: ``src`` is gone)."""
+    for _ in range(attempts):
+        try:
+            os.link(src, dst)
+            return True
+        except FileExistsError:
+            replace(dst)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:  # e.g. EPERM: a file of another user squats the name in the sticky directory
+            log.warning("shm: cannot publish %s: %s", os.path.basename(dst), exc)
+            return False
+    return False
+
+
 class ProducerPool:
     """Segments owned by one connector instance (``owner`` token), keyed by size class."""
 
@@ -233,6 +253,34 @@ class ProducerPool:
         except FileNotFoundError:
             self._forget(seg)
             return False
+        self._published(seg)
+        return True
+
+    def publish_many(self, seg: Segment, paths: Sequence[str], replace: Callable[[str], object], attempts: int) -> list[bool] | None:
+        """Publish the written segment under every path, one hard link each (see :mod:`.shared`); which got it.
+
+        A name that exists is freed with ``replace(path)`` and linked again, up to ``attempts``
+        times. The producer's own name goes once a name is made (consumers then hand the segment
+        back); a segment published under no name stays the caller's to abandon. None when its file
+        vanished before any name was made (gc'd: the caller retries with a new segment).
+        """
+        done: list[bool] = []
+        try:
+            with shared.locked(seg.path) if seg.pooled else contextlib.nullcontext():
+                for path in paths:
+                    done.append(_link(seg.path, path, replace, attempts))
+                if any(done):
+                    unlink_quiet(seg.path)
+        except FileNotFoundError:  # our name vanished (gc --all): what was linked stands, the rest fails
+            if not any(done):
+                self._forget(seg)
+                return None
+            done += [False] * (len(paths) - len(done))
+        if any(done):
+            self._published(seg)
+        return done
+
+    def _published(self, seg: Segment) -> None:
         seg.uses += 1
         if seg.pooled:
             with self._lock:
@@ -241,7 +289,6 @@ class ProducerPool:
                     group.publish(seg)
         else:
             seg.release_memory()  # the consumer unlinks it; we keep nothing
-        return True
 
     def _forget(self, seg: Segment) -> None:
         log.warning("shm pool of %s: segment %d disappeared from %s; dropping it", self._owner, seg.no, self._dir)
