@@ -190,6 +190,42 @@ class ShmConnector(Connector):
             return super().put(from_stage, to_stage, key, data)
         return self._put_slots(slots, key, data, None)
 
+    def put_many(self, targets: Sequence[tuple[Any, Any, str]], data: Any) -> list[PutResult]:
+        """:meth:`Connector.put_many`; with the slot table a payload a slot holds costs one C call per key, as ``put``.
+
+        Anything else (a payload larger than any slot, a full class, ``ttl_seconds``) takes :meth:`_put_many` from
+        the first key the table did not take.
+        """
+        slots = self._slots
+        encoder = wire.native_c_api()
+        if (
+            slots is None
+            or encoder is None
+            or self._closed
+            or self._expiry is not None
+            or CurrentPid.value != self._pid
+            or not self._put_many_current  # a subclass that overrides put or _put gets every put through it
+        ):
+            return super().put_many(targets, data)
+        results: list[PutResult] = []
+        try:
+            for _, _, key in targets:
+                got = slots.put_obj(key, encoder, data)
+                if got < 0:
+                    break
+                results.append(_put_ok((True, got, None)))
+            else:
+                return results
+        except Exception:  # a damaged table, a payload the encoder refuses: the general path says which
+            pass
+        if not results:
+            return super().put_many(targets, data)
+        rest = [(str(f), str(t), k) for f, t, k in targets[len(results) :]]
+        try:
+            return results + self._put_many(rest, data)
+        except Exception as exc:  # the first of the rest failed before anything of it was stored
+            return results + [failed_put(exc)] * len(rest)
+
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
         if CurrentPid.value != self._pid:
             self._check_process()
@@ -218,27 +254,6 @@ class ShmConnector(Connector):
         except ValueError as exc:  # the C table refuses a damaged mapping (its header checks)
             raise self._damaged(key, exc) from exc
 
-    def _put_obj(self, slots: SlotTable, key: str, data: Any) -> int:
-        """The slot table's one-call put (its size, or why it declined: ``TOO_BIG``, ``NO_SLOT``, ``DEFERRED``)."""
-        encoder = wire.native_c_api()
-        try:
-            return slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
-        except WireFormatError:
-            raise
-        except ValueError as exc:  # the C table refuses a damaged mapping (its header checks)
-            raise self._damaged(key, exc) from exc
-
-    def _put_slots_tried(self, slots: SlotTable, key: str, data: Any, expiry: Expiry | None, got: int) -> PutResult:
-        """A put whose slot-table call returned ``got``: done, or :meth:`_put_declined`."""
-        if got >= 0:
-            return _put_ok((True, got, None))
-        try:
-            return self._put_declined(slots, key, data, got, expiry)
-        except WireFormatError:
-            raise
-        except ValueError as exc:
-            raise self._damaged(key, exc) from exc
-
     def _damaged(self, key: str, exc: ValueError) -> ConnectorError:
         return ConnectorError(
             f"shm put of key {key!r}: the slot table of namespace {self.config.namespace!r} in {self._pubdir} is damaged ({exc}); "
@@ -253,31 +268,45 @@ class ShmConnector(Connector):
         expiry = self._expiry
         if expiry is not None and expiry.due():
             self._expire(expiry)
-        keys = list(dict.fromkeys(key for _, _, key in targets))  # a key named twice is put once
         slots = self._slots
-        if slots is not None:
-            got = self._put_obj(slots, keys[0], data)
-            if got != TOO_BIG:  # small enough for a slot: a put per key, each encoding straight into its slot
-                done = {keys[0]: self._put_slots_tried(slots, keys[0], data, expiry, got)}
-                for key in keys[1:]:
-                    try:
-                        done[key] = self._put_slots(slots, key, data, expiry)
-                    except Exception as exc:
-                        done[key] = failed_put(exc)
-                return [done[key] for _, _, key in targets]
-            for key in keys[1:]:
-                slots.take(key)  # the file path replaces an unconsumed slot payload of the key (put_obj did so for the first)
-        enc = wire.encode(data)
-        if slots is not None:
-            slots.files_add(len(keys))  # raised before publishing, as for a put (lowered for what is not published)
+        if slots is None:
+            return self._put_many_files(targets, wire.encode(data), expiry, None)
+        encoder = wire.native_c_api()
+        results: list[PutResult] = []
+        for _, _, key in targets:  # small enough for a slot: a put per key, each encoding straight into its slot
+            try:
+                got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
+                if got >= 0:
+                    results.append(_put_ok((True, got, None)))
+                elif got == TOO_BIG and not results:
+                    break  # larger than any slot: the file path, written once for every key
+                else:
+                    results.append(self._put_declined(slots, key, data, got, expiry))
+            except Exception as exc:
+                if isinstance(exc, ValueError) and not isinstance(exc, WireFormatError):
+                    exc = self._damaged(key, exc)  # the C table refuses a damaged mapping (its header checks)
+                if not results:
+                    raise exc from None  # nothing stored yet
+                results.append(failed_put(exc))
+        else:
+            return results
+        for _, _, key in targets[1:]:
+            slots.take(key)  # the file path replaces an unconsumed slot payload of the key (put_obj did so for the first)
+        return self._put_many_files(targets, wire.encode(data), expiry, slots)
+
+    def _put_many_files(self, targets: list[tuple[str, str, str]], enc: wire.Encoded, expiry: Expiry | None, counted: SlotTable | None) -> list[PutResult]:
+        """The file path of ``put_many``; with the slot table its file-path hint is raised first (as for a put)."""
+        keys = list(dict.fromkeys(key for _, _, key in targets))  # a key named twice is put once
+        if counted is not None:
+            counted.files_add(len(keys))
         try:
-            done = self._put_file_shared(keys, enc, expiry, slots)
+            done = self._put_file_shared(keys, enc, expiry, counted)
         except BaseException:
-            if slots is not None:
-                slots.files_add(-len(keys))
+            if counted is not None:
+                counted.files_add(-len(keys))  # nothing was published
             raise
-        if slots is not None and (unpublished := sum(not r.ok for r in done.values())):
-            slots.files_add(-unpublished)
+        if counted is not None and (unpublished := sum(not r.ok for r in done.values())):
+            counted.files_add(-unpublished)
         return [done[key] for _, _, key in targets]
 
     def _put_file_shared(self, keys: list[str], enc: wire.Encoded, expiry: Expiry | None, counted: SlotTable | None) -> dict[str, PutResult]:

@@ -215,3 +215,18 @@ def test_a_reader_that_died_holding_one_key(namespace: str, spawn: Any) -> None:
         got = consumer.get(0, 2, "live-1", timeout=5)
         assert got is not None and payload_matches(got.data, 9, 64 * KIB)
         assert _free(seg)
+
+
+def test_keys_the_table_has_no_room_for_take_the_file_path(namespace: str) -> None:
+    """Two slots for four keys: the first two keys take a slot each, the others a segment each; every key delivers."""
+    if not wakeslots.available():
+        pytest.skip("the slot table needs the C extension")
+    config = {"namespace": namespace, "slot_count": 2, "slot_bytes": 16 * KIB, "slot_classes": []}
+    keys = [f"full-{i}" for i in range(4)]
+    with create_connector("shm", config) as producer, create_connector("shm", config) as consumer:
+        results = producer.put_many(_targets(keys), {"v": torch.arange(64)})
+        assert all(r.ok for r in results)
+        assert len(producer._slots.scan()) == 2 and len(_published(namespace)) == 2  # type: ignore[attr-defined]
+        for i, key in enumerate(keys):
+            got = consumer.get(0, i + 1, key, timeout=5)
+            assert got is not None and torch.equal(got.data["v"], torch.arange(64))
