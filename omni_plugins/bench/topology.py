@@ -3,10 +3,12 @@
 Graphs: ``chain`` (0 -> 1), ``fanout`` (0 -> 1 and 2: every chunk to both) and ``fanin`` (0 and 1
 -> 2: every stream from both sources), each stage in its own process, every edge on the runtime
 backend; the runtime of each stage is built from the pipeline (``StageTransferRuntime.from_pipeline``).
-``raw_*``: the connector alone under the graph's traffic (a ``put`` per destination as soon as a
-chunk is made; one consumer thread on ``wait_any`` over every next key, the keys the runtime
-would use). Per mode: hand-off p50 / p99 per delivered chunk and the stages' CPU per delivered
-chunk; ratios against the chain and against the connector alone.
+``raw_*``: the connector alone under the graph's traffic (as soon as a chunk is made, a ``put``,
+or for a fan-out one ``put_many`` to every destination, as the runtime makes; one consumer thread
+on ``wait_any`` over every next key, the keys the runtime would use). Per mode: hand-off p50 / p99
+per delivered chunk, the stages' CPU per delivered chunk and the producers' ``put_many`` calls
+(a fan-out's payload encoded once for both destinations where the backend can); ratios against
+the chain and against the connector alone.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def produce_stage(
     rt = None if raw else StageTransferRuntime.from_pipeline(config, stage)
     requests = [_Request(f"{tag}-{i}") for i in range(traffic.streams)]
     chunk = torch.ones(traffic.chunk_bytes // 4, dtype=torch.float32)
+    grouped = 0
     try:
         _sleep_until(start())
         cpu0 = time.process_time()
@@ -94,12 +97,17 @@ def produce_stage(
                     continue
                 assert conn is not None
                 out["meta"] = {"finished": last, "override_keys": ["chunk"]}
-                for edge in topo.outputs:
-                    conn.put(stage, edge.to_stage, f"{req.request_id}_{edge.key_stage}_{step}", out)
+                targets = [(stage, edge.to_stage, f"{req.request_id}_{edge.key_stage}_{step}") for edge in topo.outputs]
+                if len(targets) > 1:
+                    conn.put_many(targets, out)
+                    grouped += 1
+                else:
+                    conn.put(*targets[0], out)
             next_step += traffic.interval_s
             _sleep_until(next_step)
         if rt is not None:
             rt.wait_sends(GRACE_S)
+            grouped = rt.debug_state()["sender"]["put_many"]
         cpu = time.process_time() - cpu0
         release()
         if rt is not None:
@@ -110,7 +118,7 @@ def produce_stage(
             rt.shutdown()
         if conn is not None:
             conn.close()
-    return {"cpu_s": cpu}
+    return {"cpu_s": cpu, "put_many": grouped}
 
 
 def consume_stage(
@@ -202,6 +210,7 @@ TOPOLOGY_COLUMNS = [
     Column(key="p50_vs_chain", label="p50 / chain"),
     Column(key="cpu_vs_chain", label="CPU / chain"),
     Column(key="p50_vs_connector", label="p50 / connector alone"),
+    Column(key="put_many", label="put_many calls", digits=0),
     Column(key="missing", label="missing", digits=0),
 ]
 
@@ -270,6 +279,7 @@ def topology_rows(runs: dict[str, list[tuple[list[dict[str, Any]], list[dict[str
             "p99_ms": percentile(lat, 0.99) * 1e3 if lat else None,
             "cpu_us_per_chunk": cpu / delivered * 1e6,
             "delivered": len(lat),
+            "put_many": sum(p.get("put_many", 0) for producers, _ in got for p in producers),
             "missing": sum(c["missing"] for _, consumers in got for c in consumers),
         }
     for mode in ("chain", "fanout", "fanin"):

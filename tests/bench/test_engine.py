@@ -63,6 +63,8 @@ def test_every_section_measures_and_checks_its_targets(tmp_path: Path, capsys: p
     topology = {r["mode"]: r for r in doc.sections["topology"].rows}
     assert set(topology) == {"chain", "fanout", "fanin", "raw_chain", "raw_fanout", "raw_fanin"}
     assert all(r["missing"] == 0 for r in topology.values())
+    assert topology["fanout"]["put_many"] and topology["raw_fanout"]["put_many"]  # a fan-out's chunk: one call for both edges
+    assert topology["chain"]["put_many"] == topology["fanin"]["put_many"] == 0
 
     by_section: dict[str, list[Any]] = {}
     for t in doc.targets:
