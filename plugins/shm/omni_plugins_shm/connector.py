@@ -227,22 +227,24 @@ class ShmConnector(Connector):
             return results + [failed_put(exc)] * len(rest)
 
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
-        if CurrentPid.value != self._pid:
-            self._check_process()
-        expiry = self._expiry
-        if expiry is not None and expiry.due():
-            self._expire(expiry)
+        expiry = self._prepare_put()
         slots = self._slots
         if slots is None:
             return self._put_file(key, wire.encode(data), expiry, None)
         return self._put_slots(slots, key, data, expiry)
 
+    def _prepare_put(self) -> Expiry | None:
+        """What every put checks first: the process (no use after fork); ``ttl_seconds`` expiry when due."""
+        if CurrentPid.value != self._pid:
+            self._check_process()
+        expiry = self._expiry
+        if expiry is not None and expiry.due():
+            self._expire(expiry)
+        return expiry
+
     def _put_slots(self, slots: SlotTable, key: str, data: Any, expiry: Expiry | None) -> PutResult:
         """A put with the slot table: one C call (reserve, encode straight into the slot, replace, publish,
-        ring), else :meth:`_put_declined`. A damaged table is a :class:`ConnectorError` naming the cure.
-
-        Spelled out (not :meth:`_put_obj` plus :meth:`_put_slots_tried`): the hot path of every small put.
-        """
+        ring), else :meth:`_put_declined`. A damaged table is a :class:`ConnectorError` naming the cure."""
         encoder = wire.native_c_api()
         try:
             got = slots.put_obj(key, encoder, data) if encoder is not None else DEFERRED
@@ -263,11 +265,7 @@ class ShmConnector(Connector):
     # -- put_many -------------------------------------------------------------------------
     def _put_many(self, targets: list[tuple[str, str, str]], data: Any) -> list[PutResult]:
         """One payload under several keys (see the module docstring); a result per target."""
-        if CurrentPid.value != self._pid:
-            self._check_process()
-        expiry = self._expiry
-        if expiry is not None and expiry.due():
-            self._expire(expiry)
+        expiry = self._prepare_put()
         slots = self._slots
         if slots is None:
             return self._put_many_files(targets, wire.encode(data), expiry, None)

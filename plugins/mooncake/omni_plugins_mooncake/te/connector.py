@@ -170,23 +170,13 @@ class MooncakeTransferEngineConnector(Connector):
 
     # -- contract ------------------------------------------------------------
     def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
-        if self._server is None:
-            raise ConnectorError(f"mooncake-te instance {self.segment} has no listen_address, so it cannot serve key {key!r}")
-        encoded = wire.encode(data)
-        n = encoded.nbytes
-        slab = self._send_pool.acquire(n)
-        try:
-            encoded.write_into(slab.view(n))
-        except BaseException:
-            self._send_pool.release(slab)
-            raise
-        self._table.stage(key, slab, n)
-        return PutResult(True, n, {"peer": self._server.address})
+        return self._put_many([(from_stage, to_stage, key)], data)[0]
 
     def _put_many(self, targets: list[tuple[str, str, str]], data: Any) -> list[PutResult]:
         """Encode once into one slab, staged under every key (see the module docstring)."""
         if self._server is None:
-            raise ConnectorError(f"mooncake-te instance {self.segment} has no listen_address, so it cannot serve keys")
+            keys = ", ".join(repr(key) for _, _, key in targets)
+            raise ConnectorError(f"mooncake-te instance {self.segment} has no listen_address, so it cannot serve key {keys}")
         encoded = wire.encode(data)
         n = encoded.nbytes
         slab = self._send_pool.acquire(n)
