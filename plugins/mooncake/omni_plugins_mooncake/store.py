@@ -136,7 +136,7 @@ class MooncakeStoreConnector(Connector):
         codes: list[int | None] = self._direct.put_many(keys, encoded) if n >= DIRECT_MIN else [None] * len(keys)
         direct = sum(c == 0 for c in codes)
         staged = [i for i, c in enumerate(codes) if c is None]
-        failure: ConnectorError | None = None
+        failure: Exception | None = None
         if staged:
             try:
                 slab = self._pool.acquire(n)
@@ -149,7 +149,7 @@ class MooncakeStoreConnector(Connector):
                     self._pool.release(slab)
                 for i, rc in zip(staged, rcs, strict=True):
                     codes[i] = int(rc)
-            except ConnectorError as exc:  # no registered memory for the copy: those keys fail, the direct ones stand
+            except Exception as exc:  # e.g. no registered memory for the copy: those keys fail, the direct ones stand
                 failure = exc
         results: list[PutResult] = []
         for key, rc in zip(keys, codes, strict=True):

@@ -230,3 +230,26 @@ def test_keys_the_table_has_no_room_for_take_the_file_path(namespace: str) -> No
         for i, key in enumerate(keys):
             got = consumer.get(0, i + 1, key, timeout=5)
             assert got is not None and torch.equal(got.data["v"], torch.arange(64))
+
+
+def test_a_file_mapped_twice_keeps_the_mapping_a_reader_may_be_using(tmp_path: Any) -> None:
+    """Two threads that miss the map cache for one segment (two keys of it) both map it: the second gets the first's
+    mapping, which stays valid, instead of replacing it under the first reader."""
+    from omni_plugins_shm.proc import Owner
+    from omni_plugins_shm.segments.header import Header
+    from omni_plugins_shm.segments.mapcache import MapCache
+
+    path = tmp_path / "segment"
+    path.write_bytes(b"\0" * 65536)
+    header = Header(Owner(1, 2, 3), 0, 65536, 100, b"d" * 16, True)
+    cache = MapCache(1 << 20)
+    fds = [os.open(path, os.O_RDWR) for _ in range(2)]
+    try:
+        first, kept_first = cache.map((1, 1), fds[0], header)
+        second, kept_second = cache.map((1, 1), fds[1], header)
+        assert kept_first and not kept_second and second is first
+        first.view[200] = 7  # still mapped
+        assert cache.lookup((1, 1)) is first
+    finally:
+        os.close(fds[1])  # the caller closes an fd the cache did not keep
+        cache.clear()

@@ -97,6 +97,14 @@ class MapCache:
                 self._last_sweep = now
                 self._sweep_locked()
             old = self._entries.get(ident)
+            if old is not None and old.capacity == mapping.capacity:
+                # another thread mapped the same file meanwhile (a segment published under several keys, read
+                # by two threads): it may be reading through that mapping now, so keep it and drop ours
+                self._entries.move_to_end(ident)
+                mapping.fd = -1  # the caller closes fd
+                mapping.cached = False
+                mapping.drop()
+                return old, False
             if old is not None:
                 self._remove_locked(ident, old)
             self._entries[ident] = mapping
