@@ -10,10 +10,11 @@ half a payload; one round trip per small put, two per large one. With
 ``min_replica_acks`` a ``WAIT`` follows the commit in the same write.
 
 ``put_many`` (a fan-out: one payload under several keys) encodes once and
-builds each key's parts and manifest over the same encoder buffers; the puts
+builds each key's parts and manifest over the same encoder buffers. The puts
 that land on one server (every key, on one server or a Sentinel group; a
-cluster node's keys, grouped by slot owner) go in one pipelined write: parts
-first, then every key's commit transaction, then one ``WAIT`` for all of them.
+cluster node's keys, grouped by slot owner) share one connection: each key's
+parts (large payloads) are written and acknowledged first, then every key's
+commit transaction goes in one write, followed by one ``WAIT`` for all.
 Each key keeps its own commit marker and the same guarantees as a ``put``; a
 key whose commit is refused, or a group whose write fails, falls back to a
 ``put`` of that key alone (the usual retries, the commit-marker check).
