@@ -423,3 +423,71 @@ def fd_starved_judge_worker(namespace: str, segment: str, owner_token: str, pipe
             report[what] = f"errno {exc.errno}"
     free_descriptors(fillers, old)
     pipe.send(report)  # type: ignore[attr-defined]
+
+
+def low_limit_views_worker(config: dict[str, object], items: list[tuple[str, int, int]], headroom: int, pipe: object) -> None:
+    """With the soft ``RLIMIT_NOFILE`` lowered to ``headroom`` above the highest descriptor open, take zero-copy
+    views of every item (``(key, seed, nbytes)``) and hold them all; send the statuses, then whether the views
+    still match (every item in a segment of its own while the views pin it)."""
+    import resource
+
+    from omni_plugins import create_connector
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(n) for n in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + headroom, hard))
+    held, statuses = [], []
+    with create_connector("shm", config) as conn:
+        for key, _, _ in items:
+            try:
+                res = conn.get_views(0, 1, key, timeout=30)  # type: ignore[attr-defined]
+            except Exception as exc:
+                statuses.append(f"{type(exc).__name__}: {exc}")
+                break
+            statuses.append("missing" if res is None else "ok")
+            held.append(res)
+        pipe.send(statuses)  # type: ignore[attr-defined]
+        intact = len(held) == len(items) and all(payload_matches(r.data, seed, nbytes) for r, (_, seed, nbytes) in zip(held, items, strict=True))
+        del held, res
+        pipe.send(intact)  # type: ignore[attr-defined]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def descriptor_mappings_worker(config: dict[str, object], items: list[tuple[str, int, int]], fresh: tuple[str, int, int], pipe: object) -> None:
+    """The connector as installed without the C extension before Python 3.13 (every mapping keeps a descriptor:
+    fault injection by switching ``map_shared`` off), created under a soft ``RLIMIT_NOFILE`` 64 above the highest
+    descriptor open. Gets ``items`` (owned copies: their segments come back to the producer, their mappings stay
+    cached), reports the map cache's size and cap, then at the descriptor limit (:func:`fill_descriptors`) gets
+    ``fresh``: the cache gives up its mappings and the get succeeds. Sends ``{"statuses", "cached", "cap",
+    "fresh"}``."""
+    import resource
+
+    from omni_plugins import create_connector
+    from omni_plugins_shm import connector as connector_module
+    from omni_plugins_shm.segments import files, mapcache
+
+    files._native_map = None
+    files.MAPPING_HOLDS_FD = mapcache.MAPPING_HOLDS_FD = connector_module.MAPPING_HOLDS_FD = True
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(n) for n in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 64, hard))
+    report: dict[str, object] = {"cap": mapcache.descriptor_cap()}
+    with create_connector("shm", config) as conn:
+        statuses = []
+        for key, seed, nbytes in items:
+            res = conn.get(0, 1, key, timeout=30)
+            statuses.append("missing" if res is None else ("ok" if payload_matches(res.data, seed, nbytes) else "mismatch"))
+            del res
+        report["statuses"] = statuses
+        report["cached"] = conn.health()["cached_mappings"]
+        fillers, old = fill_descriptors()
+        try:
+            res = conn.get(0, 1, fresh[0], timeout=5)
+            report["fresh"] = "missing" if res is None else ("ok" if payload_matches(res.data, fresh[1], fresh[2]) else "mismatch")
+            del res
+        except Exception as exc:
+            report["fresh"] = _outcome(exc)
+        report["cached_after"] = conn.health()["cached_mappings"]
+        free_descriptors(fillers, old)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    pipe.send(report)  # type: ignore[attr-defined]

@@ -13,10 +13,12 @@ import signal
 from typing import Any
 
 from omni_plugins_shm.testing import (
+    descriptor_mappings_worker,
     fd_starved_consumer_worker,
     fd_starved_judge_worker,
     fd_starved_runtime_worker,
     last_chunk,
+    low_limit_views_worker,
     make_payload,
     namespace_segments,
 )
@@ -112,3 +114,48 @@ def test_gc_at_the_descriptor_limit_judges_nothing_dead_or_corrupt(namespace: st
         assert published in namespace_segments(namespace)
         got = producer.get(0, 1, "kept")
         assert got is not None and got.data["seed"] == 4
+
+
+def test_held_views_of_many_segments_need_no_descriptors(namespace: str, spawn: Any) -> None:
+    """A consumer with 32 descriptors to spare holds zero-copy views of 150 payloads, each pinning a segment of
+    its own (as a consumer that fell far behind does): the mappings hold no descriptor, so every get succeeds."""
+    config = {"namespace": namespace, "slot_count": 0, "zero_copy": True}
+    items = [(f"v{i}", 100 + i, 60 * KIB) for i in range(150)]
+    parent, child = spawn.Pipe()
+    with create_connector("shm", config) as producer:
+        for key, seed, nbytes in items:  # all published before the consumer takes any: one segment each
+            assert producer.put(0, 1, key, make_payload(seed, nbytes)).ok
+        proc = spawn.Process(target=low_limit_views_worker, args=(config, items, 32, child))
+        proc.start()
+        try:
+            assert parent.poll(JOIN)
+            statuses = parent.recv()
+            assert statuses == ["ok"] * len(items), statuses[-1]
+            assert parent.poll(JOIN) and parent.recv() is True
+        finally:
+            _finish(proc)
+        assert proc.exitcode == 0
+
+
+def test_where_mappings_keep_a_descriptor_the_cache_is_capped_and_gives_way(namespace: str, spawn: Any) -> None:
+    """Without the C extension (before Python 3.13) each mapping keeps a descriptor: the map cache then keeps
+    at most a quarter of the soft RLIMIT_NOFILE in mappings, and a get at the limit gets its descriptor back
+    from the cache's idle mappings instead of failing."""
+    config = {"namespace": namespace, "slot_count": 0}
+    items = [(f"m{i}", 200 + i, 20 * KIB) for i in range(48)]
+    fresh = ("fresh", 300, 200 * KIB)
+    parent, child = spawn.Pipe()
+    with create_connector("shm", config) as producer:
+        for key, seed, nbytes in [*items, fresh]:  # all published first: one segment each
+            assert producer.put(0, 1, key, make_payload(seed, nbytes)).ok
+        proc = spawn.Process(target=descriptor_mappings_worker, args=(config, items, fresh, child))
+        proc.start()
+        try:
+            assert parent.poll(JOIN)
+            report = parent.recv()
+        finally:
+            _finish(proc)
+        assert proc.exitcode == 0
+    assert report["statuses"] == ["ok"] * len(items)
+    assert 0 < report["cached"] <= report["cap"] < len(items), report
+    assert report["fresh"] == "ok", report
