@@ -12,7 +12,6 @@ which the runtime retries.
 from __future__ import annotations
 
 import errno
-import os
 import resource
 
 from omni_plugins.errors import TransientConnectorError
@@ -53,22 +52,22 @@ def advice(exc: BaseException) -> str:
     """Which resource ``exc`` ran short of and how to get more of it (no system call that needs a descriptor for EMFILE)."""
     if isinstance(exc, OSError) and exc.errno == errno.EMFILE:
         soft, hard = descriptor_limits()
-        more = f"ulimit -n {_limit(hard)}" if soft != hard else "raise the hard limit (limits.conf, LimitNOFILE= in a systemd unit, docker --ulimit nofile=)"
-        return (
-            f"this process has used up its open-file limit (RLIMIT_NOFILE soft {_limit(soft)}, hard {_limit(hard)}); "
-            f"raise it before starting the process ({more}), or hold fewer zero-copy results and other files at once"
-        )
+        if soft != hard:
+            how = f"raise it where the process starts (ulimit -n {_limit(hard)}: up to the hard limit)"
+        else:
+            how = "raise the hard limit where the process starts (limits.conf, LimitNOFILE= in a systemd unit, docker run --ulimit nofile=)"
+        return f"this process has used up its open-file limit (RLIMIT_NOFILE soft {_limit(soft)}, hard {_limit(hard)}); {how}, or hold fewer files open"
     if isinstance(exc, OSError) and exc.errno == errno.ENFILE:
         return "the machine has used up its open-file table (fs.file-max); raise it with sysctl or close files elsewhere"
     if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
         return "the shm directory is full; let consumers catch up, or give the tmpfs more room (docker --shm-size)"
     return (
         "this process ran out of memory, address space or mappings (vm.max_map_count "
-        f"{_max_map_count()}); hold fewer zero-copy results at once, lower map_cache_bytes, or raise vm.max_map_count"
+        f"{_max_map_count()}); hold fewer zero-copy results at once, or raise vm.max_map_count"
     )
 
 
 def shortage_error(what: str, exc: BaseException) -> TransientConnectorError:
     """The retryable error for ``what`` (e.g. "shm get of key 'k' ...: cannot open its segment") that ran short."""
-    why = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno is not None else type(exc).__name__
+    why = str(exc) if isinstance(exc, OSError) else type(exc).__name__
     return TransientConnectorError(f"{what}: {why}: {advice(exc)}")
