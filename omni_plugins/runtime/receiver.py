@@ -267,9 +267,11 @@ class Receiver:
     def _sweep(self, batch: list[tuple[InputState, int, str]]) -> bool:
         self.stats["sweeps"] += 1
         progress = False
+        stats = self.stats
+        shortages = stats["transient"]
         for item in batch:
-            if self._stop.is_set():
-                break
+            if self._stop.is_set() or stats["transient"] != shortages:
+                break  # a get ran short (and paused): the rest would too; the next sweep looks again
             progress = self._fetch(*item, timeout=None) or progress
         return progress
 
@@ -412,12 +414,16 @@ class Receiver:
         found = False
         unread = self._handler.unread
         stop = self._stop
+        stats = self.stats
+        shortages = stats["transient"]
         for key in keys:
             item = pending.get(key)
             if item is None or stop.is_set():
                 continue
             got = self._take(item[0], item[1], key, timeout=None)
             if got is _ABSENT:
+                if stats["transient"] != shortages:
+                    break  # it ran short (and paused): so would the others; the next wait reports them again
                 continue
             found = True
             taken.append((item[0], item[1], key, got))
@@ -482,7 +488,8 @@ class Receiver:
         request's deadline. The shortage is the process's, not the key's -- every get of it would
         meet it -- so the thread pauses (doubling from 1 ms to 100 ms while gets keep failing so,
         back to 1 ms after the next arrival) instead of retrying at once, which would spin while
-        whatever holds the resource lets go of it. Stopping cuts the pause short.
+        whatever holds the resource lets go of it, and the other keys of the same look wait for the
+        next one. Stopping cuts the pause short.
         """
         self.stats["errors"] += 1
         self.stats["transient"] += 1
