@@ -36,6 +36,20 @@ def _finish(proc: Any) -> None:
         proc.join(JOIN)
 
 
+def _report_of(spawn: Any, worker: Any, *args: Any) -> Any:
+    """Run ``worker(*args, pipe)`` in a spawned child: the one report it sends (the child must exit 0)."""
+    parent, child = spawn.Pipe()
+    proc = spawn.Process(target=worker, args=(*args, child))
+    proc.start()
+    try:
+        assert parent.poll(JOIN)
+        report = parent.recv()
+    finally:
+        _finish(proc)
+    assert proc.exitcode == 0
+    return report
+
+
 def test_a_get_at_the_descriptor_limit_keeps_the_payload_and_a_later_get_reads_it(namespace: str, spawn: Any) -> None:
     """The get that cannot open its segment raises the retryable error naming the limit, the payload is
     published again (nothing left under the consumer's claim), and the same get succeeds once descriptors
@@ -98,18 +112,10 @@ def test_gc_at_the_descriptor_limit_judges_nothing_dead_or_corrupt(namespace: st
     """Out of descriptors, a header cannot be read nor a process's liveness: both raise instead of saying
     "invalid" and "dead", so gc removes nothing of a live producer."""
     config = {"namespace": namespace, "slot_count": 0}
-    parent, child = spawn.Pipe()
     with create_connector("shm", config) as producer:
         assert producer.put(0, 1, "kept", make_payload(4, 60 * KIB)).ok
         (published,) = [name for name in namespace_segments(namespace) if ".k." in name]
-        proc = spawn.Process(target=fd_starved_judge_worker, args=(namespace, published, producer.owner_token, child))
-        proc.start()
-        try:
-            assert parent.poll(JOIN)
-            report = parent.recv()
-        finally:
-            _finish(proc)
-        assert proc.exitcode == 0
+        report = _report_of(spawn, fd_starved_judge_worker, namespace, published, producer.owner_token)
         assert report == {"header": f"errno {errno.EMFILE}", "alive": f"errno {errno.EMFILE}", "gc": f"errno {errno.EMFILE}"}, report
         assert published in namespace_segments(namespace)
         got = producer.get(0, 1, "kept")
@@ -144,18 +150,10 @@ def test_where_mappings_keep_a_descriptor_the_cache_is_capped_and_gives_way(name
     config = {"namespace": namespace, "slot_count": 0}
     items = [(f"m{i}", 200 + i, 20 * KIB) for i in range(48)]
     fresh = ("fresh", 300, 200 * KIB)
-    parent, child = spawn.Pipe()
     with create_connector("shm", config) as producer:
         for key, seed, nbytes in [*items, fresh]:  # all published first: one segment each
             assert producer.put(0, 1, key, make_payload(seed, nbytes)).ok
-        proc = spawn.Process(target=descriptor_mappings_worker, args=(config, items, fresh, child))
-        proc.start()
-        try:
-            assert parent.poll(JOIN)
-            report = parent.recv()
-        finally:
-            _finish(proc)
-        assert proc.exitcode == 0
+        report = _report_of(spawn, descriptor_mappings_worker, config, items, fresh)
     assert report["statuses"] == ["ok"] * len(items)
     assert 0 < report["cached"] <= report["cap"] < len(items), report
     assert report["fresh"] == "ok", report
