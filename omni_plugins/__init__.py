@@ -23,6 +23,7 @@ from omni_plugins.errors import (
     DuplicateConnectorError,
     OmniPluginsError,
     PluginLoadError,
+    TransientConnectorError,
     WireFormatError,
 )
 from omni_plugins.factory import available_connectors, create_connector, plugin_statuses
@@ -55,6 +56,7 @@ __all__ = [
     "RegistrationSink",
     "StageConfig",
     "StageConnectorConfig",
+    "TransientConnectorError",
     "WireFormatError",
     "__version__",
     "available_connectors",

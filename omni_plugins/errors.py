@@ -38,6 +38,17 @@ class ConnectorError(OmniPluginsError, RuntimeError):
     """
 
 
+class TransientConnectorError(ConnectorError):
+    """A backend operation failed for a reason that passes; nothing was lost and the same call can succeed later.
+
+    Raised when the reading or writing process runs short of a resource -- file descriptors
+    (``EMFILE``), memory or mappings (``ENOMEM``) -- rather than because the data or the backend
+    is bad: a ``get`` that raises it left the payload where it was, for a later ``get`` of the
+    key. The message names the resource and how to raise it. The runtime retries with backoff
+    until the request's deadline instead of failing the request.
+    """
+
+
 class WireFormatError(OmniPluginsError, ValueError):
     """Bytes could not be decoded (or an object could not be encoded) by ``omni_plugins.wire``.
 

@@ -296,18 +296,21 @@ def _ratio(a: Value, b: Value) -> float | None:
 
 
 def topology_targets(rows: list[dict[str, Value]]) -> list[TargetResult]:
+    """The per-chunk cost of a fan-out and a fan-in within 1.3x of a chain's.
+
+    Their hand-off p50 against the chain's is reported beside it (``p50 / chain``), not held to a
+    bound: a fan-out makes and delivers twice the chunks of a chain on the same cores, so its
+    latency carries that load; the cost of each chunk is what the topology itself adds.
+    """
     by_mode = {str(r["mode"]): r for r in rows}
-    out = []
-    for key, what in (("p50_vs_chain", "p50 hand-off"), ("cpu_vs_chain", "CPU per delivered chunk")):
-        values = [(m, v) for m in ("fanout", "fanin") if (v := number(by_mode[m].get(key))) is not None]
-        out.append(
-            check(
-                section="topology",
-                subject="runtime",
-                description=f"fan-out and fan-in {what} within 1.3x of a chain's",
-                op="<=",
-                bound=1.3,
-                values=values,
-            )
+    values = [(m, v) for m in ("fanout", "fanin") if (v := number(by_mode[m].get("cpu_vs_chain"))) is not None]
+    return [
+        check(
+            section="topology",
+            subject="runtime",
+            description="fan-out and fan-in CPU per delivered chunk within 1.3x of a chain's",
+            op="<=",
+            bound=1.3,
+            values=values,
         )
-    return out
+    ]

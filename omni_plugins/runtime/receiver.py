@@ -39,8 +39,9 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from omni_plugins.backoff import Backoff
 from omni_plugins.contract import Connector
-from omni_plugins.errors import ConnectorContractError, WireFormatError
+from omni_plugins.errors import ConnectorContractError, TransientConnectorError, WireFormatError
 from omni_plugins.metrics import NO_OBSERVER
 from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.rhythm import ArrivalRhythm
@@ -65,6 +66,9 @@ _SAFETY_SWEEP_S = 1.0
 _QUIET_S = 0.5
 #: wait-any mode: an arrival after this much silence starts a new burst (see :mod:`rhythm`)
 _BURST_GAP_S = 0.002
+#: after a get failed for a passing reason (``TransientConnectorError``): the receive thread's first and
+#: longest pause before it looks again (doubling while gets keep failing so, reset by the next arrival)
+_TRANSIENT_BACKOFF_S = (0.001, 0.1)
 
 
 #: keys to free, per connector (a fan-in request's inputs may come over different connectors)
@@ -141,6 +145,8 @@ class Receiver:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_error_log = 0.0
+        #: pauses after gets that failed for a passing reason (see :meth:`_transient`)
+        self._shortage = Backoff(*_TRANSIENT_BACKOFF_S)
         self._next_expiry = 0.0
         #: wait-any mode: the registry epoch the waited set reflects (see :meth:`_deliver`)
         self._epoch = -1
@@ -159,6 +165,7 @@ class Receiver:
             "poll_hits": 0,  # ... that saw an arrival
             "polls_preempted": 0,  # ... during which the thread lost its core (many: polling pauses, see :mod:`rhythm`)
             "errors": 0,
+            "transient": 0,  # gets that failed for a passing reason (the payload kept; retried with backoff)
         }
         self._thread = threading.Thread(target=self._run_wait_any if self.waits_any else self._run, name=name, daemon=True)
         self._thread.start()
@@ -260,9 +267,11 @@ class Receiver:
     def _sweep(self, batch: list[tuple[InputState, int, str]]) -> bool:
         self.stats["sweeps"] += 1
         progress = False
+        stats = self.stats
+        shortages = stats["transient"]
         for item in batch:
-            if self._stop.is_set():
-                break
+            if self._stop.is_set() or stats["transient"] != shortages:
+                break  # a get ran short (and paused): the rest would too; the next sweep looks again
             progress = self._fetch(*item, timeout=None) or progress
         return progress
 
@@ -405,12 +414,16 @@ class Receiver:
         found = False
         unread = self._handler.unread
         stop = self._stop
+        stats = self.stats
+        shortages = stats["transient"]
         for key in keys:
             item = pending.get(key)
             if item is None or stop.is_set():
                 continue
             got = self._take(item[0], item[1], key, timeout=None)
             if got is _ABSENT:
+                if stats["transient"] != shortages:
+                    break  # it ran short (and paused): so would the others; the next wait reports them again
                 continue
             found = True
             taken.append((item[0], item[1], key, got))
@@ -440,21 +453,17 @@ class Receiver:
             logger.error("payload under %s %s; request %s reported failed", key, why, state.request_id, exc_info=True)
             self._cleanup_one(key)
             return _UNDECODABLE
+        except TransientConnectorError as exc:
+            self._transient(key, exc)
+            return _ABSENT
         except Exception as exc:
             self.stats["errors"] += 1
-            now = time.monotonic()
-            if now - self._last_error_log > 1.0:
-                self._last_error_log = now
-                logger.warning(
-                    "get of %s failed (retrying until the request times out): %s: %s",
-                    key,
-                    type(exc).__name__,
-                    exc,
-                    exc_info=logger.isEnabledFor(logging.INFO),
-                )
+            self._log_failed_get(key, exc, "retrying until the request times out")
             return _ABSENT
         if result is None:
             return _ABSENT
+        if self._shortage.delay != self._shortage.first:
+            self._shortage.reset()  # an arrival: the shortage has passed
         if not self._consume:
             self._cleanup_one(key)
         self.stats["arrivals"] += 1
@@ -462,6 +471,30 @@ class Receiver:
         if observer is not NO_OBSERVER:
             observer.delivered(result.size, finished=False)
         return result.data
+
+    def _log_failed_get(self, key: str, exc: Exception, what_now: str) -> None:
+        """One warning per second at most (the traceback too when logging at INFO)."""
+        now = time.monotonic()
+        if now - self._last_error_log > 1.0:
+            self._last_error_log = now
+            logger.warning(
+                "get of %s failed (%s): %s: %s", key, what_now, type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.INFO)
+            )
+
+    def _transient(self, key: str, exc: TransientConnectorError) -> None:
+        """A get failed for a passing reason (the reader ran short of descriptors or memory) and left the payload in place.
+
+        The request is not failed: the key is looked for again like any missing one, until the
+        request's deadline. The shortage is the process's, not the key's -- every get of it would
+        meet it -- so the thread pauses (doubling from 1 ms to 100 ms while gets keep failing so,
+        back to 1 ms after the next arrival) instead of retrying at once, which would spin while
+        whatever holds the resource lets go of it, and the other keys of the same look wait for the
+        next one. Stopping cuts the pause short.
+        """
+        self.stats["errors"] += 1
+        self.stats["transient"] += 1
+        self._log_failed_get(key, exc, "the payload is kept; retrying with backoff until the request times out")
+        self._shortage.sleep(self._stop.wait)
 
     def _fail_taken(self, state: InputState, index: int) -> KeysToFree:
         """Lock held: chunk ``index`` of ``state`` was taken (consumed) but is unusable: fail the request.

@@ -13,7 +13,8 @@ if sys.platform.startswith("linux"):
     ext_modules.append(
         Extension(
             "omni_plugins_shm._native",
-            sources=["src/_native.c"],
+            sources=["src/_native.c", "src/sharedmap.c"],
+            depends=["src/sharedmap.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall"],
             optional=True,
         )

@@ -26,3 +26,4 @@ def test_wire_header_extension_is_active() -> None:
 def test_shm_wake_extension_is_built() -> None:
     native = importlib.import_module("omni_plugins_shm._native")  # ImportError fails the test
     assert callable(native.wait) and callable(native.bump), "omni_plugins_shm._native lacks its futex wait/wake"
+    assert callable(native.map_shared), "omni_plugins_shm._native lacks map_shared (segment mappings would hold a descriptor each)"

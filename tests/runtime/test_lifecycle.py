@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
 from rt_helpers import FAST, RawConnector, Req, collect_until, make_runtime, wait_until
 
+from omni_plugins.contract import GetResult
+from omni_plugins.errors import TransientConnectorError
 from omni_plugins.memory import MemoryConfig, MemoryConnector
 from omni_plugins.runtime import RuntimeTuning
 
@@ -156,6 +160,45 @@ def test_a_get_that_breaks_the_contract_fails_the_request_at_once(runtimes: list
     seen = collect_until(c, lambda s: bool(s.failed or s.timed_out))
     assert seen[-1].failed == {"r"} and not seen[-1].timed_out
     assert c.active_request_count() == 0 and conn.keys() == []  # its later chunk is freed too
+
+
+class _ShortOfDescriptors(MemoryConnector):
+    """Fault injection: the first ``fail`` gets of a key that is there raise ``TransientConnectorError`` and leave
+    it in place, as the shm connector's get does when its process is at its descriptor limit."""
+
+    def __init__(self, config: MemoryConfig, fail: int) -> None:
+        super().__init__(config)
+        self.fail_left = fail
+        self.lock = threading.Lock()
+
+    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
+        with self.lock:
+            short = self.fail_left > 0 and key in self.keys()
+            self.fail_left -= short
+        if short:
+            raise TransientConnectorError(f"get of {key!r}: cannot open its segment: Too many open files: raise ulimit -n")
+        return super()._get(from_stage, to_stage, key, timeout)
+
+
+@pytest.mark.parametrize(
+    "tuning",
+    [FAST, dataclasses.replace(FAST, arrival="block", wait_any=False), dataclasses.replace(FAST, arrival="poll")],
+    ids=["wait-any", "park-one", "poll"],
+)
+def test_a_get_that_ran_short_of_a_resource_is_retried_and_delivers(tuning: RuntimeTuning, runtimes: list, namespace: str) -> None:
+    """A ``TransientConnectorError`` does not fail the request (as an undecodable payload does): the chunk is
+    looked for again, with backoff, and delivered once the get succeeds."""
+    conn = _ShortOfDescriptors(MemoryConfig(namespace=namespace), fail=3)
+    c = make_runtime(1, namespace, connector=conn, tuning=tuning, async_chunk=True, recv_timeout_s=60)
+    runtimes.append(c)
+    c.register_chunk_recv(Req("r"))
+    conn.put(0, 1, "r_0_0", {"ids": {"prompt": [7]}, "meta": {"finished": True}})
+    seen = collect_until(c, lambda s: bool(s.chunk_finished or s.failed or s.timed_out), timeout=30)
+    assert seen[-1].chunk_finished == {"r"} and not seen[-1].failed and not seen[-1].timed_out
+    payload: Any = c.get_local_stage_payload("r")
+    assert payload["ids"]["prompt"] == [7]
+    assert conn.fail_left == 0 and c.debug_state()["receiver"]["transient"] == 3
+    assert conn.keys() == []
 
 
 def test_undecodable_chunk_mid_stream_frees_the_chunks_after_it(runtimes: list, namespace: str) -> None:

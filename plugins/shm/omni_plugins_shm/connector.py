@@ -36,8 +36,8 @@ import numpy as np
 
 from omni_plugins import wire
 from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult, failed_put
-from omni_plugins.errors import ConfigError, ConnectorError, CorruptPayloadError, WireFormatError
-from omni_plugins_shm import gc, modes, pubdir, wakeslots
+from omni_plugins.errors import ConfigError, ConnectorError, CorruptPayloadError, TransientConnectorError, WireFormatError
+from omni_plugins_shm import gc, modes, pubdir, shortage, wakeslots
 from omni_plugins_shm.config import ShmConfig
 from omni_plugins_shm.exitclose import close_at_exit
 from omni_plugins_shm.expire import Expiry, Publication, free_claimed, reclaim
@@ -45,9 +45,9 @@ from omni_plugins_shm.naming import HASHED, PUBLISHED, WAKE_ANY_SLOT, KeyNames, 
 from omni_plugins_shm.notify import Notifier
 from omni_plugins_shm.proc import CurrentPid, Owner
 from omni_plugins_shm.segments import shared
-from omni_plugins_shm.segments.files import unlink_quiet
+from omni_plugins_shm.segments.files import MAPPING_HOLDS_FD, rename_noreplace, unlink_quiet
 from omni_plugins_shm.segments.header import CLOSED_OFFSET, HEADER_SIZE, PAYLOAD_OFFSET, STATE_FREE, STATE_OFFSET, Header, HeaderError
-from omni_plugins_shm.segments.mapcache import MapCache, Mapping
+from omni_plugins_shm.segments.mapcache import MapCache, Mapping, descriptor_cap
 from omni_plugins_shm.segments.pool import ProducerPool, Segment
 from omni_plugins_shm.segments.private import PrivateBuffers, copy_into
 from omni_plugins_shm.slots import DEFERRED, FILES, SEQ_MASK, TIMED_OUT, TOO_BIG, Lent, SlotClass, SlotTable
@@ -132,7 +132,7 @@ class ShmConnector(Connector):
         self._pool = ProducerPool(
             self._dir, self._names, self._token, pool_bytes=self.config.pool_bytes, max_segment=self.config.pool_max_segment_bytes
         )
-        self._maps = MapCache(self.config.map_cache_bytes)
+        self._maps = MapCache(self.config.map_cache_bytes, descriptor_cap())
         self._private = PrivateBuffers(self.config.recycle_bytes, self.config.hugepage_copies)
         self._notifier = Notifier(self._pubdir)
         self._published_prefixes = tuple(f"{self._names.prefix}{kind}.".encode() for kind in (PUBLISHED, HASHED))
@@ -367,7 +367,10 @@ class ShmConnector(Connector):
             try:
                 seg = self._pool.acquire(enc.nbytes)
             except OSError as exc:
-                raise ConnectorError(f"shm put of key {key!r} ({enc.nbytes} bytes) in {self._dir}: cannot get a segment: {exc}") from exc
+                what = f"shm put of key {key!r} ({enc.nbytes} bytes) in {self._dir}: cannot get a segment"
+                if shortage.is_shortage(exc):
+                    raise shortage.shortage_error(what, exc) from exc
+                raise ConnectorError(f"{what}: {exc}") from exc
             try:
                 header = Header(self._owner, seg.no, seg.capacity, enc.nbytes, names.digest, seg.pooled, counted is not None)
                 seg.view[:HEADER_SIZE] = header.pack()
@@ -469,7 +472,7 @@ class ShmConnector(Connector):
             return None
         if self._notifier.tracking:
             self._notifier.forget(names.published_bytes)
-        return self._consume(claim, key, names.digest, zero_copy)
+        return self._consume(claim, key, names, zero_copy)
 
     def _get_slots(
         self,
@@ -541,7 +544,7 @@ class ShmConnector(Connector):
                 if claim is not None:
                     if self._notifier.tracking:
                         self._notifier.forget(names.published_bytes)
-                    return self._consume(claim, key, names.digest, zero_copy)
+                    return self._consume(claim, key, names, zero_copy)
             if not waits:
                 return None
             now = time.monotonic()
@@ -720,8 +723,29 @@ class ShmConnector(Connector):
             f"shm segment for key {key!r} in {self._dir} (namespace {self.config.namespace!r}) is invalid: {why}; removed it"
         )
 
-    def _open_claimed(self, claim: str, key: str, digest: bytes) -> tuple[Header, Mapping] | None:
-        """Header and mapping of a claimed segment (one ``stat`` when its mapping is cached)."""
+    def _open_claimed(self, claim: str, key: str, names: KeyNames) -> tuple[Header, Mapping] | None:
+        """Header and mapping of a claimed segment (one ``stat`` when its mapping is cached); None if it is gone.
+
+        Running short of descriptors or mappings while opening it is not a bad segment: the map
+        cache gives up its idle mappings (when they hold some of what ran short) and the open is
+        tried once more; failing again, the segment is published again and the get raises
+        :class:`TransientConnectorError` (see :meth:`_unclaim`).
+        """
+        retried = False
+        while True:
+            try:
+                return self._read_claimed(claim, key, names.digest)
+            except (OSError, MemoryError) as exc:
+                if not shortage.is_shortage(exc):
+                    raise
+                # idle cached mappings hold address space and mappings (and descriptors where a mapping keeps one)
+                cache_helps = MAPPING_HOLDS_FD or not shortage.is_descriptor_shortage(exc)
+                if retried or not cache_helps or not self._maps.shed():
+                    raise self._unclaim(claim, key, names, "cannot open its segment", exc) from exc
+                retried = True
+
+    def _read_claimed(self, claim: str, key: str, digest: bytes) -> tuple[Header, Mapping] | None:
+        """:meth:`_open_claimed` once: a bad segment is removed (:class:`CorruptPayloadError`), a shortage raises as it came."""
         try:
             st = os.lstat(claim)  # never follow a symlink planted under a key's name
         except FileNotFoundError:
@@ -732,11 +756,14 @@ class ShmConnector(Connector):
         cached = self._maps.lookup(ident)
         try:
             if cached is not None:
-                header = Header.unpack(cached.mm, st.st_size)
+                header = Header.unpack(cached.view, st.st_size)
                 if header.capacity != cached.capacity:
                     raise HeaderError("size changed since it was mapped")
             else:
-                header = self._read_header(claim, st.st_size)
+                read = self._read_header(claim, st.st_size)
+                if read is None:
+                    return None
+                header = read
             if header.shared and cached is not None:
                 shared.check_key_table(lambda offset, size: bytes(cached.view[offset : offset + size]), header, digest)
             elif header.key_digest != digest and not header.shared:
@@ -749,48 +776,92 @@ class ShmConnector(Connector):
             fd = os.open(claim, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             return None
-        if header.shared:
-            try:
-                shared.check_key_table(lambda offset, size: os.pread(fd, size, offset), header, digest)
-            except (HeaderError, OSError) as exc:
-                os.close(fd)
-                raise self._invalid(claim, key, str(exc)) from exc
-        keep_fd = False
+        except OSError as exc:
+            if shortage.is_shortage(exc):
+                raise
+            raise self._invalid(claim, key, f"cannot open it read-write: {exc}") from exc
         try:
-            mapping, keep_fd = self._maps.map(ident, fd, header)
+            if header.shared:  # a segment of several keys: is this one of them (the key table after its payload)
+                shared.check_key_table(lambda offset, size: os.pread(fd, size, offset), header, digest)
+            return header, self._maps.map(ident, fd, header)
+        except HeaderError as exc:
+            raise self._invalid(claim, key, str(exc)) from exc
         except (OSError, ValueError) as exc:
-            unlink_quiet(claim)
-            raise ConnectorError(f"shm segment for key {key!r} in {self._dir} cannot be mapped: {exc}") from exc
+            if shortage.is_shortage(exc):
+                raise
+            raise self._invalid(claim, key, f"cannot be mapped: {exc}") from exc
         finally:
-            if not keep_fd:
-                os.close(fd)
-        return header, mapping
+            os.close(fd)  # the mapping does not need it
 
     @staticmethod
-    def _read_header(path: str, size: int) -> Header:
+    def _read_header(path: str, size: int) -> Header | None:
+        """The header of the segment at ``path`` (None if it is gone); a shortage of descriptors raises as it came."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return None
         except OSError as exc:
+            if shortage.is_shortage(exc):
+                raise
             raise HeaderError(f"cannot open: {exc}") from exc
         try:
             return Header.unpack(os.pread(fd, HEADER_SIZE, 0), size)
         finally:
             os.close(fd)
 
-    def _consume(self, claim: str, key: str, digest: bytes, zero_copy: bool) -> GetResult | None:
-        opened = self._open_claimed(claim, key, digest)
+    def _unclaim(self, claim: str, key: str, names: KeyNames, doing: str, exc: BaseException) -> TransientConnectorError:
+        """Publish a claimed segment again under its key's name and say why the get gave it up.
+
+        The get ran short of a resource and read nothing, so the payload goes back exactly as
+        it was before the claim: readable by a retry of this get, by a later get of the key or
+        by another consumer (a waiter is rung), freed by its producer's close, ttl or gc like any
+        published payload, and never left under this consumer's claim name (which only gc after
+        this process's death would free). If a newer put of the key published meanwhile, that one
+        replaces it, as a put replaces an unconsumed payload.
+        """
+        where = f"shm get of key {key!r} in {self._dir} (namespace {self.config.namespace!r}): {doing}"
+        try:
+            rename_noreplace(claim, names.published_path)
+        except FileExistsError:
+            self._discard_claimed(claim)
+            return shortage.shortage_error(f"{where} (a newer put of the key replaced it meanwhile)", exc)
+        except FileNotFoundError:
+            return shortage.shortage_error(f"{where} (and gc removed it meanwhile)", exc)
+        except OSError as err:  # cannot happen short of a broken tmpfs: keep it claimed (gc frees it after this process)
+            log.error("shm: cannot publish %s again as %s: %s", claim, names.published_path, err)
+            return shortage.shortage_error(f"{where} (kept under {claim}: {err})", exc)
+        self._ring(names.wake_slot)
+        return shortage.shortage_error(f"{where}; the payload is kept for a retry", exc)
+
+    def _discard_claimed(self, claim: str) -> None:
+        if free_claimed(self._dir, self._names, claim) and self._slots is not None:
+            self._slots.files_add(-1)  # a counted file payload is gone: lower the file-path hint
+
+    def _consumed(self, header: Header) -> None:
+        if header.counted and self._slots is not None:
+            self._slots.files_add(-1)  # consumed: lower the table's file-path hint
+
+    def _consume(self, claim: str, key: str, names: KeyNames, zero_copy: bool) -> GetResult | None:
+        opened = self._open_claimed(claim, key, names)
         if opened is None:
             return None
         header, mapping = opened
         n = header.payload_len
-        if header.counted and self._slots is not None:
-            self._slots.files_add(-1)  # consumed: lower the table's file-path hint
         if zero_copy:
+            self._consumed(header)
             return self._consume_views(claim, key, header, mapping)
         try:
             buf = self._private_copy(mapping.view[PAYLOAD_OFFSET : PAYLOAD_OFFSET + n])
-        finally:
-            _return_segment(self._dir, self._names, claim, header, mapping, self._maps, leased=False)
+        except BaseException as exc:
+            if not shortage.is_shortage(exc):
+                self._consumed(header)
+                _return_segment(self._dir, self._names, claim, header, mapping, self._maps, leased=False)
+                raise
+            if not mapping.cached:
+                mapping.drop()
+            raise self._unclaim(claim, key, names, f"no memory for its {n}-byte copy", exc) from exc
+        self._consumed(header)
+        _return_segment(self._dir, self._names, claim, header, mapping, self._maps, leased=False)
         try:
             data = wire.decode(buf, copy=False)
         except WireFormatError as exc:
@@ -816,7 +887,7 @@ class ShmConnector(Connector):
         n = header.payload_len
         self._maps.lease(mapping)
         # every view decoded from `anchor` keeps it alive; when the last one dies the segment goes back
-        anchor = np.frombuffer(mapping.mm, dtype=np.uint8, count=n, offset=PAYLOAD_OFFSET)
+        anchor = np.frombuffer(mapping.view, dtype=np.uint8, count=n, offset=PAYLOAD_OFFSET)
         give_back = weakref.finalize(anchor, _return_segment, self._dir, self._names, claim, header, mapping, self._maps, True)
         return self._lend(key, anchor, give_back)
 
@@ -849,8 +920,7 @@ class ShmConnector(Connector):
             os.rename(published_path, claim)
         except FileNotFoundError:
             return False
-        if free_claimed(self._dir, self._names, claim) and self._slots is not None:
-            self._slots.files_add(-1)  # a counted file payload is gone: lower the file-path hint
+        self._discard_claimed(claim)
         return True
 
     def _close(self) -> None:
@@ -878,14 +948,20 @@ class ShmConnector(Connector):
             if parsed is None or parsed.kind not in ("k", "h"):
                 continue
             path = f"{self._pubdir}/{entry}"
-            header = gc.read_header(path)
+            try:
+                header = gc.read_header(path)
+            except OSError:  # out of descriptors: leave it (gc frees it once this instance's marker is gone)
+                continue
             if header is not None and header.owner == self._owner:
                 claim = self._path(self._names.claimed(self._token, next(self._claim_numbers)))
                 try:
                     os.rename(path, claim)
                 except FileNotFoundError:
                     continue
-                again = gc.read_header(claim)
+                try:
+                    again = gc.read_header(claim)
+                except OSError:
+                    again = None
                 if again is not None and again.owner == self._owner:
                     unlink_quiet(claim)
                     if again.counted and self._slots is not None:

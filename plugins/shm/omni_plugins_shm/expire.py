@@ -44,8 +44,13 @@ def free_claimed(directory: str, names: Names, claim: str) -> bool:
     """Free a segment we claimed without reading it: return pooled ones to their owner, unlink the rest.
 
     True when its header says it was counted in the slot table's file-path hint (the caller lowers it).
+    A process out of descriptors cannot read the header: the segment is unlinked all the same (the
+    owner's pool then misses it, and a counted one leaves the hint too high: both harmless).
     """
-    header = read_header(claim)
+    try:
+        header = read_header(claim)
+    except OSError:
+        header = None
     counted = header is not None and header.counted
     if header is None or not header.pooled:
         unlink_quiet(claim)
@@ -81,7 +86,14 @@ def reclaim(directory: str, names: Names, published: str, claim: str, is_ours: C
         os.rename(published, claim)
     except FileNotFoundError:
         return False, False
-    header = read_header(claim)
+    try:
+        header = read_header(claim)
+    except OSError:  # cannot tell whose it is (out of descriptors): put it back and let the caller say so
+        try:
+            rename_noreplace(claim, published)
+        except FileExistsError:
+            return True, free_claimed(directory, names, claim)  # a newer put replaced it: ours was the older one
+        raise
     if header is not None and not is_ours(header.owner, header.seg_no):
         try:
             rename_noreplace(claim, published)

@@ -14,6 +14,9 @@ Markers and published payloads live in the namespace's publish directory (see
   process is dead.
 - ``k.``/``h.`` (published payloads): removed when the producer named in the header is dead or closed,
   or when the header is corrupt.
+
+A name whose owner or header cannot be read for want of a descriptor or memory (``EMFILE``,
+``ENOMEM``) is kept and listed in the report's errors: running short is not death or corruption.
 - ``x.wake`` (the namespace's wake file): removed when no live instance holds its ``flock``
   (checked and removed under an exclusive lock, see :mod:`omni_plugins_shm.wakeslots`).
 
@@ -45,6 +48,7 @@ from omni_plugins_shm.naming import (
 )
 from omni_plugins_shm.proc import Owner
 from omni_plugins_shm.segments.header import HEADER_SIZE, Header, HeaderError
+from omni_plugins_shm.shortage import is_shortage
 
 DEFAULT_SHM_DIR = "/dev/shm"
 
@@ -63,15 +67,25 @@ class GcReport:
 
 
 def read_header(path: str) -> Header | None:
-    """The header of the segment at ``path``, or None if it is gone or not a valid segment."""
+    """The header of the segment at ``path``, or None if it is gone or not a valid segment.
+
+    ``OSError`` when this process cannot read it for want of a descriptor or memory (``EMFILE``...):
+    a segment is never judged invalid -- and removed -- for that.
+    """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
+    except OSError as exc:
+        if is_shortage(exc):
+            raise
         return None
     try:
         size = os.fstat(fd).st_size
         return Header.unpack(os.pread(fd, HEADER_SIZE, 0), size)
-    except (OSError, HeaderError):
+    except OSError as exc:
+        if is_shortage(exc):
+            raise
+        return None
+    except HeaderError:
         return None
     finally:
         os.close(fd)

@@ -11,6 +11,8 @@ import os
 import secrets
 from typing import NamedTuple
 
+from omni_plugins_shm.shortage import SHORTAGE_ERRNOS
+
 
 class CurrentPid:
     """This process's pid, refreshed in a forked child (``os.getpid()`` is a system call: ~0.4 us, on every op)."""
@@ -41,13 +43,19 @@ def process_start_time(pid: int) -> int | None:
 
 
 def running_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` if it runs (None if there is no such process or it is a zombie)."""
+    """Start time of ``pid`` if it runs (None if there is no such process or it is a zombie).
+
+    ``OSError`` when this process cannot tell for want of a descriptor or memory (``EMFILE``,
+    ``ENOMEM``...): a live process must never be judged dead -- and its segments freed -- for that.
+    """
     if pid <= 0:
         return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             raw = fh.read()
-    except OSError:
+    except OSError as exc:
+        if exc.errno in SHORTAGE_ERRNOS:
+            raise
         return None
     tail = raw[raw.rfind(b")") + 2 :].split()
     try:

@@ -265,3 +265,229 @@ def slot_crash_worker(config: dict[str, object], key: str, stage: str, ready: ob
         info = slot_table.SlotInfo(index, table.writing, 0, 0.0, b"")
     ready.send(info.slot)  # type: ignore[attr-defined]
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+# -- running short of file descriptors (real RLIMIT_NOFILE in a child process) ----------------------------
+
+
+def fill_descriptors() -> tuple[list[int], tuple[int, int]]:
+    """Put this process at its descriptor limit: lower the soft ``RLIMIT_NOFILE`` to just above the highest
+    descriptor open and open ``/dev/null`` until ``EMFILE``. Returns the fillers and the old limits for
+    :func:`free_descriptors`. Fault injection for tests, in a child process of their own."""
+    import errno
+    import resource
+
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(n) for n in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 8, old[1]))
+    fillers = []
+    while True:
+        try:
+            fillers.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        except OSError as exc:
+            if exc.errno != errno.EMFILE:
+                raise
+            return fillers, old
+
+
+def free_descriptors(fillers: list[int], old: tuple[int, int]) -> None:
+    import resource
+
+    for fd in fillers:
+        os.close(fd)
+    resource.setrlimit(resource.RLIMIT_NOFILE, old)
+
+
+def _outcome(exc: BaseException) -> dict[str, object]:
+    from omni_plugins.errors import CorruptPayloadError, TransientConnectorError
+
+    return {"type": type(exc).__name__, "message": str(exc), "transient": isinstance(exc, TransientConnectorError), "corrupt": isinstance(exc, CorruptPayloadError)}
+
+
+def fd_starved_consumer_worker(config: dict[str, object], items: list[tuple[str, int, int]], pipe: object) -> None:
+    """Get ``items`` = [warm, cached, fresh] (``(key, seed, nbytes)``) in steps the parent drives over ``pipe``
+    (a ``Pipe`` end: it needs no new descriptor to talk).
+
+    1. Blocking-get ``warm`` (its pooled segment gets mapped and cached); send its status; wait for "go"
+       (the parent then put ``cached``, which reuses that segment, and ``fresh``, in a new one).
+    2. At the descriptor limit (:func:`fill_descriptors`): get ``cached`` (no descriptor needed) and then
+       ``fresh`` (its segment must be opened); send what each did; wait for "free".
+    3. With the descriptors back: get ``fresh`` again; send its status.
+    """
+    from omni_plugins import create_connector
+
+    (warm, warm_seed, warm_n), (cached, cached_seed, cached_n), (fresh, fresh_seed, fresh_n) = items
+
+    def status(res: object, seed: int, nbytes: int) -> str:
+        return "missing" if res is None else ("ok" if payload_matches(res.data, seed, nbytes) else "mismatch")  # type: ignore[attr-defined]
+
+    with create_connector("shm", config) as conn:
+        pipe.send(status(conn.get(0, 1, warm, timeout=60), warm_seed, warm_n))  # type: ignore[attr-defined]
+        assert pipe.recv() == "go"  # type: ignore[attr-defined]
+        fillers, old = fill_descriptors()
+        report: dict[str, object] = {}
+        try:
+            report["cached"] = status(conn.get(0, 1, cached), cached_seed, cached_n)
+        except Exception as exc:
+            report["cached"] = _outcome(exc)
+        try:
+            report["fresh"] = status(conn.get(0, 1, fresh, timeout=5), fresh_seed, fresh_n)
+        except Exception as exc:
+            report["fresh"] = _outcome(exc)
+        pipe.send(report)  # type: ignore[attr-defined]
+        assert pipe.recv() == "free"  # type: ignore[attr-defined]
+        free_descriptors(fillers, old)
+        pipe.send(status(conn.get(0, 1, fresh, timeout=5), fresh_seed, fresh_n))  # type: ignore[attr-defined]
+
+
+def last_chunk(seed: int, nbytes: int) -> dict[str, object]:
+    """A streaming chunk that ends its stream, carrying ``make_payload(seed, nbytes)``'s tensor."""
+    return {"embed": {"x": make_payload(seed, nbytes)["x"]}, "meta": {"finished": True}}
+
+
+def fd_starved_runtime_worker(config: dict[str, object], seed: int, nbytes: int, pipe: object) -> None:
+    """A consumer stage's runtime (streaming, request "r" from stage 0) at its descriptor limit while its chunk
+    (:func:`last_chunk`) arrives: once the receive thread reports a transient get failure the descriptors are
+    freed; sends what the runtime delivered to ``pipe``."""
+    import time
+    from types import SimpleNamespace
+
+    from omni_plugins import StageConfig
+    from omni_plugins.runtime import RuntimeTuning, StageTransferRuntime
+
+    class Request(SimpleNamespace):
+        def is_finished(self) -> bool:
+            return False
+
+    rt = StageTransferRuntime(
+        StageConfig(stage_id=1, async_chunk=True, recv_timeout_s=120),
+        {"name": "shm", "extra": config},
+        tuning=RuntimeTuning(join_timeout_s=5.0, drain_timeout_s=2.0),
+    )
+    try:
+        assert rt.register_chunk_recv(Request(request_id="r", external_req_id=None))
+        deadline = time.monotonic() + 60
+        # the receive thread's first wait opens (and closes) descriptors of its own: fill only after it, so
+        # that none is freed under the fillers and the get finds one
+        while rt.debug_state()["receiver"]["waits"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fillers, old = fill_descriptors()
+        pipe.send("starved")  # type: ignore[attr-defined]
+        while rt.debug_state()["receiver"]["transient"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        transient_while_starved = rt.debug_state()["receiver"]["transient"]
+        free_descriptors(fillers, old)
+        signals = []
+        while time.monotonic() < deadline:
+            sig = rt.collect_signals()
+            signals.append(sig)
+            if sig.chunk_finished or sig.failed or sig.timed_out:
+                break
+            time.sleep(0.01)
+        import torch
+
+        payload = rt.get_local_stage_payload("r")
+        intact = payload is not None and torch.equal(payload["embed"]["x"], make_payload(seed, nbytes)["x"])  # type: ignore[arg-type]
+        pipe.send(  # type: ignore[attr-defined]
+            {
+                "transient": transient_while_starved,
+                "finished": sorted(set().union(*(s.chunk_finished for s in signals))),
+                "failed": sorted(set().union(*(s.failed for s in signals))),
+                "timed_out": sorted(set().union(*(s.timed_out for s in signals))),
+                "payload_ok": intact,
+            }
+        )
+    finally:
+        rt.shutdown()
+
+
+def fd_starved_judge_worker(namespace: str, segment: str, owner_token: str, pipe: object) -> None:
+    """At the descriptor limit, ask what gc asks before removing anything: the header of ``segment`` (a name
+    :func:`namespace_segments` lists) and whether the process of ``owner_token`` lives; then run gc on
+    ``namespace``. Sends ``{"header": ..., "alive": ..., "gc": ...}`` (each a result or ``"errno <n>"``)."""
+    from omni_plugins_shm import gc
+    from omni_plugins_shm.proc import Owner
+
+    owner = Owner.parse(owner_token)
+    assert owner is not None
+    fillers, old = fill_descriptors()
+    report: dict[str, object] = {}
+    for what, call in (
+        ("header", lambda: gc.read_header(segment_path(segment)) is not None),
+        ("alive", owner.process_alive),
+        ("gc", lambda: gc.collect(namespace).removed),
+    ):
+        try:
+            report[what] = call()
+        except OSError as exc:
+            report[what] = f"errno {exc.errno}"
+    free_descriptors(fillers, old)
+    pipe.send(report)  # type: ignore[attr-defined]
+
+
+def low_limit_views_worker(config: dict[str, object], items: list[tuple[str, int, int]], headroom: int, pipe: object) -> None:
+    """With the soft ``RLIMIT_NOFILE`` lowered to ``headroom`` above the highest descriptor open, take zero-copy
+    views of every item (``(key, seed, nbytes)``) and hold them all; send the statuses, then whether the views
+    still match (every item in a segment of its own while the views pin it)."""
+    import resource
+
+    from omni_plugins import create_connector
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(n) for n in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + headroom, hard))
+    held, statuses = [], []
+    with create_connector("shm", config) as conn:
+        for key, _, _ in items:
+            try:
+                res = conn.get_views(0, 1, key, timeout=30)  # type: ignore[attr-defined]
+            except Exception as exc:
+                statuses.append(f"{type(exc).__name__}: {exc}")
+                break
+            statuses.append("missing" if res is None else "ok")
+            held.append(res)
+        pipe.send(statuses)  # type: ignore[attr-defined]
+        intact = len(held) == len(items) and all(payload_matches(r.data, seed, nbytes) for r, (_, seed, nbytes) in zip(held, items, strict=True))
+        del held, res
+        pipe.send(intact)  # type: ignore[attr-defined]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def descriptor_mappings_worker(config: dict[str, object], items: list[tuple[str, int, int]], fresh: tuple[str, int, int], pipe: object) -> None:
+    """The connector as installed without the C extension before Python 3.13 (every mapping keeps a descriptor:
+    fault injection by switching ``map_shared`` off), created under a soft ``RLIMIT_NOFILE`` 64 above the highest
+    descriptor open. Gets ``items`` (owned copies: their segments come back to the producer, their mappings stay
+    cached), reports the map cache's size and cap, then at the descriptor limit (:func:`fill_descriptors`) gets
+    ``fresh``: the cache gives up its mappings and the get succeeds. Sends ``{"statuses", "cached", "cap",
+    "fresh"}``."""
+    import resource
+
+    from omni_plugins import create_connector
+    from omni_plugins_shm import connector as connector_module
+    from omni_plugins_shm.segments import files, mapcache
+
+    files._native_map = None
+    files.MAPPING_HOLDS_FD = mapcache.MAPPING_HOLDS_FD = connector_module.MAPPING_HOLDS_FD = True
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(n) for n in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 64, hard))
+    report: dict[str, object] = {"cap": mapcache.descriptor_cap()}
+    with create_connector("shm", config) as conn:
+        statuses = []
+        for key, seed, nbytes in items:
+            res = conn.get(0, 1, key, timeout=30)
+            statuses.append("missing" if res is None else ("ok" if payload_matches(res.data, seed, nbytes) else "mismatch"))
+            del res
+        report["statuses"] = statuses
+        report["cached"] = conn.health()["cached_mappings"]
+        fillers, old = fill_descriptors()
+        try:
+            res = conn.get(0, 1, fresh[0], timeout=5)
+            report["fresh"] = "missing" if res is None else ("ok" if payload_matches(res.data, fresh[1], fresh[2]) else "mismatch")
+            del res
+        except Exception as exc:
+            report["fresh"] = _outcome(exc)
+        report["cached_after"] = conn.health()["cached_mappings"]
+        free_descriptors(fillers, old)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    pipe.send(report)  # type: ignore[attr-defined]

@@ -16,6 +16,8 @@
  *
  * 3. The slot table (slot_*): payloads up to a slot size handed off by compare-and-swap (below).
  *
+ * 4. map_shared / SharedMap (sharedmap.c): segment mappings that hold no file descriptor.
+ *
  * Only Linux. The pure-Python path (inotify, ctypes) is the fallback when this does not build.
  */
 #define PY_SSIZE_T_CLEAN
@@ -29,6 +31,8 @@
 #include <unistd.h>
 #include <fcntl.h>
 #include <string.h>
+
+#include "sharedmap.h"
 
 #ifndef RENAME_NOREPLACE
 #define RENAME_NOREPLACE 1
@@ -1455,5 +1459,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && sharedmap_add(m) < 0)
+        Py_CLEAR(m);
+    return m;
 }

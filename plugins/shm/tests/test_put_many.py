@@ -241,15 +241,16 @@ def test_a_file_mapped_twice_keeps_the_mapping_a_reader_may_be_using(tmp_path: A
 
     path = tmp_path / "segment"
     path.write_bytes(b"\0" * 65536)
-    header = Header(Owner(1, 2, 3), 0, 65536, 100, b"d" * 16, True)
+    header = Header(Owner(os.getpid(), 2, 3), 0, 65536, 100, b"d" * 16, True)
     cache = MapCache(1 << 20)
     fds = [os.open(path, os.O_RDWR) for _ in range(2)]
     try:
-        first, kept_first = cache.map((1, 1), fds[0], header)
-        second, kept_second = cache.map((1, 1), fds[1], header)
-        assert kept_first and not kept_second and second is first
+        first = cache.map((1, 1), fds[0], header)
+        second = cache.map((1, 1), fds[1], header)
+        assert second is first
         first.view[200] = 7  # still mapped
-        assert cache.lookup((1, 1)) is first
+        assert cache.lookup((1, 1)) is first and cache.stats()["cached_mappings"] == 1
     finally:
-        os.close(fds[1])  # the caller closes an fd the cache did not keep
+        for fd in fds:
+            os.close(fd)
         cache.clear()

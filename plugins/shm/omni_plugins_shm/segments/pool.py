@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import mmap
 import os
 import threading
 from collections import deque
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 
 from omni_plugins_shm.naming import Names
 from omni_plugins_shm.segments import shared
-from omni_plugins_shm.segments.files import PAGE, close_quiet, create_segment, rename_noreplace, round_up, unlink_quiet
+from omni_plugins_shm.segments.files import PAGE, MappedFile, close_quiet, create_segment, rename_noreplace, round_up, unlink_quiet
 from omni_plugins_shm.segments.header import CLOSED_OFFSET, PAYLOAD_OFFSET, STATE_BUSY, STATE_FREE, STATE_OFFSET
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ class Segment:
 
     no: int
     capacity: int
-    mm: mmap.mmap
+    mm: MappedFile
     pooled: bool
     #: path of the segment while we hold it: its ``w.`` name when new, its ``f.`` name when reused
     path: str = ""

@@ -81,7 +81,9 @@ def locked(path: str) -> Iterator[int]:
 def leave(path: str) -> bool:
     """Drop the name ``path`` of a pooled shared segment unless it is the last one; True when it is (free it now).
 
-    False also when the name is gone already (gc removed it).
+    False also when the name is gone already (gc removed it). A process out of descriptors cannot take
+    the lock: it drops its name all the same; if that was the last, the owner's pool misses the segment
+    until the owner closes (harmless, as when ``free_claimed`` cannot read a header).
     """
     try:
         with locked(path) as fd:
@@ -90,4 +92,7 @@ def leave(path: str) -> bool:
                 return False
             return True
     except FileNotFoundError:
+        return False
+    except OSError:
+        unlink_quiet(path)
         return False
