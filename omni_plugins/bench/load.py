@@ -43,7 +43,7 @@ class LoadOptions:
 
     streams: int = 64
     chunk_bytes: int = 64 * KIB
-    intervals_s: list[float] = field(default_factory=lambda: [0.032, 0.016, 0.008, 0.004, 0.002, 0.001, 0.0005])
+    intervals_s: list[float] = field(default_factory=lambda: [0.032, 0.016, 0.008, 0.004, 0.002, 0.001, 0.0005, 0.00025])
     #: how long each point runs (per mode and round), bounded by ``budget_bytes``
     seconds: float = 1.0
     budget_bytes: int = 1 << 30

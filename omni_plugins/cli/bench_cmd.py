@@ -33,7 +33,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument("--streams", type=int, default=None, help="load: concurrent streams (default 64)")
     p.add_argument("--chunk", default=None, help="load: chunk size (default 64KiB)")
-    p.add_argument("--intervals-ms", default=None, help="load: a chunk per stream every ... ms, light to heavy (default 32,16,8,4,2,1,0.5)")
+    p.add_argument("--intervals-ms", default=None, help="load: a chunk per stream every ... ms, light to heavy (default 32,16,8,4,2,1,0.5,0.25)")
     p.add_argument("--seconds", type=float, default=None, help="load: seconds per point, mode and round (default 1.0)")
     p.add_argument("--rounds", type=int, default=None, help="load, scaling, topology: rounds, modes interleaved in each (default 3)")
     p.add_argument("--scaling-streams", default=None, help="scaling: stream counts (default 16,64,256,1024)")
