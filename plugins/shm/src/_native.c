@@ -1282,6 +1282,65 @@ native_slot_files(PyObject *self, PyObject *args)
 PyDoc_STRVAR(slot_present_doc,
              "slot_present(table, keys) -> list[int]\n\nIndexes into keys (a list of str) of the keys with a READY slot.");
 
+/* ``slot_present`` with at least this many keys first reads every slot's state once (about a microsecond for
+ * the default table) instead of probing each key's 16 hashed slots (about 45 ns a key): a receive thread waiting
+ * on a thousand streams looks at the table several times per arrival. */
+#define PRESENT_SCAN_MIN_KEYS 64
+/* the scan gives up above this many READY slots (then each key would be compared with too many) */
+#define PRESENT_SCAN_MAX_READY 64
+
+/* Indexes into ``keys`` of the keys with a READY slot, found by reading every slot of every live class once and
+ * comparing each key's hash with those of the READY ones; Py_None (a new reference) when more than
+ * PRESENT_SCAN_MAX_READY slots are READY; NULL on error. A key is READY only in a slot of its probe window, so
+ * finding it among all READY slots gives the answer the per-key probe gives. */
+static PyObject *
+present_by_scan(table_t *t, PyObject *keys)
+{
+    char *ready[PRESENT_SCAN_MAX_READY];
+    uint64_t ready_hash[PRESENT_SCAN_MAX_READY];
+    int nready = 0;
+    for (uint32_t c = 0; c < t->nclasses; c++) {
+        if (!class_live(t, c))
+            continue;
+        for (uint64_t j = 0; j < t->cls[c].n; j++) {
+            char *s = class_slot(t, c, j);
+            if ((__atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE) & 0xFF) != S_READY)
+                continue;
+            if (nready == PRESENT_SCAN_MAX_READY)
+                Py_RETURN_NONE;
+            ready[nready] = s;
+            memcpy(&ready_hash[nready++], s + SLOT_HASH_OFF, 8);
+        }
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL || nready == 0)
+        return out;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(keys); i++) {
+        Py_ssize_t n;
+        const char *k = PyUnicode_AsUTF8AndSize(PyList_GET_ITEM(keys, i), &n);
+        if (k == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        if (n > SLOT_KEY_MAX)
+            continue;
+        uint64_t h = fnv1a(k, n);
+        int found = 0;
+        for (int j = 0; !found && j < nready; j++)
+            found = ready_hash[j] == h && slot_has_key(ready[j], h, k, n);
+        if (found) {
+            PyObject *idx = PyLong_FromSsize_t(i);
+            if (idx == NULL || PyList_Append(out, idx) < 0) {
+                Py_XDECREF(idx);
+                Py_DECREF(out);
+                return NULL;
+            }
+            Py_DECREF(idx);
+        }
+    }
+    return out;
+}
+
 static PyObject *
 native_slot_present(PyObject *self, PyObject *args)
 {
@@ -1291,6 +1350,14 @@ native_slot_present(PyObject *self, PyObject *args)
         return NULL;
     if (table_open(obj, &t) < 0)
         return NULL;
+    if (PyList_GET_SIZE(keys) >= PRESENT_SCAN_MIN_KEYS) {
+        PyObject *scanned = present_by_scan(&t, keys);
+        if (scanned != Py_None) {
+            PyBuffer_Release(&t.view);
+            return scanned; /* the list, or NULL with the error set */
+        }
+        Py_DECREF(scanned); /* too many READY slots for the scan: probe per key */
+    }
     /* the hot windows are the same for every key: read them once, then compare each key's hash with theirs */
     char *hot[MAX_CLASSES * PROBES];
     uint64_t hot_hash[MAX_CLASSES * PROBES];

@@ -520,3 +520,22 @@ def test_gc_all_removes_the_table_of_live_instances_and_they_close_cleanly(names
     assert os.path.basename(table) in report.removed and namespace_segments(namespace) == []
     a.close()  # closing after a forced gc must not fail (nor recreate anything)
     assert namespace_segments(namespace) == []
+
+
+@pytest.mark.parametrize("ready", [5, 80], ids=["few-ready-scan", "many-ready-probe"])
+def test_present_over_many_keys_answers_as_one_key_at_a_time(namespace: str, ready: int) -> None:
+    """``present`` with 64 keys or more reads every slot once (and probes per key again when more than 64 are
+    READY): its answer is the one-key-at-a-time answer, READY payloads of the small and a larger class included."""
+    config = {"namespace": namespace, "slot_count": 256, "slot_classes": [(4, 2 << 20)]}
+    keys = [f"many-{i}" for i in range(1024)]
+    with create_connector("shm", config) as producer, create_connector("shm", config) as consumer:
+        chosen = [keys[i] for i in range(0, 1024, 1024 // ready)][:ready]
+        for key in chosen[:-1]:
+            assert producer.put(0, 1, key, make_payload(1, 4 * KIB)).ok
+        assert producer.put(0, 1, chosen[-1], make_payload(2, 1 << 20)).ok  # a slot of the larger class
+        table = consumer._slots
+        by_scan = sorted(keys[i] for i in table.present(keys))
+        assert by_scan == sorted(k for k in keys if table.present([k])) == sorted(chosen)
+        for key in chosen:
+            assert consumer.get(0, 1, key) is not None
+        assert table.present(keys) == []
