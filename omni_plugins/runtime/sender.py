@@ -32,7 +32,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from omni_plugins.contract import Connector
+from omni_plugins.contract import Connector, PutResult
 from omni_plugins.metrics import NO_OBSERVER
 from omni_plugins.runtime.backlog import CleanupBacklog
 from omni_plugins.runtime.routes import OutputRoute
@@ -320,17 +320,7 @@ class Sender:
             keys = ", ".join(t.key for t in tasks)
             logger.warning("put of %s raised %s: %s", keys, type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.INFO))
             results = None
-        oks: list[bool] = []
-        for i, task in enumerate(tasks):
-            ok = results is not None and bool(results[i].ok)
-            if ok:
-                observer = task.route.observer
-                if observer is not NO_OBSERVER:
-                    assert results is not None
-                    observer.delivered(results[i].size, time.monotonic() - task.queued, finished=False)
-            elif results is not None:
-                logger.warning("put of %s failed: %s", task.key, (results[i].metadata or {}).get("error", "backend refused"))
-            oks.append(ok)
+        oks = [False] * len(tasks) if results is None else [_settled(task, result) for task, result in zip(tasks, results, strict=True)]
         self.put_mean_s += _PUT_EWMA_WEIGHT * (time.monotonic() - started - self.put_mean_s)
         stored = sum(oks)
         self.stats["puts"] += stored
@@ -342,13 +332,7 @@ class Sender:
         started = time.monotonic()
         try:
             route = task.route
-            result = route.connector.put(*route.edge, task.key, task.data)
-            ok = bool(result.ok)
-            if ok:
-                if route.observer is not NO_OBSERVER:
-                    route.observer.delivered(result.size, time.monotonic() - task.queued, finished=False)
-            else:
-                logger.warning("put of %s failed: %s", task.key, (result.metadata or {}).get("error", "backend refused"))
+            ok = _settled(task, route.connector.put(*route.edge, task.key, task.data))
         except Exception as exc:  # retried: one line each, the traceback with -v (INFO)
             logger.warning("put of %s raised %s: %s", task.key, type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.INFO))
             ok = False
@@ -380,3 +364,14 @@ class Sender:
         self.stats["dropped"] += 1
         self._registry.outbox.failed.add(state.request_id)
         return self._done(state)
+
+
+def _settled(task: SendTask, result: PutResult) -> bool:
+    """Whether the put of ``task`` stored its payload: the route's observer hears of a stored one, a refused one is logged."""
+    if not result.ok:
+        logger.warning("put of %s failed: %s", task.key, (result.metadata or {}).get("error", "backend refused"))
+        return False
+    observer = task.route.observer
+    if observer is not NO_OBSERVER:
+        observer.delivered(result.size, time.monotonic() - task.queued, finished=False)
+    return True
