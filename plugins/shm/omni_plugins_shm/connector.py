@@ -312,10 +312,7 @@ class ShmConnector(Connector):
         names = [self._key(key) for key in keys]
         table = shared.key_table([n.digest for n in names])
         for _ in range(_PUT_RETRIES):
-            try:
-                seg = self._pool.acquire(enc.nbytes + len(table))
-            except OSError as exc:
-                raise ConnectorError(f"shm put of keys {keys!r} ({enc.nbytes} bytes) in {self._dir}: cannot get a segment: {exc}") from exc
+            seg = self._acquire(enc.nbytes + len(table), f"shm put of keys {keys!r} ({enc.nbytes} bytes)")
             try:
                 header = Header(
                     self._owner, seg.no, seg.capacity, enc.nbytes, shared.table_digest(table), seg.pooled, counted is not None, shared=True
@@ -364,13 +361,7 @@ class ShmConnector(Connector):
         names = self._key(key)
         published = names.published_path
         for _ in range(_PUT_RETRIES):
-            try:
-                seg = self._pool.acquire(enc.nbytes)
-            except OSError as exc:
-                what = f"shm put of key {key!r} ({enc.nbytes} bytes) in {self._dir}: cannot get a segment"
-                if shortage.is_shortage(exc):
-                    raise shortage.shortage_error(what, exc) from exc
-                raise ConnectorError(f"{what}: {exc}") from exc
+            seg = self._acquire(enc.nbytes, f"shm put of key {key!r} ({enc.nbytes} bytes)")
             try:
                 header = Header(self._owner, seg.no, seg.capacity, enc.nbytes, names.digest, seg.pooled, counted is not None)
                 seg.view[:HEADER_SIZE] = header.pack()
@@ -385,6 +376,17 @@ class ShmConnector(Connector):
                     expiry.published(published, seg)
                 return PutResult(True, enc.nbytes, None)
         raise ConnectorError(f"shm put of key {key!r} in {self._dir}: segments keep disappearing (is gc --all running?)")
+
+    def _acquire(self, nbytes: int, doing: str) -> Segment:
+        """A segment for ``nbytes`` of payload from the pool; running short of descriptors or memory is a
+        :class:`TransientConnectorError`, any other failure a :class:`ConnectorError` (``doing`` names the put)."""
+        try:
+            return self._pool.acquire(nbytes)
+        except OSError as exc:
+            what = f"{doing} in {self._dir}: cannot get a segment"
+            if shortage.is_shortage(exc):
+                raise shortage.shortage_error(what, exc) from exc
+            raise ConnectorError(f"{what}: {exc}") from exc
 
     def _publish(self, seg: Segment, published: str, key: str) -> bool:
         for _ in range(_PUT_RETRIES):

@@ -12,6 +12,7 @@ import os
 import signal
 from typing import Any
 
+import pytest
 from omni_plugins_shm.testing import (
     descriptor_mappings_worker,
     fd_starved_consumer_worker,
@@ -23,7 +24,7 @@ from omni_plugins_shm.testing import (
     namespace_segments,
 )
 
-from omni_plugins import create_connector
+from omni_plugins import TransientConnectorError, create_connector
 
 KIB, MIB = 1 << 10, 1 << 20
 JOIN = 60
@@ -157,3 +158,20 @@ def test_where_mappings_keep_a_descriptor_the_cache_is_capped_and_gives_way(name
     assert report["statuses"] == ["ok"] * len(items)
     assert 0 < report["cached"] <= report["cap"] < len(items), report
     assert report["fresh"] == "ok", report
+
+
+def test_a_producer_out_of_descriptors_gets_the_retryable_error_from_put_and_put_many(namespace: str, monkeypatch: Any) -> None:
+    """Getting a segment that fails for want of descriptors is a shortage on both file paths of a put."""
+    config = {"namespace": namespace, "slot_count": 0}
+    with create_connector("shm", config) as producer:
+
+        def starved(nbytes: int) -> Any:
+            raise OSError(errno.EMFILE, "Too many open files")
+
+        monkeypatch.setattr(producer._pool, "acquire", starved)
+        with pytest.raises(TransientConnectorError, match="RLIMIT_NOFILE"):
+            producer.put(0, 1, "one", make_payload(1, 60 * KIB))
+        with pytest.raises(TransientConnectorError, match="RLIMIT_NOFILE"):
+            producer.put_many([(0, 1, "a"), (0, 2, "b")], make_payload(2, 60 * KIB))
+        monkeypatch.undo()
+        assert [name for name in namespace_segments(namespace) if ".k." in name] == []  # nothing was published
