@@ -9,6 +9,11 @@ Saturation is where the connector alone stops delivering what is offered (below
 :data:`SATURATED` of it); the targets are read against it: the runtime's p50 within 1.3x of the
 connector's at up to half that load, its delivered throughput at least 0.8x the connector's from
 that load on.
+
+The ``floor`` mode runs in the same rounds (:mod:`~omni_plugins.bench.handoff`): the connector alone
+with one thread hand-off per chunk on each side. Its throughput bounds any runtime whose I/O runs
+on threads of its own; where the floor cannot carry a point's load, its p50 there is queueing and
+bounds the runtime's too. The targets carry those figures as their floors.
 """
 
 from __future__ import annotations
@@ -29,12 +34,16 @@ if TYPE_CHECKING:
 
 #: the connector alone is saturated once it delivers less than this fraction of the offered load
 SATURATED = 0.85
-MODES: tuple[Mode, ...] = ("runtime", "connector")
+MODES: tuple[Mode, ...] = ("runtime", "floor", "connector")
+FLOOR_ABOUT = (
+    "the connector alone with one thread hand-off per chunk on each side (omni_plugins.bench.handoff): "
+    "what a runtime whose I/O runs on threads of its own pays at least in CPython"
+)
 
 
 def modes_of(lo: LoadOptions) -> tuple[Mode, ...]:
-    """``runtime``, one ``runtime:<name>`` per tuning overlay of ``--tuning``, ``connector``."""
-    return ("runtime", *(f"runtime:{name}" for name in lo.tunings), "connector")
+    """``runtime``, one ``runtime:<name>`` per tuning overlay of ``--tuning``, ``floor``, ``connector``."""
+    return ("runtime", *(f"runtime:{name}" for name in lo.tunings), "floor", "connector")
 
 
 @dataclass
@@ -122,6 +131,7 @@ LOAD_COLUMNS = [
     Column(key="p50_vs_connector", label="p50 / connector"),
     Column(key="p99_vs_connector", label="p99 / connector"),
     Column(key="delivered_vs_connector", label="delivered / connector"),
+    Column(key="delivered_vs_floor", label="delivered / floor"),
     Column(key="missing", label="missing", digits=0),
 ]
 
@@ -132,7 +142,10 @@ LOAD_ABOUT = (
     "step, and a request finishes after a fixed number of chunks and the next takes its place. p50 and "
     "p99 are the hand-off from the chunk made to the consumer holding it (median over rounds); "
     "delivered = bytes that arrived / time from the first send to the last arrival. The connector alone "
-    f"is saturated where it delivers less than {SATURATED:.0%} of the offered load."
+    f"is saturated where it delivers less than {SATURATED:.0%} of the offered load. floor: the connector "
+    "alone with one thread hand-off per chunk on each side (a SimpleQueue from the producer's model thread "
+    "to a send thread, and from a receive thread to the consumer's), nothing else: no runtime whose I/O "
+    "runs on threads of its own delivers more in CPython, where the threads take turns with the GIL."
 )
 
 
@@ -221,6 +234,9 @@ def load_rows(
             ):
                 a, b = per_mode[mode][key], per_mode["connector"][key]
                 row[ratio_key] = a / b if b else None
+            if mode != "floor" and "floor" in per_mode:
+                a, b = per_mode[mode]["delivered_gbps"], per_mode["floor"]["delivered_gbps"]
+                row["delivered_vs_floor"] = a / b if b else None
     return rows
 
 
@@ -234,18 +250,35 @@ def saturating_load(rows: list[dict[str, Value]]) -> float | None:
 
 
 def load_targets(rows: list[dict[str, Value]]) -> list[TargetResult]:
+    """The runtime's two load targets, with the floor's figures where the floor bounds them.
+
+    The throughput floor is the floor mode's delivered / connector at each saturated point. The p50
+    floor is its p50 / connector only at light points the floor itself could not carry (delivered
+    below :data:`SATURATED` of the offer): there its p50 is queueing that no runtime of its shape
+    avoids; where it carried the load, its p50 depends on how the hand-off is done and bounds nothing.
+    """
     saturation = saturating_load(rows)
     runtime = [r for r in rows if r["mode"] == "runtime"]
+    floor_rows = {str(r["point"]): r for r in rows if r["mode"] == "floor"}
     offered = {str(r["point"]): number(r["offered_gbps"]) or 0.0 for r in runtime}
     light_limit = 0.5 * (saturation if saturation is not None else max(offered.values(), default=0.0))
     light, heavy = [], []
+    light_floors: dict[str, float] = {}
+    heavy_floors: dict[str, float] = {}
     for r in runtime:
         point = str(r["point"])
         p50, delivered = number(r.get("p50_vs_connector")), number(r.get("delivered_vs_connector"))
+        floor = floor_rows.get(point, {})
+        floor_p50, floor_delivered = number(floor.get("p50_vs_connector")), number(floor.get("delivered_vs_connector"))
         if p50 is not None and offered[point] <= light_limit:
             light.append((point, p50))
+            carried = number(floor.get("delivered_gbps"))
+            if floor_p50 is not None and carried is not None and carried < SATURATED * offered[point]:
+                light_floors[point] = floor_p50
         if delivered is not None and saturation is not None and offered[point] >= saturation:
             heavy.append((point, delivered))
+            if floor_delivered is not None:
+                heavy_floors[point] = floor_delivered
     where = f"saturation at {saturation:.3g} GB/s offered" if saturation is not None else ""
     return [
         check(
@@ -255,6 +288,8 @@ def load_targets(rows: list[dict[str, Value]]) -> list[TargetResult]:
             op="<=",
             bound=1.3,
             values=light,
+            floors=light_floors or None,
+            floor_about=FLOOR_ABOUT + "; given only where the floor could not carry the offered load" if light_floors else "",
             note=where or "no point saturated the connector alone: half the highest offered load stands in",
         ),
         check(
@@ -264,6 +299,8 @@ def load_targets(rows: list[dict[str, Value]]) -> list[TargetResult]:
             op=">=",
             bound=0.8,
             values=heavy,
+            floors=heavy_floors or None,
+            floor_about=FLOOR_ABOUT if heavy_floors else "",
             note=where or "no point saturated the connector alone: add shorter --intervals-ms",
         ),
     ]

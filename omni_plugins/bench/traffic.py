@@ -18,6 +18,9 @@ instead would hide an overload wherever the producer is held back rather than qu
 - ``connector``: no runtime. The producer's model thread ``put``\\ s each chunk as soon as it is
   made; one consumer thread waits on every stream's next key at once (``wait_any``) and ``get``\\ s
   each reported key: what a runtime that cost nothing would still see.
+- ``floor``: the ``connector`` mode with one thread hand-off per chunk on each side
+  (:mod:`~omni_plugins.bench.handoff`): what a runtime that keeps I/O off the model thread cannot
+  avoid in CPython, whatever else it does.
 
 Each chunk replaces the previous one of its request (``meta.override_keys``), as a stage that
 consumes chunk by chunk reads them; the send times accumulate, so a read that merged several
@@ -32,8 +35,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-#: ``runtime`` (``runtime:<name>``: with a tuning overlay), ``connector`` (alone), ``peer``: vLLM-Omni's
-#: runtime over its own connector (:mod:`.peer`, in its integration venv)
+#: ``runtime`` (``runtime:<name>``: with a tuning overlay), ``connector`` (alone), ``floor`` (the connector
+#: with a thread hand-off per side, :mod:`.handoff`), ``peer``: vLLM-Omni's runtime over its own connector
+#: (:mod:`.peer`, in its integration venv)
 Mode = str
 #: the payload builder of the producing stage (a dotted path, as in a pipeline file)
 BUILDER = "omni_plugins.bench.traffic.passthrough"
@@ -192,7 +196,7 @@ def produce(
 
         return produce_peer(backend, traffic, tag, start, release)
     chunk = torch.ones(traffic.chunk_bytes // 4, dtype=torch.float32)
-    rt = conn = None
+    rt = conn = sender = None
     if mode.startswith("runtime"):
         rt = StageTransferRuntime(
             StageConfig(stage_id=0, async_chunk=True, custom_process_next_stage_input_func=BUILDER),
@@ -201,6 +205,12 @@ def produce(
         )
     else:
         conn = create_connector(backend, config)
+        put: Callable[..., Any] = conn.put
+        if mode == "floor":
+            from omni_plugins.bench.handoff import SendThread
+
+            sender = SendThread(conn.put)
+            put = sender.submit
     try:
         _sleep_until(start())
         cpu0, wall0 = time.process_time(), time.monotonic()
@@ -211,17 +221,20 @@ def produce(
                 if chunk_out.last:
                     rt.cleanup_finished_request(req.request_id)
             else:
-                assert conn is not None
                 out["meta"] = {"finished": chunk_out.last, "override_keys": ["chunk"]}
-                conn.put(0, 1, f"{req.request_id}_0_{chunk_out.index}", out)
+                put(0, 1, f"{req.request_id}_0_{chunk_out.index}", out)
         if rt is not None:
             rt.wait_sends(GRACE_S)
+        if sender is not None:
+            sender.close()
         sent_s = time.monotonic() - wall0
         cpu = time.process_time() - cpu0
         release()
     finally:
         if rt is not None:
             rt.shutdown()
+        if sender is not None:
+            sender.close()
         if conn is not None:
             conn.close()
     return {"sent_s": sent_s, "cpu_s": cpu}
@@ -248,7 +261,7 @@ def consume(
         from omni_plugins.bench.peer import consume_peer
 
         return consume_peer(backend, traffic, tag, start)
-    return _consume_connector(backend, config, traffic, tag, start)
+    return _consume_connector(backend, config, traffic, tag, start, handoff=mode == "floor")
 
 
 def _deadline(traffic: Traffic, start_at: float) -> float:
@@ -332,7 +345,10 @@ def _consume_runtime(
     }
 
 
-def _consume_connector(backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start: Callable[[], float]) -> dict[str, Any]:
+def _consume_connector(
+    backend: str, config: dict[str, Any], traffic: Traffic, tag: str, start: Callable[[], float], *, handoff: bool = False
+) -> dict[str, Any]:
+    """One thread on ``wait_any`` + ``get``; ``handoff``: that thread hands each chunk to the caller's (the floor)."""
     from omni_plugins import create_connector
 
     conn = create_connector(backend, config)
@@ -341,22 +357,29 @@ def _consume_connector(backend: str, config: dict[str, Any], traffic: Traffic, t
     def key(stream: int, count: int) -> str:
         return f"{traffic.request_id(tag, stream, count)}_0_{count % traffic.per_request}"
 
-    try:
+    def arrivals(deadline: float) -> Iterator[dict[str, Any]]:
         pending = {key(i, 0): (i, 0) for i in range(traffic.streams)}
-        start_at = last_at = start()
-        deadline = _deadline(traffic, start_at)
-        cpu0 = time.process_time()
         while pending and time.monotonic() < deadline:
             for k in conn.wait_any(list(pending), 0.05):
                 got = conn.get(0, 1, k, timeout=None)
-                now = time.monotonic()
                 if got is None:
                     continue
                 i, count = pending.pop(k)
-                lat.append(now - got.data["ts"]["send"][0])
-                last_at = now
                 if count + 1 < traffic.chunks_per_stream:
                     pending[key(i, count + 1)] = (i, count + 1)
+                yield got.data
+
+    try:
+        start_at = last_at = start()
+        cpu0 = time.process_time()
+        chunks = arrivals(_deadline(traffic, start_at))
+        if handoff:
+            from omni_plugins.bench.handoff import on_own_thread
+
+            chunks = on_own_thread(chunks)
+        for data in chunks:
+            last_at = time.monotonic()
+            lat.append(last_at - data["ts"]["send"][0])
         cpu = time.process_time() - cpu0
     finally:
         conn.close()

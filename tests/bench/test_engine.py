@@ -56,8 +56,9 @@ def test_every_section_measures_and_checks_its_targets(tmp_path: Path, capsys: p
     assert sizes[("", 4096)]["round_trip_vs_pipe"] is not None
 
     load = doc.sections["load"].rows
-    assert {r["mode"] for r in load} == {"runtime", "runtime:quiet", "connector"}
+    assert {r["mode"] for r in load} == {"runtime", "runtime:quiet", "floor", "connector"}
     assert all(r["missing"] == 0 for r in load)
+    assert all(isinstance(r["delivered_vs_floor"], float) for r in load if r["mode"].startswith("runtime"))
     assert {r["streams"] for r in doc.sections["scaling"].rows} == {2, 4}
     assert all(r["bytes_per_request"] > 0 for r in doc.sections["scaling"].rows)  # type: ignore[operator]
     topology = {r["mode"]: r for r in doc.sections["topology"].rows}

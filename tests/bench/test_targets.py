@@ -77,6 +77,34 @@ def test_the_load_targets_read_against_the_connector_alones_saturation() -> None
     assert (heavy.measured, heavy.at, heavy.met) == (0.7, "d", False)
 
 
+def test_the_floor_bounds_throughput_at_saturation_and_p50_only_where_it_could_not_carry_the_load() -> None:
+    rows = []
+    for point, offered, delivered, floor_delivered, floor_p50, floor_tput in (
+        ("a", 0.25, 0.25, 0.25, 1.6, 1.0),  # the floor carried it: its p50 bounds nothing
+        ("b", 1.0, 1.0, 0.5, 300.0, 0.5),  # the floor could not: its p50 is queueing
+        ("c", 2.0, 1.0, 0.4, 200.0, 0.4),
+    ):
+        rows += [
+            _load_row(point, "runtime", offered, delivered, 1.1 if point == "a" else 280.0, 0.45),
+            _load_row(point, "connector", offered, offered if point != "c" else 1.0),
+            {
+                "point": point,
+                "mode": "floor",
+                "offered_gbps": offered,
+                "delivered_gbps": floor_delivered,
+                "p50_vs_connector": floor_p50,
+                "delivered_vs_connector": floor_tput,
+            },
+        ]
+    light, heavy = load_targets(rows)
+    assert (light.at, light.met, light.floor, light.reachable) == ("b", False, 300.0, False)
+    assert (heavy.at, heavy.floor, heavy.reachable) == ("c", 0.4, False) and "hand-off" in heavy.floor_about
+    # a floor that carried every light point gives the p50 target no floor at all
+    carried = [r for r in rows if r["point"] != "b"]
+    light, _ = load_targets(carried)
+    assert light.floor is None and light.reachable is None
+
+
 def test_without_saturation_the_throughput_target_is_not_measured() -> None:
     rows = [_load_row("a", "runtime", 0.1, 0.1, 1.0, 1.0), _load_row("a", "connector", 0.1, 0.1)]
     rows += [_load_row("b", "runtime", 0.2, 0.2, 2.0, 1.0), _load_row("b", "connector", 0.2, 0.2)]
