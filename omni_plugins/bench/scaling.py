@@ -12,6 +12,12 @@ and a consuming runtime over the in-process ``memory`` connector with ``n`` requ
 (each registered, one chunk sent and received, not finished); the Python memory both runtimes
 hold (``tracemalloc``: their per-request state, not tensor storage) divided by ``n``, and what a
 round of ``n`` requests leaves once every request was cleaned up.
+
+The two stage processes run on a CPU each (where the machine has two and lets the bench pin):
+left to the OS, they share one CPU in some jobs and not in others, which moves the runtime's cost
+per chunk from one job to the next by more than the flatness bound, whatever the number of streams (a crossing between
+threads costs more while the other stage's threads run on the same CPU), and the comparison
+between stream counts would measure the placement. The section's setup says whether they were.
 """
 
 from __future__ import annotations
@@ -58,7 +64,9 @@ SCALING_ABOUT = (
     "consuming runtime in one process over the in-process memory connector with every request in flight "
     "(registered, one chunk sent and received, not finished): the Python memory they hold per request "
     "(tracemalloc; tensor storage not included), measured in a second round of as many requests, and what that "
-    "round leaves once every request was cleaned up (tables keep their capacity from the first round)."
+    "round leaves once every request was cleaned up (tables keep their capacity from the first round). "
+    "Each stage process runs on a CPU of its own (setup: stages_pinned): where the OS places them moves the "
+    "runtime's cost per chunk between jobs by more than the flatness bound, whatever the number of streams."
 )
 
 
@@ -90,7 +98,8 @@ def run_scaling(opts: BenchOptions, doc: BenchDocument, bar: Any) -> None:
     bar.total += len(counts) * (len(MODES) * lo.rounds + 1)
     try:
         with prepared_backend(backend, opts.configs, in_flight_bytes(counts[-1], CHUNK_BYTES)) as prepared:
-            pair = StagePair()
+            pair = StagePair(pinned=True)
+            section.setup["stages_pinned"] = pair.pinned
             try:
                 warm_up(pair, backend, prepared.config, traffic_for(counts[0], seconds, per_request))
                 for rnd in range(lo.rounds):

@@ -453,9 +453,13 @@ Job = tuple[str, str, tuple[Any, ...]]
 
 
 class StageProcesses:
-    """Spawned stage processes, reused for every job of a section (one job per process at a time)."""
+    """Spawned stage processes, reused for every job of a section (one job per process at a time).
 
-    def __init__(self, count: int) -> None:
+    ``pinned``: each process (and every thread it starts) runs on a CPU of its own, where the OS
+    lets the bench choose and there are enough CPUs (:attr:`pinned` says whether it happened).
+    """
+
+    def __init__(self, count: int, *, pinned: bool = False) -> None:
         import multiprocessing as mp
         import os
 
@@ -470,6 +474,7 @@ class StageProcesses:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
+        self.pinned = pinned and _pin_apart([p.pid for p in self._procs if p.pid is not None])
 
     def run(self, jobs: list[Job], timeout: float) -> list[dict[str, Any]]:
         """Job ``i`` in process ``i``; every stage set up, then all started at the same moment.
@@ -524,11 +529,31 @@ class StageProcesses:
         self._conns, self._procs = [], []
 
 
+def _pin_apart(pids: list[int]) -> bool:
+    """Each of ``pids`` on one CPU of the ones this process may use, a different one each; False where it cannot.
+
+    Set before the processes start their threads (they start them per job), which inherit it.
+    """
+    import os
+
+    if not hasattr(os, "sched_setaffinity"):
+        return False
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < len(pids):
+        return False
+    try:
+        for pid, cpu in zip(pids, cpus, strict=False):
+            os.sched_setaffinity(pid, {cpu})
+    except OSError:
+        return False
+    return True
+
+
 class StagePair(StageProcesses):
     """A producer process and a consumer process moving :class:`Traffic` (the load, scaling and peer sections)."""
 
-    def __init__(self) -> None:
-        super().__init__(2)
+    def __init__(self, *, pinned: bool = False) -> None:
+        super().__init__(2, pinned=pinned)
 
     def run_traffic(
         self, mode: Mode, backend: str, config: dict[str, Any], traffic: Traffic, tag: str, tuning: dict[str, Any] | None = None

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
 
 from omni_plugins.bench.scaling import PER_STEP, STEP_S, traffic_for
-from omni_plugins.bench.traffic import Traffic
+from omni_plugins.bench.traffic import StageProcesses, Traffic
 
 
 def test_every_stream_emits_in_every_step_by_default() -> None:
@@ -35,3 +36,14 @@ def test_scaling_holds_the_steps_constant_as_streams_grow(streams: int) -> None:
     t = traffic_for(streams, 1.5, 4)
     assert (t.interval_s, t.emitting) == (STEP_S, PER_STEP)
     assert t.chunks_per_stream % 4 == 0 and t.chunks_per_stream >= 4
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin to")
+def test_pinned_stage_processes_run_on_a_cpu_each() -> None:
+    procs = StageProcesses(2, pinned=True)
+    try:
+        assert procs.pinned
+        placed = [os.sched_getaffinity(p.pid) for p in procs._procs if p.pid is not None]
+        assert len(placed) == 2 and all(len(cpus) == 1 for cpus in placed) and placed[0] != placed[1]
+    finally:
+        procs.close()
