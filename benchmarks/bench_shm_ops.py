@@ -11,6 +11,9 @@ repetitions, and ratios are against a baseline measured in the same run:
 - ``put_outstanding``: one ``put`` while ``--outstanding`` (default 2,000) earlier payloads of the
   same size class are still unconsumed (the pool must not scan them all).
 - ``wait_any_64``: ``wait_any`` over the same 64 keys, one of them present (timeout 0).
+- ``wait_any_1024_list_slots`` / ``wait_any_1024_set_slots`` (slot table): ``wait_any`` over 1,024
+  keys with 16 of them present, passed as a list (each key looked for) and as a dict's keys view (each
+  READY slot's key looked up in it), as a receive thread waiting on a thousand streams calls it.
 
 Also reports ``looks_free`` calls per put (pool probes) for the in-flight modes.
 
@@ -125,6 +128,22 @@ def run(quick: bool, outstanding: int) -> dict[str, Any]:
                 slot_conn.put(0, 1, keys64[17], payload)
                 results["wait_any_64_slots"] = _best(slot_wait_any, reps)
                 slot_conn.cleanup(keys64[17])
+                if slot_conn.capabilities.wait_any_sets:
+                    many = {f"stream{i}-req0_0_{i % 32}": None for i in range(1024)}
+                    present = list(many)[::64]
+                    for key in present:
+                        slot_conn.put(0, 1, key, payload)
+                    for label, waited in (("list", lambda: list(many)), ("set", many.keys)):
+
+                        def wait_many(waited: Callable[[], Any] = waited) -> int:
+                            for _ in range(n):
+                                slot_conn.wait_any(waited(), 0.0)
+                            return n
+
+                        wait_many()
+                        results[f"wait_any_1024_{label}_slots"] = _best(wait_many, reps)
+                    for key in present:
+                        slot_conn.cleanup(key)
         bar.update()
 
         if "ttl_seconds" in ShmConfig.model_fields:  # absent in older versions (before/after runs)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -81,6 +81,13 @@ class Capabilities:
             burnt, the GIL let go) instead of sleeping like ``wait_any``. Without
             it ``poll_any`` is ``wait_any``, so a runtime should not wake up
             early to poll.
+        wait_any_sets: ``_wait_any`` and ``_poll_any`` take the keys as the
+            caller passed them -- a set, or a dict's keys view -- and look up
+            in them rather than walking them, so a wait's cost does not grow
+            with the number of keys waited on. A runtime watching many streams
+            can then pass its live table of pending keys instead of copying it
+            into a list for every wait. Without it the base class hands the
+            primitives a list.
     """
 
     blocking_get: bool = False
@@ -91,6 +98,7 @@ class Capabilities:
     wait_any: bool = False
     interrupt_wait: bool = False
     poll_any: bool = False
+    wait_any_sets: bool = False
 
 
 #: fallback ``wait_any`` without an existence check sleeps at most this long per call
@@ -163,7 +171,7 @@ class Connector(abc.ABC):
             raise ConnectorContractError(self._wrong_return("_get", result, "a GetResult(data, size) or None"))
         return result
 
-    def wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+    def wait_any(self, keys: Collection[str], timeout: float) -> list[str]:
         """Block until at least one of ``keys`` is probably available, or ``timeout`` seconds pass.
 
         Returns the keys that became available (empty on timeout). A hint, not a
@@ -171,13 +179,22 @@ class Connector(abc.ABC):
         key), so the caller still takes each key with a non-blocking ``get``.
         Nothing is consumed. ``timeout`` is required and bounded: there is no
         wait forever. Cheap and precise only with ``capabilities.wait_any``.
+        ``keys`` is any collection; with ``capabilities.wait_any_sets`` a set or
+        a dict's keys view is looked up, not walked (the caller must not change
+        it during the call).
         """
         self._check_open()
         if not keys:
             return []
-        return self._wait_any(keys, max(0.0, float(timeout)))
+        return self._wait_any(self._wait_keys(keys), max(0.0, float(timeout)))
 
-    def poll_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+    def _wait_keys(self, keys: Collection[str]) -> Sequence[str]:
+        """``keys`` as the wait primitives take them: as given with ``capabilities.wait_any_sets``, else a list."""
+        if self.capabilities.wait_any_sets or isinstance(keys, (list, tuple)):
+            return keys  # type: ignore[return-value]  # a Collection where the connector said it takes one
+        return list(keys)
+
+    def poll_any(self, keys: Collection[str], timeout: float) -> list[str]:
         """:meth:`wait_any` that busy-polls instead of sleeping (with ``capabilities.poll_any``).
 
         For waits of a millisecond or two right before an arrival the caller
@@ -191,7 +208,7 @@ class Connector(abc.ABC):
         self._check_open()
         if not keys:
             return []
-        return self._poll_any(keys, max(0.0, float(timeout)))
+        return self._poll_any(self._wait_keys(keys), max(0.0, float(timeout)))
 
     def interrupt_wait(self) -> None:
         """Make the ``wait_any`` blocked in this instance return early (thread-safe).

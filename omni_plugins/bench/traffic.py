@@ -357,10 +357,12 @@ def _consume_connector(
     def key(stream: int, count: int) -> str:
         return f"{traffic.request_id(tag, stream, count)}_0_{count % traffic.per_request}"
 
+    as_set = conn.capabilities.wait_any_sets  # as the runtime does: the waited set itself, not a copy per wait
+
     def arrivals(deadline: float) -> Iterator[dict[str, Any]]:
         pending = {key(i, 0): (i, 0) for i in range(traffic.streams)}
         while pending and time.monotonic() < deadline:
-            for k in conn.wait_any(list(pending), 0.05):
+            for k in conn.wait_any(pending.keys() if as_set else list(pending), 0.05):
                 got = conn.get(0, 1, k, timeout=None)
                 if got is None:
                     continue

@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any, Protocol
 
 from omni_plugins.backoff import Backoff
@@ -320,9 +320,12 @@ class Receiver:
         moves to its next key (or leaves, when its stream ended: this thread's
         own epoch bumps need no rebuild). The keys a wait reports are taken one by one; each goes to the
         model thread at once if it has read everything before, else with the
-        others under one lock hold (see :meth:`_take_reported`).
+        others under one lock hold (see :meth:`_take_reported`). A connector with
+        ``capabilities.wait_any_sets`` is handed the waited set itself (a keys
+        view: no copy, and a look whose cost does not grow with the streams).
         """
         t = self._tuning
+        as_set = self._connector.capabilities.wait_any_sets
         next_sweep = 0.0
         backoff = t.poll_min_s
         pending: dict[str, tuple[InputState, int]] = {}
@@ -352,7 +355,8 @@ class Receiver:
                             continue
                 self.stats["waits"] += 1
                 try:
-                    ready = self._wait(list(pending), min(self._wait_bound, max(next_sweep - now, 0.0)), now)
+                    keys = pending.keys() if as_set else list(pending)
+                    ready = self._wait(keys, min(self._wait_bound, max(next_sweep - now, 0.0)), now)
                 except Exception as exc:  # a backend failure: keep going (deadlines still fire), log at most once a second
                     self.stats["errors"] += 1
                     if now - self._last_error_log > 1.0:
@@ -379,7 +383,7 @@ class Receiver:
                 logger.exception("receive loop error")
                 self._stop.wait(t.poll_max_s)
 
-    def _wait(self, keys: list[str], bound: float, now: float) -> list[str]:
+    def _wait(self, keys: Collection[str], bound: float, now: float) -> list[str]:
         """``connector.wait_any`` up to ``bound``; with a learnt rhythm, ``poll_any`` through the window of the next burst."""
         rhythm = self.rhythm
         if rhythm is None or (window := rhythm.window(now)) is None:

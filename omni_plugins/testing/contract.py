@@ -206,6 +206,20 @@ class ConnectorContract:
         finally:
             producer.close()
 
+    def test_wait_any_takes_a_set_or_a_keys_view(self, connector: Connector, key: str) -> None:
+        """Any collection of keys: a list, a set, a dict's keys view (a runtime's table of pending keys)."""
+        if not connector.capabilities.wait_any:
+            pytest.skip("connector does not offer wait_any")
+        keys = [f"{key}-{i}" for i in range(70)]  # past the size where a look may read the whole table
+        pending = dict.fromkeys(keys)
+        connector.put(0, 1, keys[41], {"v": torch.arange(2)})
+        for waited in (pending.keys(), set(keys), keys):
+            assert connector.wait_any(waited, timeout=5) == [keys[41]]
+            assert connector.poll_any(waited, timeout=5) == [keys[41]]
+        del pending[keys[41]]
+        assert connector.wait_any(pending.keys(), timeout=0.05) == []
+        assert connector.get(0, 1, keys[41]) is not None
+
     def test_wait_any_on_absent_keys_returns_empty(self, connector: Connector, key: str) -> None:
         if not connector.capabilities.wait_any:
             pytest.skip("connector does not offer wait_any")

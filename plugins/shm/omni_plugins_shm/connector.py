@@ -29,7 +29,8 @@ import stat
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, cast
 
 import numpy as np
@@ -82,6 +83,7 @@ class ShmConnector(Connector):
         wait_any=True,
         interrupt_wait=True,  # off per instance without the slot table (see __init__)
         poll_any=True,  # likewise
+        wait_any_sets=True,
     )
     config_model = ShmConfig
 
@@ -618,18 +620,22 @@ class ShmConnector(Connector):
             wake.sleep(slot, seen, remaining)
 
     # -- wait_any -------------------------------------------------------------------------
-    def _wait_any(self, keys: Sequence[str], timeout: float, *, spin: bool = False) -> list[str]:
+    def _wait_any(self, keys: Collection[str], timeout: float, *, spin: bool = False) -> list[str]:
         self._check_process()
         if self._slots is not None:
-            return self._wait_any_slots(self._slots, list(keys), timeout, spin=spin)
+            return self._wait_any_slots(self._slots, keys if isinstance(keys, AbstractSet) else list(keys), timeout, spin=spin)
         return self._notifier.wait_any(self._wanted(keys), self._published_prefixes, timeout)
 
-    def _poll_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+    def _poll_any(self, keys: Collection[str], timeout: float) -> list[str]:
         # without the slot table (capability off) this is the inotify wait, as the contract's default
         return self._wait_any(keys, timeout, spin=True)
 
-    def _wait_any_slots(self, slots: SlotTable, keys: list[str], timeout: float, *, spin: bool = False) -> list[str]:
+    def _wait_any_slots(self, slots: SlotTable, keys: list[str] | AbstractSet[str], timeout: float, *, spin: bool = False) -> list[str]:
         """``wait_any`` with the slot table: look in the table (and the publish directory), sleep on the namespace-wide wake slot.
+
+        A list of keys is looked for key by key (:meth:`SlotTable.present`); a set (or a dict's keys
+        view) by looking up the key of each READY slot in it (:meth:`SlotTable.ready_among`), whose
+        cost does not grow with the number of keys.
 
         Every publication (either path) bumps that slot after publishing, and its value is read
         before looking, so an arrival after the look ends the sleep. The publish directory is read
@@ -643,11 +649,10 @@ class ShmConnector(Connector):
         while True:
             try:
                 seen = wake.seq(WAKE_ANY_SLOT)
-                hits = slots.present(keys)
+                found = slots.ready_among(keys) if isinstance(keys, AbstractSet) else [keys[i] for i in slots.present(keys)]
                 files = files_anyway or slots.files_add(0) > 0
             except ValueError:
                 return []  # closed by another thread meanwhile
-            found = [keys[i] for i in hits]
             if files:
                 found += [k for k in self._notifier.wait_any(self._wanted(keys), self._published_prefixes, 0) if k not in found]
             remaining = deadline - time.monotonic()
@@ -676,7 +681,7 @@ class ShmConnector(Connector):
         except (ValueError, OSError):
             pass  # closed meanwhile: its waits end anyway
 
-    def _wanted(self, keys: Sequence[str]) -> dict[bytes, str]:
+    def _wanted(self, keys: Collection[str]) -> dict[bytes, str]:
         """Published name -> key for ``keys``; the last set is remembered (the runtime waits on the same set again and again).
 
         A repeat costs one tuple comparison (element identity first, so no hashing) instead of a

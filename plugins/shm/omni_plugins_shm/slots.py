@@ -39,6 +39,7 @@ import stat
 import struct
 import time
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
 from omni_plugins.errors import ConnectorError
@@ -220,6 +221,11 @@ class SlotTable:
     def present(self, keys: list[str]) -> list[int]:
         """Indexes of ``keys`` with a READY slot."""
         return self._native.slot_present(self.mm, keys)  # type: ignore[no-any-return]
+
+    def ready_among(self, keys: AbstractSet[str]) -> list[str]:
+        """The keys in ``keys`` (a set or a dict's keys view) with a READY slot: one look at each READY slot's key,
+        so the cost does not grow with ``keys``."""
+        return self._native.slot_ready_among(self.mm, keys)  # type: ignore[no-any-return]
 
     def release(self, index: int) -> None:
         """Free the lent slot ``index`` (the last view of a zero-copy result died). Never raises: a finalizer calls it."""

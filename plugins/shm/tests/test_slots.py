@@ -536,6 +536,11 @@ def test_present_over_many_keys_answers_as_one_key_at_a_time(namespace: str, rea
         table = consumer._slots
         by_scan = sorted(keys[i] for i in table.present(keys))
         assert by_scan == sorted(k for k in keys if table.present([k])) == sorted(chosen)
+        # a set, or a dict's keys view, is looked up from the READY slots: the same answer, and only keys it holds
+        waited = {k: None for k in keys}
+        assert sorted(table.ready_among(waited.keys())) == sorted(table.ready_among(set(keys))) == sorted(chosen)
+        assert table.ready_among(set(keys) - {chosen[0]}) == [k for k in table.ready_among(set(keys)) if k != chosen[0]]
+        assert table.ready_among(set()) == []
         for key in chosen:
             assert consumer.get(0, 1, key) is not None
-        assert table.present(keys) == []
+        assert table.present(keys) == [] and table.ready_among(waited.keys()) == []
