@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Collection
+from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -41,7 +42,7 @@ class _Store:
 class MemoryConnector(Connector):
     """In-process connector: the reference implementation of the contract."""
 
-    capabilities = Capabilities(blocking_get=True, cross_process=False, wait_any=True, interrupt_wait=True)
+    capabilities = Capabilities(blocking_get=True, cross_process=False, wait_any=True, interrupt_wait=True, wait_any_sets=True)
     config_model = MemoryConfig
     _stores: ClassVar[dict[str, _Store]] = {}
     _stores_lock: ClassVar[threading.Lock] = threading.Lock()
@@ -95,12 +96,14 @@ class MemoryConnector(Connector):
             self._store.nbytes -= len(blob)
         return GetResult(wire.decode(blob, copy=True), len(blob))
 
-    def _wait_any(self, keys: Sequence[str], timeout: float) -> list[str]:
+    def _wait_any(self, keys: Collection[str], timeout: float) -> list[str]:
         deadline = time.monotonic() + timeout
+        # a set (or keys view) larger than the store: walk the store and look up in the set
+        look_up = isinstance(keys, AbstractSet)
         with self._store.cond:
             while True:
                 items = self._store.items
-                found = [k for k in keys if k in items]
+                found = [k for k in items if k in keys] if look_up and len(items) < len(keys) else [k for k in keys if k in items]
                 remaining = deadline - time.monotonic()
                 if found or remaining <= 0 or self.closed or self._interrupted:
                     self._interrupted = False
