@@ -24,7 +24,7 @@ from omni_plugins.forkserver import preloaded_context, start_shielded
 from omni_plugins.pipeline.pipes import Inbox, Outbox, read_any
 from omni_plugins.pipeline.spec import PipelinePlan
 from omni_plugins.pipeline.stage import StageLaunch, stage_main
-from omni_plugins.ports import free_port
+from omni_plugins.ports import LOOPBACK
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,8 @@ class LocalStages:
                 reader, writer = self.ctx.Pipe(duplex=False)
                 self.inboxes[(sid, r)], self._inbox_ends[(sid, r)] = Outbox(writer), Inbox(reader)
         self.spawned: list[Spawned] = []
+        #: the rendezvous store of each TP group, hosted here (see :func:`rendezvous_store`)
+        self._stores: list[Any] = []
         self.closed = False
 
     def spawn(self) -> list[Spawned]:
@@ -113,7 +115,11 @@ class LocalStages:
             sp = self.plan.plan(sid)
             tp = sp.stage.tp_size > 1
             for replica in range(sp.replicas):
-                port = free_port() if tp else None
+                port = None
+                if tp:
+                    store = rendezvous_store()
+                    self._stores.append(store)
+                    port = int(store.port)
                 for rank in range(sp.stage.tp_size):
                     label = stage_label(sid, replica, rank, replicated=sp.replicas > 1, tp=tp) if self.metrics else None
                     launch = StageLaunch(data, self.plan.filename, sid, rank, port, self.log_level, replica, metrics_label=label)
@@ -145,6 +151,21 @@ class LocalStages:
             outbox.close()
         for inbox in [*self.results, *self._inbox_ends.values()]:
             inbox.close()
+        self._stores.clear()  # the stores' servers stop with their last reference
+
+
+def rendezvous_store() -> Any:
+    """A TCP store for a TP group's ranks to meet in, served by this process on a loopback port the OS chose.
+
+    Bound before any rank starts: a port picked free and bound later by the group's rank 0 could
+    be taken meanwhile by another process, and the group would fail with EADDRINUSE. The ranks
+    join it as clients (``StageLaunch.dist_port``).
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore(LOOPBACK, 0, None, True, timeout=timedelta(seconds=120), wait_for_workers=False)
 
 
 def drain(events: Any, handle: Callable[[Any], None], timeout: float) -> None:

@@ -50,6 +50,7 @@ class StageLaunch:
     filename: str
     stage_id: int
     rank: int
+    #: the port of the TP group's rendezvous store, served by the launcher (None: no TP group)
     dist_port: int | None = None
     log_level: int = logging.WARNING
     replica: int = 0
@@ -175,13 +176,10 @@ class StageRunner:
         from omni_plugins.runtime import TorchDistributedGroup
 
         os.environ["LOCAL_RANK"] = str(self.rank)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{self.launch.dist_port}",
-            rank=self.rank,
-            world_size=self.me.stage.tp_size,
-            timeout=timedelta(seconds=120),
-        )
+        assert self.launch.dist_port is not None
+        # the launcher serves the group's store (bound before the ranks started): every rank joins it as a client
+        store = dist.TCPStore("127.0.0.1", self.launch.dist_port, None, False, timeout=timedelta(seconds=120))
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.me.stage.tp_size, timeout=timedelta(seconds=120))
         return TorchDistributedGroup()
 
     @property

@@ -12,7 +12,7 @@ import torch
 from rt_helpers import Req, make_runtime, wait_until
 
 from omni_plugins import StageConfig
-from omni_plugins.ports import free_port
+from omni_plugins.pipeline.local import rendezvous_store
 from omni_plugins.runtime import StageTransferRuntime
 from omni_plugins.testing.processes import process_context
 
@@ -24,7 +24,8 @@ def test_tp2_leader_receives_and_broadcasts() -> None:
 
     ctx = process_context()
     out = ctx.Queue()
-    port = free_port()
+    store = rendezvous_store()  # served here, bound before the ranks start: no port to race for
+    port = int(store.port)
     scenarios = [(f"tp-{uuid.uuid4().hex[:8]}", mode, codec) for mode, codec in SCENARIOS]
     n, chunks = 6, 3
     procs = [ctx.Process(target=tp_worker.rank_main, args=(r, port, scenarios, n, chunks, out)) for r in range(2)]

@@ -40,7 +40,8 @@ def _digest(payload: Any) -> Any:
 
 def rank_main(rank: int, port: int, scenarios: list[tuple[str, str, str]], n: int, chunks: int, out: Any) -> None:
     """Run every ``(namespace, mode, codec)`` scenario in turn over one gloo group (spawning is the slow part)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    store = dist.TCPStore("127.0.0.1", port, None, False)  # the test process serves it
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     try:
         for namespace, mode, codec in scenarios:
             _scenario(rank, namespace, mode, codec, n, chunks, out)
