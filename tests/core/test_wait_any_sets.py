@@ -3,29 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Any
 
 import pytest
 
-from omni_plugins.contract import Capabilities, Connector, GetResult, PutResult
+from omni_plugins.contract import Capabilities
+from omni_plugins.memory import MemoryConnector
 
 
-class _Recording(Connector):
-    """Records what its wait primitives were handed; reports the first key it was given."""
+class _Recording(MemoryConnector):
+    """A memory connector that records what its wait primitives were handed and reports the first key."""
 
     def __init__(self, sets: bool) -> None:
         super().__init__()
         self.capabilities = Capabilities(wait_any=True, poll_any=True, wait_any_sets=sets)
         self.handed: list[Collection[str]] = []
-
-    def _put(self, from_stage: str, to_stage: str, key: str, data: Any) -> PutResult:
-        return PutResult(True, 0)
-
-    def _get(self, from_stage: str, to_stage: str, key: str, timeout: float | None) -> GetResult | None:
-        return None
-
-    def _cleanup(self, key: str) -> bool:
-        return False
 
     def _wait_any(self, keys: Collection[str], timeout: float) -> list[str]:
         self.handed.append(keys)
