@@ -107,7 +107,7 @@ def _targets(doc: BenchDocument) -> str:
         met = "not measured" if t.met is None else ("**met**" if t.met else "**not met**")
         floor = "-"
         if t.floor is not None:
-            floor = f"{t.floor:.3g}" + (" (out of reach)" if t.reachable is False else "")
+            floor = f"{t.floor:.3g}" + (" (out of reach)" if t.reachable is False and not t.met else "")
         cells.append(
             [t.description + (f" ({t.note})" if t.note else ""), t.subject, measured, f"{t.op} {t.bound:g}", t.at or "-", met, floor]
         )

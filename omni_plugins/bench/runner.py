@@ -277,7 +277,7 @@ def report(doc: BenchDocument) -> str:
         for t in doc.targets:
             measured = "-" if t.measured is None else f"{t.measured:.3g}"
             met = "-" if t.met is None else ("yes" if t.met else "NO")
-            floor = "-" if t.floor is None else f"{t.floor:.3g}" + ("" if t.reachable in (None, True) else " (out of reach)")
+            floor = "-" if t.floor is None else f"{t.floor:.3g}" + (" (out of reach)" if t.reachable is False and not t.met else "")
             cells.append([t.description, t.subject, measured, f"{t.op} {t.bound:g}", t.at or "-", met, floor])
         lines += ["== Targets", *_aligned(cells), ""]
     lines += [f"skipped {what}: {why}" for what, why in doc.skipped.items()]

@@ -66,7 +66,8 @@ class TargetResult(BaseModel):
     ``floor`` is the same measure for the least any implementation has to do, measured in the
     same run (e.g. the raw transfer plus the one copy and the one lookup a connector cannot
     avoid): when the floor itself misses the bound, the target is out of reach here
-    (``reachable`` False) and the floor is the proof.
+    (``reachable`` False) and the floor is the proof. A met target is reachable whatever its
+    floor says.
     """
 
     model_config = ConfigDict(extra="forbid")

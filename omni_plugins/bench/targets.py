@@ -90,11 +90,13 @@ def check(
     """A :class:`TargetResult` from ``(where, value)`` pairs (and the same-run floor at each ``where``)."""
     found = worst(values, op)
     where, measured = found if found is not None else ("", None)
+    met = holds(measured, op, bound)
     floor: float | None = None
     reachable: bool | None = None
     if floors:
-        # reachable only if the floor meets the bound everywhere; shown where the measured value is worst
-        reachable = all(holds(f, op, bound) for f in floors.values())
+        # reachable if met (whatever a floor says: one that misses a bound the connector meets bounds
+        # nothing there), else only if the floor meets the bound everywhere; shown where the measured value is worst
+        reachable = met or all(holds(f, op, bound) for f in floors.values())
         hardest = worst(floors.items(), op)
         floor = floors[where] if where in floors else (hardest[1] if hardest is not None else None)
     return TargetResult(
@@ -105,7 +107,7 @@ def check(
         bound=bound,
         measured=measured,
         at=where,
-        met=holds(measured, op, bound),
+        met=met,
         floor=floor,
         floor_about=floor_about,
         reachable=reachable,
