@@ -224,8 +224,13 @@ class SlotTable:
 
     def ready_among(self, keys: AbstractSet[str]) -> list[str]:
         """The keys in ``keys`` (a set or a dict's keys view) with a READY slot: one look at each READY slot's key,
-        so the cost does not grow with ``keys``."""
-        return self._native.slot_ready_among(self.mm, keys)  # type: ignore[no-any-return]
+        so the cost does not grow with ``keys``; with more READY slots than half the keys (a consumer far behind),
+        :meth:`present`'s probe per key, which then costs less."""
+        found: list[str] | None = self._native.slot_ready_among(self.mm, keys)
+        if found is None:
+            listed = list(keys)
+            found = [listed[i] for i in self.present(listed)]
+        return found
 
     def release(self, index: int) -> None:
         """Free the lent slot ``index`` (the last view of a zero-copy result died). Never raises: a finalizer calls it."""

@@ -1279,14 +1279,20 @@ native_slot_files(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(now);
 }
 
+/* slot_ready_among hands the look back (None) above this many READY slots when they also outnumber half the keys */
+#define READY_AMONG_MAX_READY 64
+
 PyDoc_STRVAR(slot_ready_among_doc,
-             "slot_ready_among(table, keys) -> list[str]\n\nThe keys with a READY slot that are in keys (any container with a fast\n"
-             "``in``: a set, a dict or its keys view), found by reading every slot's state once and looking up the key of\n"
-             "each READY slot in keys: the cost follows the READY slots, not the number of keys.");
+             "slot_ready_among(table, keys) -> list[str] | None\n\nThe keys with a READY slot that are in keys (any sized container\n"
+             "with a fast ``in``: a set, a dict or its keys view), found by reading every slot's state once and looking up the\n"
+             "key of each READY slot in keys: the cost follows the READY slots, not the number of keys. None when more than 64\n"
+             "slots and more than half as many slots as keys are READY (then probe per key with slot_present).");
 
 /* Keys of READY slots that ``keys`` contains. Every slot's state is read once (about a microsecond for the default
  * table); a READY slot's key is decoded and looked up in ``keys``. A hint as slot_present's is: a slot claimed or
- * reused meanwhile may give a key that is gone, or bytes that are no key (skipped). */
+ * reused meanwhile may give a key that is gone, or bytes that are no key (skipped). Py_None (a new reference) when
+ * more slots are READY than half the keys (a consumer far behind its producers): a lookup per READY slot would then
+ * cost more than slot_present's probe per key, which the caller uses instead. */
 static PyObject *
 native_slot_ready_among(PyObject *self, PyObject *args)
 {
@@ -1294,8 +1300,22 @@ native_slot_ready_among(PyObject *self, PyObject *args)
     table_t t;
     if (!PyArg_ParseTuple(args, "OO:slot_ready_among", &obj, &keys))
         return NULL;
+    Py_ssize_t nkeys = PyObject_Size(keys);
+    if (nkeys < 0)
+        return NULL;
     if (table_open(obj, &t) < 0)
         return NULL;
+    Py_ssize_t nready = 0;
+    for (uint32_t c = 0; c < t.nclasses; c++) {
+        if (!class_live(&t, c))
+            continue;
+        for (uint64_t j = 0; j < t.cls[c].n; j++)
+            nready += (__atomic_load_n(slot_state(class_slot(&t, c, j)), __ATOMIC_ACQUIRE) & 0xFF) == S_READY;
+    }
+    if (nready > READY_AMONG_MAX_READY && nready > nkeys / 2) {
+        PyBuffer_Release(&t.view);
+        Py_RETURN_NONE;
+    }
     PyObject *out = PyList_New(0);
     for (uint32_t c = 0; out != NULL && c < t.nclasses; c++) {
         if (!class_live(&t, c))
