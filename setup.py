@@ -2,8 +2,13 @@
 
 Metadata lives in pyproject.toml; this file only declares the extension. It is optional:
 when it cannot be compiled the install still succeeds and ``omni_plugins.wire`` uses its
-pure-Python header path (``omni_plugins.wire.IMPLEMENTATION == "python"``).
+pure-Python header path (``omni_plugins.wire.IMPLEMENTATION == "python"``). With
+``OMNI_REQUIRE_NATIVE=1`` (the project's own set-up, which installs a compiler) a failed build
+fails the install instead, so a source that no longer compiles is not hidden by an in-place
+build left from before.
 """
+
+import os
 
 from setuptools import Extension, setup
 
@@ -13,7 +18,7 @@ setup(
             "omni_plugins.wire._native",
             ["omni_plugins/wire/_native.c"],
             extra_compile_args=["-O2", "-fvisibility=hidden"],
-            optional=True,
+            optional=os.environ.get("OMNI_REQUIRE_NATIVE") != "1",
         )
     ]
 )

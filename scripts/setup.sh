@@ -109,6 +109,8 @@ install_core_shm() {
 
 install_all() {
   apt_packages
+  # a compiler is installed now: a C accelerator that does not compile fails the install (see setup.py)
+  export OMNI_REQUIRE_NATIVE=1
   venv
   say "installing omni-plugins, every plugin and the dev tools"
   pip_install "$TORCH_PIN" -e "$ROOT[dev,plot,docs,metrics]" -e "$ROOT/plugins/shm" -e "$ROOT/plugins/redis" -e "$ROOT/plugins/mooncake[cpu]" \
