@@ -15,7 +15,8 @@ def add_parser(sub: Any) -> None:
         help="benchmark connectors against raw baselines and the runtime against the connector alone, in the same run",
         description="Producer and consumer in separate processes, each with its own connections. Sections: 'sizes' (every "
         "backend against its plugin's raw baseline, 4KiB to 256MiB), 'load' (the runtime's hand-off latency and delivered "
-        "throughput under rising load, against the connector alone under the same traffic), 'scaling' (the runtime's CPU "
+        "throughput under rising load, against the connector alone and a hand-off floor under the same traffic), 'scaling' "
+        "(the runtime's CPU "
         "per chunk and memory per in-flight request, 16 to 1024 streams), 'topology' (fan-out and fan-in against a chain), "
         "'peer' (vLLM-Omni's own connector and runtime, "
         "in its integration venv). Every target is checked and written to the JSON. A backend's private server (e.g. "
