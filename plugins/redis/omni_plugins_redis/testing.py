@@ -626,6 +626,23 @@ class RedisSentinelGroup:
             raise RuntimeError(f"the Sentinels did not replace primary {old.port} within {timeout}s")
         return found
 
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        """Wait until every running data node replicates the current primary and every Sentinel knows the others.
+
+        After a failover that brought a killed primary back as a replica, its resync and the Sentinels'
+        reconfiguration take a while; a test starting before then would find a replica short (a put with
+        ``min_replica_acks`` fails for want of it).
+        """
+
+        def whole() -> bool | None:
+            with contextlib.suppress(RuntimeError):
+                primary = self.current_primary()
+                return (self._replicating(primary) and all(self._sentinel_sees_all(s) for s in self.sentinels)) or None
+            return None
+
+        if not poll(whole, timeout, POLL_S):
+            raise RuntimeError(f"the Sentinel group of {self.service_name!r} did not come back together within {timeout}s")
+
     def _replicating(self, primary: RedisServer) -> bool:
         for node in self.data_nodes:
             if node is primary or node.process is None or node.process.poll() is not None:

@@ -175,6 +175,25 @@ def _check_ttls(nodes: list[RedisServer], config: dict[str, Any], unread: str) -
         assert conn.cleanup(unread) is True
 
 
+def _wait_no_keys_or_expiring(group: RedisSentinelGroup, pattern: str) -> None:
+    """Without ``min_replica_acks`` a failover can lose a put's manifest or a get's final delete while their parts
+    or claim list reached the promoted node: nothing can find those keys any more, and each carries its expiry
+    (``ttl_seconds``, the claim's TTL), so they go by themselves. Any other key left is a leak. The expiring ones
+    are removed so the next test starts clean."""
+    deadline = time.monotonic() + 10
+    while (left := group.keys(pattern)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not left:
+        return
+    client = group.current_primary().client()
+    try:
+        forever = [k for k in left if client.pttl(k) == -1]
+        assert forever == [], f"keys left behind without an expiry: {forever[:10]}"
+        client.delete(*left)
+    finally:
+        client.close()
+
+
 def _wait_no_keys(topology: RedisCluster | RedisSentinelGroup, pattern: str) -> None:
     """No key of the stream on any node (replicas apply the last deletes asynchronously: bounded wait)."""
     deadline = time.monotonic() + 10
@@ -288,6 +307,7 @@ def _sentinel_failover(group: RedisSentinelGroup, config: dict[str, Any], track:
         group.wait_failover(old)
         old.start()  # the Sentinels turn it into a replica of the new primary
         track(old)
+        group.wait_healthy()  # resynced: the group is whole again for the rest of the stream and the next test
 
     return _stream(config, keys, failover, kill_after=PAYLOADS // 3)
 
@@ -304,10 +324,11 @@ def test_sentinel_primary_killed_mid_stream(
     _check(stream, acks=acks, record=record_property)
     if acks:
         _check_ttls(sentinel_group.data_nodes, config, stream.unread)
+        _wait_no_keys(sentinel_group, prefix + "*")
     else:  # without min_replica_acks it may not have survived the failover: just remove it
         with create_connector("redis", config) as conn:
             conn.cleanup(stream.unread)
-    _wait_no_keys(sentinel_group, prefix + "*")
+        _wait_no_keys_or_expiring(sentinel_group, prefix + "*")
 
 
 @pytest.fixture(scope="module")
@@ -348,6 +369,7 @@ def test_sentinel_switchover_with_the_old_primary_alive(sentinel_group: RedisSen
     config = sentinel_group.connector_config(
         key_prefix=prefix, min_replica_acks=SENTINEL_REPLICAS, replica_ack_timeout=ACK_TIMEOUT, **RESILIENT
     )
+    sentinel_group.wait_healthy()  # every replica back from an earlier test's failover: both must ack each put
     blocked: list[Any] = []
     with create_connector("redis", config) as writer, create_connector("redis", config) as reader:
         for i in range(4):  # several pooled connections to the current primary
