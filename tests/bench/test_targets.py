@@ -24,29 +24,17 @@ def test_nothing_measured_is_neither_met_nor_missed() -> None:
     assert t.measured is None and t.met is None
 
 
+def _floored(bound: float, values: list[tuple[str, float]], floors: dict[str, float]) -> Any:
+    return check(section="s", subject="x", description="d", op=">=", bound=bound, values=values, floors=floors)
+
+
 def test_a_floor_that_misses_the_bound_marks_the_target_out_of_reach() -> None:
-    t = check(
-        section="s",
-        subject="x",
-        description="d",
-        op=">=",
-        bound=0.9,
-        values=[("64KiB", 0.3), ("1MiB", 0.5)],
-        floors={"64KiB": 0.6, "1MiB": 0.95},
-    )
+    t = _floored(0.9, [("64KiB", 0.3), ("1MiB", 0.5)], {"64KiB": 0.6, "1MiB": 0.95})
     assert t.met is False and t.at == "64KiB" and t.floor == 0.6 and t.reachable is False
-    t = check(section="s", subject="x", description="d", op=">=", bound=0.9, values=[("1MiB", 0.5)], floors={"1MiB": 0.95})
+    t = _floored(0.9, [("1MiB", 0.5)], {"1MiB": 0.95})
     assert t.floor == 0.95 and t.reachable is True
     # a met target is reachable, even where a floor misses the bound (that floor bounds nothing there)
-    t = check(
-        section="s",
-        subject="x",
-        description="d",
-        op=">=",
-        bound=0.8,
-        values=[("16MiB", 2.2), ("256MiB", 2.5)],
-        floors={"16MiB": 1.0, "256MiB": 0.2},
-    )
+    t = _floored(0.8, [("16MiB", 2.2), ("256MiB", 2.5)], {"16MiB": 1.0, "256MiB": 0.2})
     assert t.met is True and t.reachable is True
 
 
