@@ -164,9 +164,14 @@ def test_stage_exception_is_reported_with_its_message(tmp_path: Path) -> None:
     path = tiny_pipeline(tmp_path, extra=f"{{namespace: bad, shm_dir: {tmp_path / 'missing'}}}")
     report = run_pipeline(path, RunOptions(requests=1, progress=False))
     assert not report.ok and report.completed == 0
-    assert len(report.deaths) == 2
-    for stage, death in zip((0, 1), sorted(report.deaths), strict=True):
-        assert f"stage {stage} rank 0" in death and "exit code 1 (ConfigError" in death and "is not a directory" in death
+    # both stages fail creating the connector; the first death stops the run, and a stage that reads the stop
+    # before it gets that far ends cleanly: one death or two, each with its stage and the error's message
+    assert 1 <= len(report.deaths) <= 2
+    stages = set()
+    for death in report.deaths:
+        assert "exit code 1 (ConfigError" in death and "is not a directory" in death
+        stages |= {s for s in (0, 1) if f"stage {s} rank 0" in death}
+    assert len(stages) == len(report.deaths)
 
 
 def test_exit_reasons() -> None:
