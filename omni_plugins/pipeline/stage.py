@@ -35,6 +35,7 @@ from omni_plugins.pipeline.kvsynth import check_kv, paged_cache
 from omni_plugins.pipeline.pipes import Inbox, Outbox
 from omni_plugins.pipeline.spec import PipelinePlan, StagePlan, build_plan
 from omni_plugins.pipeline.stats import EdgeStats
+from omni_plugins.ports import LOOPBACK
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ class StageRunner:
         os.environ["LOCAL_RANK"] = str(self.rank)
         assert self.launch.dist_port is not None
         # the launcher serves the group's store (bound before the ranks started): every rank joins it as a client
-        store = dist.TCPStore("127.0.0.1", self.launch.dist_port, None, False, timeout=timedelta(seconds=120))
+        store = dist.TCPStore(LOOPBACK, self.launch.dist_port, None, False, timeout=timedelta(seconds=120))
         dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.me.stage.tp_size, timeout=timedelta(seconds=120))
         return TorchDistributedGroup()
 

@@ -357,16 +357,9 @@ class Receiver:
                 try:
                     keys = pending.keys() if as_set else list(pending)
                     ready = self._wait(keys, min(self._wait_bound, max(next_sweep - now, 0.0)), now)
-                except Exception as exc:  # a backend failure: keep going (deadlines still fire), log at most once a second
+                except Exception as exc:  # a backend failure: keep going (deadlines still fire)
                     self.stats["errors"] += 1
-                    if now - self._last_error_log > 1.0:
-                        self._last_error_log = now
-                        logger.warning(
-                            "wait_any failed (retrying until the requests time out): %s: %s",
-                            type(exc).__name__,
-                            exc,
-                            exc_info=logger.isEnabledFor(logging.INFO),
-                        )
+                    self._log_failure("wait_any", exc, "retrying until the requests time out")
                     self._stop.wait(t.poll_max_s)
                     continue
                 if not ready:
@@ -462,7 +455,7 @@ class Receiver:
             return _ABSENT
         except Exception as exc:
             self.stats["errors"] += 1
-            self._log_failed_get(key, exc, "retrying until the request times out")
+            self._log_failure(f"get of {key}", exc, "retrying until the request times out")
             return _ABSENT
         if result is None:
             return _ABSENT
@@ -476,14 +469,12 @@ class Receiver:
             observer.delivered(result.size, finished=False)
         return result.data
 
-    def _log_failed_get(self, key: str, exc: Exception, what_now: str) -> None:
-        """One warning per second at most (the traceback too when logging at INFO)."""
+    def _log_failure(self, what: str, exc: Exception, what_now: str) -> None:
+        """``what failed (what_now): error``, one warning per second at most (the traceback too when logging at INFO)."""
         now = time.monotonic()
         if now - self._last_error_log > 1.0:
             self._last_error_log = now
-            logger.warning(
-                "get of %s failed (%s): %s: %s", key, what_now, type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.INFO)
-            )
+            logger.warning("%s failed (%s): %s: %s", what, what_now, type(exc).__name__, exc, exc_info=logger.isEnabledFor(logging.INFO))
 
     def _transient(self, key: str, exc: TransientConnectorError) -> None:
         """A get failed for a passing reason (the reader ran short of descriptors or memory) and left the payload in place.
@@ -497,7 +488,7 @@ class Receiver:
         """
         self.stats["errors"] += 1
         self.stats["transient"] += 1
-        self._log_failed_get(key, exc, "the payload is kept; retrying with backoff until the request times out")
+        self._log_failure(f"get of {key}", exc, "the payload is kept; retrying with backoff until the request times out")
         self._shortage.sleep(self._stop.wait)
 
     def _fail_taken(self, state: InputState, index: int) -> KeysToFree:

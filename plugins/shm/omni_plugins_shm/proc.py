@@ -11,7 +11,7 @@ import os
 import secrets
 from typing import NamedTuple
 
-from omni_plugins_shm.shortage import SHORTAGE_ERRNOS
+from omni_plugins_shm.shortage import is_shortage
 
 
 class CurrentPid:
@@ -54,7 +54,7 @@ def running_start_time(pid: int) -> int | None:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             raw = fh.read()
     except OSError as exc:
-        if exc.errno in SHORTAGE_ERRNOS:
+        if is_shortage(exc):
             raise
         return None
     tail = raw[raw.rfind(b")") + 2 :].split()

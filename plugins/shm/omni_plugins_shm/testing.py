@@ -116,6 +116,11 @@ def payload_matches(data: object, seed: int, nbytes: int) -> bool:
     )
 
 
+def result_status(res: object, seed: int, nbytes: int) -> str:
+    """``"missing"`` (a get returned None), ``"ok"`` (its data is ``make_payload(seed, nbytes)``'s) or ``"mismatch"``."""
+    return "missing" if res is None else ("ok" if payload_matches(res.data, seed, nbytes) else "mismatch")  # type: ignore[attr-defined]
+
+
 def producer_worker(config: dict[str, object], items: list[tuple[str, int, int]], ready: object = None, hold: object = None) -> None:
     """Put ``(key, seed, nbytes)`` items; then signal ``ready`` (a queue) and wait on ``hold`` (an event) before closing."""
     from omni_plugins import create_connector
@@ -157,7 +162,7 @@ def consumer_worker(config: dict[str, object], items: list[tuple[str, int, int]]
     with create_connector("shm", config) as conn:
         for key, seed, nbytes in items:
             res = conn.get(0, 1, key, timeout=timeout)
-            results.append((key, "missing" if res is None else ("ok" if payload_matches(res.data, seed, nbytes) else "mismatch")))
+            results.append((key, result_status(res, seed, nbytes)))
     out.put(results)  # type: ignore[attr-defined]
 
 
@@ -175,7 +180,7 @@ def pipeline_consumer_worker(
                 won.append(key)
         for key, seed, nbytes in items:
             res = conn.get(0, 1, key, timeout=timeout)
-            results.append((key, "missing" if res is None else ("ok" if payload_matches(res.data, seed, nbytes) else "mismatch")))
+            results.append((key, result_status(res, seed, nbytes)))
             del res
     out.put({"won": won, "items": results})  # type: ignore[attr-defined]
 
@@ -270,16 +275,23 @@ def slot_crash_worker(config: dict[str, object], key: str, stage: str, ready: ob
 # -- running short of file descriptors (real RLIMIT_NOFILE in a child process) ----------------------------
 
 
+def lower_descriptor_limit(headroom: int) -> tuple[int, int]:
+    """Lower this process's soft ``RLIMIT_NOFILE`` to ``headroom`` above the highest descriptor open; the old limits."""
+    import resource
+
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(n) for n in os.listdir("/proc/self/fd"))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top + headroom, old[1]))
+    return old
+
+
 def fill_descriptors() -> tuple[list[int], tuple[int, int]]:
     """Put this process at its descriptor limit: lower the soft ``RLIMIT_NOFILE`` to just above the highest
     descriptor open and open ``/dev/null`` until ``EMFILE``. Returns the fillers and the old limits for
     :func:`free_descriptors`. Fault injection for tests, in a child process of their own."""
     import errno
-    import resource
 
-    old = resource.getrlimit(resource.RLIMIT_NOFILE)
-    top = max(int(n) for n in os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 8, old[1]))
+    old = lower_descriptor_limit(8)
     fillers = []
     while True:
         try:
@@ -318,26 +330,23 @@ def fd_starved_consumer_worker(config: dict[str, object], items: list[tuple[str,
 
     (warm, warm_seed, warm_n), (cached, cached_seed, cached_n), (fresh, fresh_seed, fresh_n) = items
 
-    def status(res: object, seed: int, nbytes: int) -> str:
-        return "missing" if res is None else ("ok" if payload_matches(res.data, seed, nbytes) else "mismatch")  # type: ignore[attr-defined]
-
     with create_connector("shm", config) as conn:
-        pipe.send(status(conn.get(0, 1, warm, timeout=60), warm_seed, warm_n))  # type: ignore[attr-defined]
+        pipe.send(result_status(conn.get(0, 1, warm, timeout=60), warm_seed, warm_n))  # type: ignore[attr-defined]
         assert pipe.recv() == "go"  # type: ignore[attr-defined]
         fillers, old = fill_descriptors()
         report: dict[str, object] = {}
         try:
-            report["cached"] = status(conn.get(0, 1, cached), cached_seed, cached_n)
+            report["cached"] = result_status(conn.get(0, 1, cached), cached_seed, cached_n)
         except Exception as exc:
             report["cached"] = _outcome(exc)
         try:
-            report["fresh"] = status(conn.get(0, 1, fresh, timeout=5), fresh_seed, fresh_n)
+            report["fresh"] = result_status(conn.get(0, 1, fresh, timeout=5), fresh_seed, fresh_n)
         except Exception as exc:
             report["fresh"] = _outcome(exc)
         pipe.send(report)  # type: ignore[attr-defined]
         assert pipe.recv() == "free"  # type: ignore[attr-defined]
         free_descriptors(fillers, old)
-        pipe.send(status(conn.get(0, 1, fresh, timeout=5), fresh_seed, fresh_n))  # type: ignore[attr-defined]
+        pipe.send(result_status(conn.get(0, 1, fresh, timeout=5), fresh_seed, fresh_n))  # type: ignore[attr-defined]
 
 
 def last_chunk(seed: int, nbytes: int) -> dict[str, object]:
@@ -433,9 +442,7 @@ def low_limit_views_worker(config: dict[str, object], items: list[tuple[str, int
 
     from omni_plugins import create_connector
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    top = max(int(n) for n in os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (top + headroom, hard))
+    old = lower_descriptor_limit(headroom)
     held, statuses = [], []
     with create_connector("shm", config) as conn:
         for key, _, _ in items:
@@ -450,7 +457,7 @@ def low_limit_views_worker(config: dict[str, object], items: list[tuple[str, int
         intact = len(held) == len(items) and all(payload_matches(r.data, seed, nbytes) for r, (_, seed, nbytes) in zip(held, items, strict=True))
         del held, res
         pipe.send(intact)  # type: ignore[attr-defined]
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, old)
 
 
 def descriptor_mappings_worker(config: dict[str, object], items: list[tuple[str, int, int]], fresh: tuple[str, int, int], pipe: object) -> None:
@@ -468,26 +475,24 @@ def descriptor_mappings_worker(config: dict[str, object], items: list[tuple[str,
 
     files._native_map = None
     files.MAPPING_HOLDS_FD = mapcache.MAPPING_HOLDS_FD = connector_module.MAPPING_HOLDS_FD = True
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    top = max(int(n) for n in os.listdir("/proc/self/fd"))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (top + 64, hard))
+    old = lower_descriptor_limit(64)
     report: dict[str, object] = {"cap": mapcache.descriptor_cap()}
     with create_connector("shm", config) as conn:
         statuses = []
         for key, seed, nbytes in items:
             res = conn.get(0, 1, key, timeout=30)
-            statuses.append("missing" if res is None else ("ok" if payload_matches(res.data, seed, nbytes) else "mismatch"))
+            statuses.append(result_status(res, seed, nbytes))
             del res
         report["statuses"] = statuses
         report["cached"] = conn.health()["cached_mappings"]
-        fillers, old = fill_descriptors()
+        fillers, fill_old = fill_descriptors()
         try:
             res = conn.get(0, 1, fresh[0], timeout=5)
-            report["fresh"] = "missing" if res is None else ("ok" if payload_matches(res.data, fresh[1], fresh[2]) else "mismatch")
+            report["fresh"] = result_status(res, fresh[1], fresh[2])
             del res
         except Exception as exc:
             report["fresh"] = _outcome(exc)
         report["cached_after"] = conn.health()["cached_mappings"]
-        free_descriptors(fillers, old)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        free_descriptors(fillers, fill_old)
+    resource.setrlimit(resource.RLIMIT_NOFILE, old)
     pipe.send(report)  # type: ignore[attr-defined]

@@ -1279,6 +1279,27 @@ native_slot_files(PyObject *self, PyObject *args)
     return PyLong_FromUnsignedLongLong(now);
 }
 
+/* The READY slots of every live class, each slot's state read once, into ready[0..cap): their count, or -1 when
+ * more than cap are READY (the caller then looks another way). */
+static Py_ssize_t
+collect_ready(table_t *t, char **ready, Py_ssize_t cap)
+{
+    Py_ssize_t n = 0;
+    for (uint32_t c = 0; c < t->nclasses; c++) {
+        if (!class_live(t, c))
+            continue;
+        for (uint64_t j = 0; j < t->cls[c].n; j++) {
+            char *s = class_slot(t, c, j);
+            if ((__atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE) & 0xFF) != S_READY)
+                continue;
+            if (n == cap)
+                return -1;
+            ready[n++] = s;
+        }
+    }
+    return n;
+}
+
 /* slot_ready_among hands the look back (None) above this many READY slots when they also outnumber half the keys */
 #define READY_AMONG_MAX_READY 64
 
@@ -1289,7 +1310,7 @@ PyDoc_STRVAR(slot_ready_among_doc,
              "slots and more than half as many slots as keys are READY (then probe per key with slot_present).");
 
 /* Keys of READY slots that ``keys`` contains. Every slot's state is read once (about a microsecond for the default
- * table); a READY slot's key is decoded and looked up in ``keys``. A hint as slot_present's is: a slot claimed or
+ * table: collect_ready); a READY slot's key is decoded and looked up in ``keys``. A hint as slot_present's is: a slot claimed or
  * reused meanwhile may give a key that is gone, or bytes that are no key (skipped). Py_None (a new reference) when
  * more slots are READY than half the keys (a consumer far behind its producers): a lookup per READY slot would then
  * cost more than slot_present's probe per key, which the caller uses instead. */
@@ -1305,45 +1326,42 @@ native_slot_ready_among(PyObject *self, PyObject *args)
         return NULL;
     if (table_open(obj, &t) < 0)
         return NULL;
-    Py_ssize_t nready = 0;
-    for (uint32_t c = 0; c < t.nclasses; c++) {
-        if (!class_live(&t, c))
-            continue;
-        for (uint64_t j = 0; j < t.cls[c].n; j++)
-            nready += (__atomic_load_n(slot_state(class_slot(&t, c, j)), __ATOMIC_ACQUIRE) & 0xFF) == S_READY;
+    Py_ssize_t cap = nkeys / 2 > READY_AMONG_MAX_READY ? nkeys / 2 : READY_AMONG_MAX_READY, nslots = 0;
+    for (uint32_t c = 0; c < t.nclasses; c++)
+        nslots += (Py_ssize_t)t.cls[c].n;
+    if (cap > nslots)
+        cap = nslots; /* no more can be READY */
+    char **ready = PyMem_Malloc((size_t)(cap > 0 ? cap : 1) * sizeof(char *));
+    if (ready == NULL) {
+        PyBuffer_Release(&t.view);
+        return PyErr_NoMemory();
     }
-    if (nready > READY_AMONG_MAX_READY && nready > nkeys / 2) {
+    Py_ssize_t nready = collect_ready(&t, ready, cap);
+    if (nready < 0) {
+        PyMem_Free(ready);
         PyBuffer_Release(&t.view);
         Py_RETURN_NONE;
     }
     PyObject *out = PyList_New(0);
-    for (uint32_t c = 0; out != NULL && c < t.nclasses; c++) {
-        if (!class_live(&t, c))
+    for (Py_ssize_t r = 0; out != NULL && r < nready; r++) {
+        char *s = ready[r];
+        uint32_t kn;
+        memcpy(&kn, s + SLOT_KEYLEN_OFF, 4);
+        if (kn == 0 || kn > SLOT_KEY_MAX)
             continue;
-        for (uint64_t j = 0; j < t.cls[c].n; j++) {
-            char *s = class_slot(&t, c, j);
-            if ((__atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE) & 0xFF) != S_READY)
-                continue;
-            uint32_t kn;
-            memcpy(&kn, s + SLOT_KEYLEN_OFF, 4);
-            if (kn == 0 || kn > SLOT_KEY_MAX)
-                continue;
-            PyObject *key = PyUnicode_DecodeUTF8(s + SLOT_KEY_OFF, (Py_ssize_t)kn, "strict");
-            if (key == NULL) { /* torn by a concurrent reuse: not a key anyone waits for */
-                PyErr_Clear();
-                continue;
-            }
-            int wanted = PySequence_Contains(keys, key);
-            if (wanted == 1)
-                wanted = PySequence_Contains(out, key) == 0 ? 1 : 0; /* once, even if two slots hold it */
-            if (wanted < 0 || (wanted == 1 && PyList_Append(out, key) < 0)) {
-                Py_DECREF(key);
-                Py_CLEAR(out);
-                break;
-            }
-            Py_DECREF(key);
+        PyObject *key = PyUnicode_DecodeUTF8(s + SLOT_KEY_OFF, (Py_ssize_t)kn, "strict");
+        if (key == NULL) { /* torn by a concurrent reuse: not a key anyone waits for */
+            PyErr_Clear();
+            continue;
         }
+        int wanted = PySequence_Contains(keys, key);
+        if (wanted == 1)
+            wanted = PySequence_Contains(out, key) == 0 ? 1 : 0; /* once, even if two slots hold it */
+        if (wanted < 0 || (wanted == 1 && PyList_Append(out, key) < 0))
+            Py_CLEAR(out);
+        Py_DECREF(key);
     }
+    PyMem_Free(ready);
     PyBuffer_Release(&t.view);
     return out;
 }
@@ -1367,20 +1385,11 @@ present_by_scan(table_t *t, PyObject *keys)
 {
     char *ready[PRESENT_SCAN_MAX_READY];
     uint64_t ready_hash[PRESENT_SCAN_MAX_READY];
-    int nready = 0;
-    for (uint32_t c = 0; c < t->nclasses; c++) {
-        if (!class_live(t, c))
-            continue;
-        for (uint64_t j = 0; j < t->cls[c].n; j++) {
-            char *s = class_slot(t, c, j);
-            if ((__atomic_load_n(slot_state(s), __ATOMIC_ACQUIRE) & 0xFF) != S_READY)
-                continue;
-            if (nready == PRESENT_SCAN_MAX_READY)
-                Py_RETURN_NONE;
-            ready[nready] = s;
-            memcpy(&ready_hash[nready++], s + SLOT_HASH_OFF, 8);
-        }
-    }
+    Py_ssize_t nready = collect_ready(t, ready, PRESENT_SCAN_MAX_READY);
+    if (nready < 0)
+        Py_RETURN_NONE;
+    for (Py_ssize_t j = 0; j < nready; j++)
+        memcpy(&ready_hash[j], ready[j] + SLOT_HASH_OFF, 8);
     PyObject *out = PyList_New(0);
     if (out == NULL || nready == 0)
         return out;
@@ -1395,7 +1404,7 @@ present_by_scan(table_t *t, PyObject *keys)
             continue;
         uint64_t h = fnv1a(k, n);
         int found = 0;
-        for (int j = 0; !found && j < nready; j++)
+        for (Py_ssize_t j = 0; !found && j < nready; j++)
             found = ready_hash[j] == h && slot_has_key(ready[j], h, k, n);
         if (found) {
             PyObject *idx = PyLong_FromSsize_t(i);
